@@ -1,0 +1,185 @@
+"""Plain-PyTorch references of SSMScan (see m2export/contract.py for the semantics).
+
+* :func:`ssm_scan_recurrent` - the oracle: token by token, float64 by default.
+* :func:`ssm_scan_chunked` - the chunked SSD algorithm every kernel and graph reproduces,
+  float32 internals, any ``seqlen`` (padded internally; padded steps neither decay nor add).
+* Stage references with the same names the cuTile kernels use: :func:`dt_transform`,
+  :func:`chunk_cumsum_ref`, :func:`chunk_state_ref`, :func:`state_passing_ref`,
+  :func:`chunk_scan_ref`.
+
+Source: Dao & Gu, "Transformers are SSMs" (arXiv:2405.21060), Sec. 6 and Listing 1; the stage
+split follows mamba_ssm/ops/triton/ssd_{chunk_state,state_passing,chunk_scan}.py.
+Imports only torch: usable on CPU CI and by the exporter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from m2export.contract import SSMScanAttrs, validate
+
+
+class SSMScanOutput(NamedTuple):
+    """y: (batch, seqlen, nheads, headdim) in x.dtype; final_state: (batch, nheads, headdim, d_state) fp32."""
+
+    y: torch.Tensor
+    final_state: torch.Tensor
+
+
+def softplus_stable(v: torch.Tensor) -> torch.Tensor:
+    """softplus with the large-input passthrough of torch/mamba_ssm: v if v > 20 else log1p(exp(v))."""
+    return torch.where(v > 20.0, v, torch.log1p(torch.exp(torch.clamp(v, max=20.0))))
+
+
+def dt_transform(dt: torch.Tensor, dt_bias: torch.Tensor | None, *, dt_softplus: bool = True,
+                 dt_limit: tuple[float, float] = (0.0, math.inf), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Step size Δ = clamp(softplus(dt + dt_bias), *dt_limit), computed in ``dtype``.
+
+    Args:
+        dt: (batch, seqlen, nheads), any float dtype. dt_bias: (nheads,) or None.
+    Returns:
+        (batch, seqlen, nheads) in ``dtype``.
+    """
+    v = dt.to(dtype)
+    if dt_bias is not None:
+        v = v + dt_bias.to(dtype)
+    if dt_softplus:
+        v = softplus_stable(v)
+    lo, hi = dt_limit
+    if lo > 0.0 or hi < math.inf:
+        v = torch.clamp(v, min=lo, max=hi)
+    return v
+
+
+def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(b, l, ngroups, n) -> (b, l, nheads, n), head h reading group h // (nheads // ngroups)."""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def ssm_scan_recurrent(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, dt_softplus: bool = True,
+                       dt_limit: tuple[float, float] = (0.0, math.inf),
+                       dtype: torch.dtype = torch.float64) -> SSMScanOutput:
+    """The oracle: SSMScan evaluated token by token in ``dtype`` (float64 by default).
+
+    Shapes as in :mod:`m2export.contract`. Returns y and final_state in ``dtype``.
+    Raises ContractError on arguments that break the contract.
+    """
+    p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=dtype)
+    xs, Bs, Cs = x.to(dtype), _expand_groups(B.to(dtype), p.nheads), _expand_groups(C.to(dtype), p.nheads)
+    Ad = A.to(dtype)
+    h = (initial_state.to(dtype).clone() if initial_state is not None
+         else torch.zeros(p.batch, p.nheads, p.headdim, p.d_state, dtype=dtype, device=x.device))
+    ys = []
+    for t in range(p.seqlen):
+        d = delta[:, t]  # (b, h)
+        decay = torch.exp(d * Ad)  # (b, h)
+        h = decay[:, :, None, None] * h + (d[:, :, None] * xs[:, t])[..., None] * Bs[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Cs[:, t]))
+    y = torch.stack(ys, dim=1) if ys else xs.new_zeros(xs.shape)
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * xs
+    return SSMScanOutput(y, h)
+
+
+# ---------------------------------------------------------------- chunked SSD, stage by stage
+def chunk_cumsum_ref(delta: torch.Tensor, A: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Within-chunk inclusive cumulative sum of dt*A.
+
+    Args:
+        delta: (batch, nchunks, chunk_size, nheads) fp32 step sizes (0 on padded steps).
+        A: (nheads,) fp32.
+    Returns:
+        dA_cumsum: (batch, nchunks, chunk_size, nheads) fp32, <= 0.
+    """
+    return torch.cumsum(delta * A.float(), dim=2)
+
+
+def chunk_state_ref(x, B, delta, dA_cumsum):
+    """State contributed by each chunk alone (zero state at chunk start).
+
+    Args: x (b, c, l, h, p) fp32; B (b, c, l, h, n) fp32 (groups expanded); delta, dA_cumsum (b, c, l, h) fp32.
+    Returns: states (b, c, h, p, n) fp32.
+    """
+    decay_to_end = torch.exp(torch.clamp(dA_cumsum[:, :, -1:, :] - dA_cumsum, max=0.0))  # (b, c, l, h)
+    return torch.einsum("bclhn,bclh,bclhp->bchpn", B, decay_to_end * delta, x)
+
+
+def state_passing_ref(states, dA_cumsum, initial_state):
+    """Carry the state across chunks.
+
+    Args: states (b, c, h, p, n) fp32; dA_cumsum (b, c, l, h); initial_state (b, h, p, n) fp32.
+    Returns: (prev_states (b, c, h, p, n): state entering each chunk, final_state (b, h, p, n)).
+    """
+    chunk_decay = torch.exp(dA_cumsum[:, :, -1, :])  # (b, c, h), total decay of each chunk
+    prev = []
+    s = initial_state
+    for c in range(states.shape[1]):
+        prev.append(s)
+        s = chunk_decay[:, c, :, None, None] * s + states[:, c]
+    return torch.stack(prev, dim=1), s
+
+
+def chunk_scan_ref(x, B, C, delta, dA_cumsum, prev_states):
+    """Output of each chunk: intra-chunk (C·Bᵀ masked decay) plus inter-chunk (C·state_in) terms.
+
+    Args: x (b, c, l, h, p); B, C (b, c, l, h, n); delta, dA_cumsum (b, c, l, h); prev_states (b, c, h, p, n); all fp32.
+    Returns: y (b, c, l, h, p) fp32, without the D skip.
+    """
+    L = x.shape[2]
+    seg = dA_cumsum[:, :, :, None, :] - dA_cumsum[:, :, None, :, :]  # (b, c, i, j, h) = cs_i - cs_j
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[None, None, :, :, None]
+    # mask before exp: exp(min(d, 0)) on the causal part, exactly 0 elsewhere (no inf*0).
+    decay = torch.where(causal, torch.exp(torch.clamp(seg, max=0.0)), torch.zeros((), device=x.device))
+    cb = torch.einsum("bcihn,bcjhn->bcijh", C, B)
+    y_diag = torch.einsum("bcijh,bcjh,bcjhp->bcihp", cb * decay, delta, x)
+    y_off = torch.einsum("bclhn,bchpn,bclh->bclhp", C, prev_states, torch.exp(dA_cumsum))
+    return y_diag + y_off
+
+
+def ssm_scan_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int = 256,
+                     dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf)) -> SSMScanOutput:
+    """Chunked SSD in plain PyTorch with float32 internals; the semantics of m2export::SSMScan v1.
+
+    Args:
+        x: (batch, seqlen, nheads, headdim), fp32/fp16/bf16.
+        dt: (batch, seqlen, nheads), dtype of x, raw (before dt_bias/softplus).
+        A: (nheads,) fp32, negative.  B, C: (batch, seqlen, ngroups, d_state), dtype of x.
+        D, dt_bias: (nheads,) fp32 or None.  initial_state: (batch, nheads, headdim, d_state) fp32 or None.
+        chunk_size: tokens per chunk (>= 1); seqlen need not be a multiple.
+    Returns:
+        SSMScanOutput(y in x.dtype, final_state fp32).
+    Raises:
+        ContractError: see :func:`m2export.contract.validate`.
+    Source:
+        arXiv:2405.21060 Listing 1 (ssd_minimal), with fp32 segment sums and masking before exp.
+    """
+    SSMScanAttrs(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_min=dt_limit[0], dt_max=dt_limit[1])
+    p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    f32 = torch.float32
+    delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # (b, l, h)
+    nchunks = max(1, -(-p.seqlen // chunk_size))
+    pad = nchunks * chunk_size - p.seqlen
+    xf = F.pad(x.to(f32), (0, 0, 0, 0, 0, pad))
+    Bf = F.pad(_expand_groups(B.to(f32), p.nheads), (0, 0, 0, 0, 0, pad))
+    Cf = F.pad(_expand_groups(C.to(f32), p.nheads), (0, 0, 0, 0, 0, pad))
+    delta = F.pad(delta, (0, 0, 0, pad))  # padded steps: delta = 0 -> no decay, no input
+
+    def chunks(t):
+        return t.reshape(p.batch, nchunks, chunk_size, *t.shape[2:])
+
+    xc, Bc, Cc, dc = chunks(xf), chunks(Bf), chunks(Cf), chunks(delta)
+    cs = chunk_cumsum_ref(dc, A, chunk_size)
+    states = chunk_state_ref(xc, Bc, dc, cs)
+    h0 = (initial_state.to(f32) if initial_state is not None
+          else torch.zeros(p.batch, p.nheads, p.headdim, p.d_state, dtype=f32, device=x.device))
+    prev_states, final_state = state_passing_ref(states, cs, h0)
+    y = chunk_scan_ref(xc, Bc, Cc, dc, cs, prev_states)
+    y = y.reshape(p.batch, nchunks * chunk_size, p.nheads, p.headdim)[:, : p.seqlen]
+    if D is not None:
+        y = y + D.to(f32)[:, None] * x.to(f32)
+    return SSMScanOutput(y.to(x.dtype), final_state)
