@@ -1,0 +1,231 @@
+"""Loading and saving Mamba-2 checkpoints in the two formats in the wild.
+
+* ``mamba_ssm``: state-spaces/mamba ``MambaLMHeadModel.save_pretrained`` — ``config.json`` with
+  ``d_model, n_layer, vocab_size, ssm_cfg{...}``; tensors ``backbone.embedding.weight``,
+  ``backbone.layers.N.{norm,mixer.*}``, ``backbone.norm_f.weight``, ``lm_head.weight``.
+* ``hf``: HF transformers ``Mamba2ForCausalLM`` — ``config.json`` of ``Mamba2Config``; tensors
+  ``backbone.embeddings.weight`` (plural), otherwise the same names.
+
+Weights come from ``model.safetensors`` (preferred), a sharded ``model.safetensors.index.json``,
+or ``pytorch_model.bin``. The format is detected from ``config.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from m2export.errors import CheckpointError, ConfigError
+from m2export.models.config import PRESETS, Mamba2Config
+from m2export.models.mamba2 import Mamba2LMHeadModel, init_weights_
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_HF_RENAME = {"backbone.embeddings.weight": "backbone.embedding.weight"}
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A loaded model with where it came from. ``sha256`` hashes config.json and every weight file."""
+
+    model: Mamba2LMHeadModel
+    config: Mamba2Config
+    format: str  # "mamba_ssm" | "hf"
+    path: Path
+    files: list[Path]
+    sha256: str
+
+
+def detect_format(cfg: dict) -> str:
+    """'mamba_ssm' if ``cfg`` has d_model/ssm_cfg, 'hf' if it has hidden_size/model_type mamba2."""
+    if "d_model" in cfg or "ssm_cfg" in cfg:
+        return "mamba_ssm"
+    if cfg.get("model_type") == "mamba2" or "hidden_size" in cfg:
+        return "hf"
+    raise ConfigError("config.json: cannot tell the checkpoint format: expected 'd_model'+'ssm_cfg' "
+                      "(mamba_ssm) or 'model_type': 'mamba2'/'hidden_size' (HF transformers)")
+
+
+def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path]]:
+    """(directory, weight files) for a checkpoint directory or a weight file path."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory",
+                              hint="pass a checkpoint directory (config.json + model.safetensors) or a weight file")
+    if p.is_file():
+        if p.name == "config.json":
+            p = p.parent
+        else:
+            if p.suffix not in (".safetensors", ".bin", ".pt", ".json"):
+                raise CheckpointError(f"{p}: not a checkpoint weight file (expected .safetensors, .bin or "
+                                      "a .safetensors.index.json)")
+            return p.parent, _index_files(p) if p.name.endswith(".index.json") else [p]
+    for name in WEIGHT_FILES:
+        f = p / name
+        if f.is_file():
+            return p, _index_files(f) if name.endswith(".index.json") else [f]
+    raise CheckpointError(f"{p}: no weights found; expected one of {list(WEIGHT_FILES)}")
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        wm = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: malformed safetensors index ({e})") from None
+    return [index.parent / f for f in sorted(set(wm.values()))]
+
+
+def _read_json(f: Path) -> dict:
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing (every checkpoint needs its config.json)")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{f}: malformed JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def read_config(path: str | os.PathLike) -> tuple[Mamba2Config, str]:
+    """(config, format) of a checkpoint directory or weight file path."""
+    d, _ = _resolve(path)
+    raw = _read_json(d / "config.json")
+    fmt = detect_format(raw)
+    src = str(d / "config.json")
+    try:
+        cfg = Mamba2Config.from_mamba_ssm_json(raw, src) if fmt == "mamba_ssm" else Mamba2Config.from_hf_json(raw, src)
+    except TypeError as e:  # a field of the wrong JSON type reaching the dataclass
+        raise ConfigError(f"{src}: {e}") from None
+    return cfg, fmt
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: weight file listed but missing")
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                part = load_file(str(f))
+            else:
+                part = torch.load(str(f), map_location="cpu", weights_only=True)
+        except Exception as e:  # safetensors/pickle raise many types on corrupt input
+            raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
+        out.update(part)
+    return out
+
+
+def _sha256(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for blk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(blk)
+    return h.hexdigest()
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> LoadedCheckpoint:
+    """Load a Mamba-2 checkpoint (directory or weight-file path), format auto-detected.
+
+    Args:
+        path: checkpoint directory, its config.json, or a weight file next to config.json.
+        dtype: cast the model to this dtype (default: keep fp32 parameters).
+    Returns:
+        LoadedCheckpoint with the model in eval mode.
+    Raises:
+        CheckpointError: missing/malformed file, missing/unexpected/mis-shaped tensor (named, with
+            expected and found shapes).
+        ConfigError: unsupported or malformed config field.
+    """
+    d, files = _resolve(path)
+    cfg, fmt = read_config(d)
+    sd = _read_tensors(files)
+    if fmt == "hf":
+        sd = {_HF_RENAME.get(k, k): v for k, v in sd.items()}
+    model = Mamba2LMHeadModel(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    where = ", ".join(str(f) for f in files)
+    missing = sorted(set(expected) - set(sd))
+    extra = sorted(set(sd) - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                              f"for a {fmt} Mamba-2 with n_layer={cfg.n_layer}")
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) {extra[:8]}{' ...' if len(extra) > 8 else ''} "
+                              f"(config.json says n_layer={cfg.n_layer}, {fmt} names)")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != tuple(shape):
+            raise CheckpointError(f"{where}: tensor {k!r} has shape {tuple(sd[k].shape)}, expected {tuple(shape)} "
+                                  "from config.json")
+        if not sd[k].is_floating_point():
+            raise CheckpointError(f"{where}: tensor {k!r} has dtype {sd[k].dtype}, expected a float dtype")
+    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    model.eval()
+    if dtype is not None:
+        model.to(dtype)
+    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]))
+
+
+def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, format: str = "mamba_ssm",
+                    dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors in ``format`` ('mamba_ssm' or 'hf'); returns the directory.
+
+    Written into a temporary sibling directory and renamed into place (no half-written checkpoint).
+    """
+    from safetensors.torch import save_file
+
+    if format not in ("mamba_ssm", "hf"):
+        raise ValueError(f"format must be 'mamba_ssm' or 'hf', got {format!r}")
+    out = Path(outdir)
+    cfg = model.cfg
+    sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone()
+          for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    if format == "hf":
+        sd = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v for k, v in sd.items()}
+        if cfg.tie_embeddings:
+            sd["lm_head.weight"] = sd["backbone.embeddings.weight"].clone()
+        conf = cfg.to_hf_json()
+    else:
+        conf = cfg.to_mamba_ssm_json()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, format: str = "mamba_ssm",
+                      seed: int = 0, dtype: torch.dtype | None = None, **overrides) -> Path:
+    """Write a randomly initialised checkpoint (mamba_ssm init, see :func:`init_weights_`).
+
+    Args:
+        preset: a key of :data:`m2export.models.config.PRESETS` (e.g. 'mamba2-130m'), or None to give
+            d_model/n_layer/vocab_size in ``overrides``.
+        overrides: any :class:`Mamba2Config` field.
+    """
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    fields = dict(PRESETS[preset]) if preset else {}
+    fields.update(overrides)
+    model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**fields)), seed=seed)
+    return save_checkpoint(model, outdir, format=format, dtype=dtype)

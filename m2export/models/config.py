@@ -1,0 +1,212 @@
+"""Mamba-2 language-model configuration, with readers for the two checkpoint formats.
+
+Field names follow mamba_ssm (``mamba_ssm/models/config_mamba.py`` and
+``mamba_ssm/modules/mamba2.py::Mamba2.__init__``). Every field m2export does not implement
+is rejected with :class:`~m2export.errors.ConfigError` rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from m2export.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """A Mamba-2 LM. Derived: ``d_inner = expand * d_model``, ``nheads = d_inner // headdim``,
+    ``conv_dim = d_inner + 2 * ngroups * d_state``, ``vocab_size_padded``."""
+
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 256
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    pad_vocab_size_multiple: int = 16
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    norm_epsilon: float = 1e-5
+    conv_bias: bool = True
+    bias: bool = False
+    rmsnorm: bool = True
+    norm_before_gate: bool = False
+
+    def __post_init__(self):
+        for f in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups",
+                  "chunk_size", "pad_vocab_size_multiple"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"config field {f!r}: expected a positive integer, got {v!r}")
+        if self.d_inner % self.headdim:
+            raise ConfigError(f"config: d_inner = expand*d_model = {self.d_inner} is not divisible by "
+                              f"headdim = {self.headdim}")
+        if self.nheads % self.ngroups:
+            raise ConfigError(f"config: nheads = {self.nheads} is not divisible by ngroups = {self.ngroups}")
+        lo, hi = self.dt_limit
+        if not (0.0 <= lo <= hi):
+            raise ConfigError(f"config field 'dt_limit': expected 0 <= min <= max, got {self.dt_limit}")
+        if not self.rmsnorm:
+            raise ConfigError("config field 'rmsnorm': only rmsnorm=True (gated RMSNorm) is supported")
+        if self.norm_before_gate:
+            raise ConfigError("config field 'norm_before_gate': only False (Mamba-2 default) is supported")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+
+    @property
+    def vocab_size_padded(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return -(-self.vocab_size // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dt_limit"] = [self.dt_limit[0], self.dt_limit[1] if math.isfinite(self.dt_limit[1]) else "inf"]
+        return d
+
+    # ------------------------------------------------------------------ mamba_ssm config.json
+    def to_mamba_ssm_json(self) -> dict[str, Any]:
+        """config.json in the state-spaces/mamba format (MambaConfig with ssm_cfg)."""
+        ssm_cfg = {"layer": "Mamba2", "d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
+                   "headdim": self.headdim, "ngroups": self.ngroups, "chunk_size": self.chunk_size,
+                   "rmsnorm": self.rmsnorm, "norm_before_gate": self.norm_before_gate,
+                   "conv_bias": self.conv_bias, "bias": self.bias}
+        if self.dt_limit != (0.0, math.inf):
+            ssm_cfg["dt_limit"] = list(self.dt_limit)
+        return {"d_model": self.d_model, "d_intermediate": 0, "n_layer": self.n_layer, "vocab_size": self.vocab_size,
+                "ssm_cfg": ssm_cfg, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+                "residual_in_fp32": self.residual_in_fp32, "fused_add_norm": True,
+                "pad_vocab_size_multiple": self.pad_vocab_size_multiple, "tie_embeddings": self.tie_embeddings}
+
+    @classmethod
+    def from_mamba_ssm_json(cls, cfg: dict[str, Any], source: str = "config.json") -> "Mamba2Config":
+        """Read a state-spaces/mamba ``config.json`` (every ssm_cfg field honoured or rejected).
+
+        Raises:
+            ConfigError: naming ``source`` and the offending field.
+        """
+        top_known = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
+                     "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple",
+                     "tie_embeddings", "norm_epsilon"}
+        _reject_unknown(cfg, top_known, source)
+        for req in ("d_model", "n_layer", "vocab_size"):
+            if req not in cfg:
+                raise ConfigError(f"{source}: missing required field {req!r}")
+        if cfg.get("d_intermediate", 0):
+            raise ConfigError(f"{source}: field 'd_intermediate'={cfg['d_intermediate']} (MLP blocks) is not "
+                              "supported; expected 0")
+        if cfg.get("attn_layer_idx"):
+            raise ConfigError(f"{source}: field 'attn_layer_idx'={cfg['attn_layer_idx']} (hybrid attention "
+                              "layers) is not supported; expected []")
+        if cfg.get("rms_norm", True) is not True:
+            raise ConfigError(f"{source}: field 'rms_norm'=False (LayerNorm) is not supported")
+        ssm = dict(cfg.get("ssm_cfg") or {})
+        layer = ssm.pop("layer", "Mamba1")
+        if layer != "Mamba2":
+            raise ConfigError(f"{source}: ssm_cfg.layer={layer!r} is not supported; expected 'Mamba2'")
+        ssm_known = {"d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_limit", "rmsnorm",
+                     "norm_before_gate", "conv_bias", "bias", "A_init_range", "dt_min", "dt_max", "dt_init_floor",
+                     "D_has_hdim", "d_ssm", "conv_init", "learnable_init_states", "activation"}
+        _reject_unknown(ssm, ssm_known, source + ": ssm_cfg")
+        if ssm.pop("D_has_hdim", False):
+            raise ConfigError(f"{source}: ssm_cfg.D_has_hdim=True is not supported")
+        if ssm.pop("learnable_init_states", False):
+            raise ConfigError(f"{source}: ssm_cfg.learnable_init_states=True is not supported")
+        if ssm.pop("activation", "swish") not in ("swish", "silu"):
+            raise ConfigError(f"{source}: ssm_cfg.activation must be 'swish'/'silu'")
+        d_ssm = ssm.pop("d_ssm", None)
+        for k in ("A_init_range", "dt_min", "dt_max", "dt_init_floor", "conv_init"):  # init-only fields
+            ssm.pop(k, None)
+        dt_limit = ssm.pop("dt_limit", (0.0, math.inf))
+        try:
+            dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        except (TypeError, ValueError, IndexError):
+            raise ConfigError(f"{source}: ssm_cfg.dt_limit: expected [min, max], got {dt_limit!r}") from None
+        conf = cls(d_model=cfg["d_model"], n_layer=cfg["n_layer"], vocab_size=cfg["vocab_size"], dt_limit=dt_limit,
+                   pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
+                   tie_embeddings=cfg.get("tie_embeddings", True),
+                   residual_in_fp32=cfg.get("residual_in_fp32", True),
+                   norm_epsilon=cfg.get("norm_epsilon", 1e-5), **ssm)
+        if d_ssm is not None and d_ssm != conf.d_inner:
+            raise ConfigError(f"{source}: ssm_cfg.d_ssm={d_ssm} != d_inner={conf.d_inner} (partial SSM with "
+                              "MLP channels) is not supported")
+        return conf
+
+    # ------------------------------------------------------------------ HF transformers Mamba2Config
+    def to_hf_json(self) -> dict[str, Any]:
+        """config.json in the HF transformers ``Mamba2Config`` format."""
+        return {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
+                "vocab_size": self.vocab_size_padded, "hidden_size": self.d_model, "state_size": self.d_state,
+                "num_hidden_layers": self.n_layer, "layer_norm_epsilon": self.norm_epsilon, "expand": self.expand,
+                "conv_kernel": self.d_conv, "n_groups": self.ngroups, "num_heads": self.nheads,
+                "head_dim": self.headdim, "use_bias": self.bias, "use_conv_bias": self.conv_bias,
+                "chunk_size": self.chunk_size, "residual_in_fp32": self.residual_in_fp32,
+                "tie_word_embeddings": self.tie_embeddings, "rms_norm": True, "norm_before_gate": False,
+                "time_step_limit": [self.dt_limit[0], self.dt_limit[1] if math.isfinite(self.dt_limit[1]) else
+                                    float("inf")], "hidden_act": "silu"}
+
+    @classmethod
+    def from_hf_json(cls, cfg: dict[str, Any], source: str = "config.json") -> "Mamba2Config":
+        """Read an HF transformers ``Mamba2Config`` dict.
+
+        Raises:
+            ConfigError: naming ``source`` and the offending field.
+        """
+        for req in ("hidden_size", "num_hidden_layers", "vocab_size"):
+            if req not in cfg:
+                raise ConfigError(f"{source}: missing required field {req!r}")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported; expected 'silu'")
+        if cfg.get("rms_norm", True) is not True:
+            raise ConfigError(f"{source}: rms_norm=False is not supported")
+        if cfg.get("norm_before_gate", False):
+            raise ConfigError(f"{source}: norm_before_gate=True is not supported")
+        limit = cfg.get("time_step_limit", (0.0, math.inf))
+        conf = cls(d_model=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
+                   d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=cfg.get("expand", 2),
+                   headdim=cfg.get("head_dim", 64), ngroups=cfg.get("n_groups", 1),
+                   chunk_size=cfg.get("chunk_size", 256), dt_limit=(float(limit[0]), float(limit[1])),
+                   pad_vocab_size_multiple=1, tie_embeddings=cfg.get("tie_word_embeddings", True),
+                   residual_in_fp32=cfg.get("residual_in_fp32", True),
+                   norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5), conv_bias=cfg.get("use_conv_bias", True),
+                   bias=cfg.get("use_bias", False))
+        if "num_heads" in cfg and cfg["num_heads"] != conf.nheads:
+            raise ConfigError(f"{source}: num_heads={cfg['num_heads']} but expand*hidden_size/head_dim = "
+                              f"{conf.nheads}")
+        return conf
+
+
+def _reject_unknown(d: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unsupported field(s) {unknown}; m2export understands {sorted(known)}")
+
+
+#: Shapes of the published mamba2 checkpoints (state-spaces/mamba2-*), for random-weight generation.
+PRESETS: dict[str, dict[str, Any]] = {
+    "mamba2-130m": dict(d_model=768, n_layer=24, vocab_size=50277),
+    "mamba2-370m": dict(d_model=1024, n_layer=48, vocab_size=50277),
+    "mamba2-780m": dict(d_model=1536, n_layer=48, vocab_size=50277),
+    "mamba2-1.3b": dict(d_model=2048, n_layer=48, vocab_size=50277),
+    "mamba2-2.7b": dict(d_model=2560, n_layer=64, vocab_size=50277),
+}
