@@ -1,0 +1,129 @@
+"""``m2export.json``: what an export (and later ``build``) wrote into OUTDIR.
+
+The manifest is the one source of truth about an output folder; ``check``, ``generate``,
+``inspect`` and ``build`` read it with :func:`read_manifest` and find graphs with
+:meth:`Manifest.graph`. Layout of OUTDIR::
+
+    m2export.json            this manifest
+    model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; plugin by default)
+    model.onnx.data ...      external data, only when a graph exceeds 2 GB
+    model.std.onnx  decode.std.onnx   the plugin-free flavour, when exported alongside (--ssm-impl both)
+    model.plan  decode.plan  TensorRT engines written by ``m2export build``
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from m2export.errors import ExportError
+from m2export.exporter.configs import MANIFEST_FILE
+from m2export.models.config import Mamba2Config
+
+MANIFEST_VERSION = 1
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class GraphEntry:
+    """One ONNX graph: ``role`` prefill|decode, ``ssm_impl`` plugin|onnx, ``file`` relative to OUTDIR,
+    ``inputs``/``outputs``: name -> {"dtype": str, "shape": [int | symbol]}."""
+
+    role: str
+    ssm_impl: str
+    file: str
+    inputs: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, Any]]
+    external_data: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineEntry:
+    """One TensorRT engine written by ``m2export build``."""
+
+    role: str
+    file: str
+    onnx_file: str
+    tensorrt_version: str
+    gpu: str
+    compute_capability: str
+    plugin_mode: str  # jit | aot
+    profiles: list[dict[str, Any]]
+    precision: str
+
+
+@dataclass
+class Manifest:
+    source_checkpoint: str
+    checkpoint_format: str
+    checkpoint_sha256: str
+    config: dict[str, Any]
+    dtype: str  # fp32 | fp16 | bf16
+    opset: int
+    graphs: list[GraphEntry]
+    tool_versions: dict[str, str]
+    engines: list[EngineEntry] = field(default_factory=list)
+    manifest_version: int = MANIFEST_VERSION
+
+    def model_config(self) -> Mamba2Config:
+        c = dict(self.config)
+        lo, hi = c["dt_limit"]
+        c["dt_limit"] = (float(lo), float(hi))
+        return Mamba2Config(**c)
+
+    def graph(self, role: str, ssm_impl: str | None = None) -> GraphEntry:
+        """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx / decode.onnx)."""
+        for g in self.graphs:
+            if g.role == role and (ssm_impl is None or g.ssm_impl == ssm_impl):
+                return g
+        have = [(g.role, g.ssm_impl) for g in self.graphs]
+        raise ExportError(f"{MANIFEST_FILE}: no {role} graph" + (f" with ssm_impl={ssm_impl}" if ssm_impl else "")
+                          + f"; the export has {have}",
+                          hint="re-export with --ssm-impl both to get both flavours")
+
+    def ssm_impls(self) -> list[str]:
+        return sorted({g.ssm_impl for g in self.graphs})
+
+    def engine(self, role: str) -> EngineEntry | None:
+        return next((e for e in self.engines if e.role == role), None)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        d = dict(d)
+        d["graphs"] = [GraphEntry(**g) for g in d.get("graphs", [])]
+        d["engines"] = [EngineEntry(**e) for e in d.get("engines", [])]
+        return cls(**d)
+
+
+def read_manifest(outdir: str | Path) -> Manifest:
+    """Read OUTDIR/m2export.json.
+
+    Raises:
+        ExportError: OUTDIR or the manifest is missing or malformed (named, with a hint to run export).
+    """
+    d = Path(outdir)
+    if not d.is_dir():
+        raise ExportError(f"{d}: not a directory", hint="pass the OUTDIR written by 'm2export export'")
+    f = d / MANIFEST_FILE
+    if not f.is_file():
+        raise ExportError(f"{f}: missing; {d} is not an m2export output folder",
+                          hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
+    try:
+        return Manifest.from_dict(json.loads(f.read_text()))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ExportError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
+                          hint="re-export with 'm2export export ... --force'") from None
+
+
+def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:
+    """Write OUTDIR/m2export.json atomically (temp file + rename)."""
+    f = Path(outdir) / MANIFEST_FILE
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(manifest.to_json())
+    tmp.replace(f)
+    return f

@@ -1,0 +1,60 @@
+"""Shared test helpers: a named error metric and problem generators drawn from the contract."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from m2export.contract import SSMScanProblem
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def rel_l2(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are 0)."""
+    r, o = ref.double(), out.double()
+    den = r.norm().item()
+    return (o - r).norm().item() / den if den > 0 else (o - r).norm().item()
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, *, rel: float, atol: float | None = None) -> None:
+    """Fail unless ``out`` matches ``ref``: same shape, no NaN/inf, rel-L2 error <= rel, max-abs <= atol (if given).
+
+    The message starts with ``name`` and gives both metrics. Never downgraded to a warning.
+    """
+    assert tuple(out.shape) == tuple(ref.shape), f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    bad = (~torch.isfinite(out.double())).sum().item()
+    assert bad == 0, f"{name}: {bad} non-finite values (NaN-poisoned element never written, or overflow)"
+    err = rel_l2(ref, out)
+    maxabs = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    msg = f"{name}: rel-L2 {err:.3e} (bound {rel:.1e}), max-abs {maxabs:.3e}" + (
+        f" (bound {atol:.1e})" if atol is not None else "")
+    assert err <= rel, msg
+    if atol is not None:
+        assert maxabs <= atol, msg
+
+
+def make_inputs(p: SSMScanProblem, *, seed: int, device="cpu", init_state: bool = True, dt_scale: float = 1.0,
+                A_range: tuple[float, float] = (0.5, 8.0)) -> dict[str, torch.Tensor]:
+    """Fresh random SSMScan inputs for problem ``p`` (names and shapes from the contract).
+
+    dt is raw (pre-softplus); A = -U[A_range]; initial_state present when ``init_state``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    dt_ = TORCH_DTYPES[p.dtype]
+
+    def rnd(shape, scale=1.0):
+        return (torch.randn(shape, generator=g) * scale)
+
+    out = {
+        "x": rnd(p.shape_of("x")).to(dt_),
+        "dt": (rnd(p.shape_of("dt")) * dt_scale - 1.0).to(dt_),
+        "A": -(torch.rand(p.nheads, generator=g) * (A_range[1] - A_range[0]) + A_range[0]),
+        "B": rnd(p.shape_of("B"), 1 / math.sqrt(p.d_state)).to(dt_),
+        "C": rnd(p.shape_of("C"), 1 / math.sqrt(p.d_state)).to(dt_),
+        "D": rnd((p.nheads,)),
+        "dt_bias": rnd((p.nheads,), 0.5),
+        "initial_state": rnd(p.shape_of("initial_state")) if init_state else None,
+    }
+    return {k: (v.to(device) if v is not None else None) for k, v in out.items()}
