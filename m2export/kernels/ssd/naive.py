@@ -106,7 +106,7 @@ def chunk_state_ref(x, B, delta, dA_cumsum):
     Returns: states (b, c, h, p, n) fp32.
     """
     decay_to_end = torch.exp(torch.clamp(dA_cumsum[:, :, -1:, :] - dA_cumsum, max=0.0))  # (b, c, l, h)
-    return torch.einsum("bclhn,bclh,bclhp->bchpn", B, decay_to_end * delta, x)
+    return torch.einsum("bclhn,bclhp->bchpn", B, (decay_to_end * delta)[..., None] * x)
 
 
 def state_passing_ref(states, dA_cumsum, initial_state):
@@ -136,8 +136,8 @@ def chunk_scan_ref(x, B, C, delta, dA_cumsum, prev_states):
     # mask before exp: exp(min(d, 0)) on the causal part, exactly 0 elsewhere (no inf*0).
     decay = torch.where(causal, torch.exp(torch.clamp(seg, max=0.0)), torch.zeros((), device=x.device))
     cb = torch.einsum("bcihn,bcjhn->bcijh", C, B)
-    y_diag = torch.einsum("bcijh,bcjh,bcjhp->bcihp", cb * decay, delta, x)
-    y_off = torch.einsum("bclhn,bchpn,bclh->bclhp", C, prev_states, torch.exp(dA_cumsum))
+    y_diag = torch.einsum("bcijh,bcjhp->bcihp", cb * decay, delta[..., None] * x)
+    y_off = torch.einsum("bclhn,bchpn->bclhp", C * torch.exp(dA_cumsum)[..., None], prev_states)
     return y_diag + y_off
 
 
