@@ -1,0 +1,129 @@
+"""Checkpoint loading: both formats round-trip; each malformed input raises a named error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from m2export.errors import CheckpointError, ConfigError
+from m2export.models.checkpoint import load_checkpoint, random_checkpoint, read_config
+
+TINY = dict(d_model=64, n_layer=2, vocab_size=100, d_state=16, headdim=16, ngroups=2, chunk_size=8,
+            dt_limit=(0.001, 0.5))
+
+
+@pytest.mark.parametrize("fmt", ["mamba_ssm", "hf"])
+def test_roundtrip(tmp_path, fmt):
+    path = random_checkpoint(tmp_path / fmt, format=fmt, seed=0, **TINY)
+    ck = load_checkpoint(path)
+    assert ck.format == fmt
+    assert ck.config.ngroups == 2 and ck.config.dt_limit == (0.001, 0.5) and ck.config.chunk_size == 8
+    again = load_checkpoint(path / "model.safetensors")  # a weight-file path works too
+    ids = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(ck.model(ids).logits, again.model(ids).logits)
+    assert ck.sha256 == again.sha256 and len(ck.sha256) == 64
+
+
+def test_formats_give_same_model(tmp_path):
+    a = load_checkpoint(random_checkpoint(tmp_path / "a", format="mamba_ssm", seed=5, **TINY)).model
+    b = load_checkpoint(random_checkpoint(tmp_path / "b", format="hf", seed=5, **TINY)).model
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_pytorch_model_bin(tmp_path):
+    path = random_checkpoint(tmp_path / "c", seed=1, **TINY)
+    sd = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    torch.save(sd, path / "pytorch_model.bin")
+    assert load_checkpoint(path).config.n_layer == 2
+
+
+def _ckpt(tmp_path):
+    return random_checkpoint(tmp_path / "ck", seed=2, **TINY)
+
+
+def test_missing_tensor(tmp_path):
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    del sd["backbone.layers.1.mixer.A_log"]
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['backbone.layers.1.mixer.A_log'\]"):
+        load_checkpoint(path)
+
+
+def test_extra_tensor(tmp_path):
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["backbone.layers.2.mixer.D"] = torch.ones(8)
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*backbone.layers.2.mixer.D"):
+        load_checkpoint(path)
+
+
+def test_misshaped_tensor(tmp_path):
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["backbone.layers.0.mixer.dt_bias"] = torch.ones(5)
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'backbone.layers.0.mixer.dt_bias' has shape \(5,\), expected \(8,\)"):
+        load_checkpoint(path)
+
+
+def test_malformed_json(tmp_path):
+    path = _ckpt(tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json: malformed JSON"):
+        load_checkpoint(path)
+
+
+def test_unknown_layer_type(tmp_path):
+    path = _ckpt(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["ssm_cfg"]["layer"] = "Mamba1"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"ssm_cfg.layer='Mamba1' is not supported"):
+        load_checkpoint(path)
+
+
+def test_unknown_ssm_cfg_field_is_rejected_not_ignored(tmp_path):
+    path = _ckpt(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["ssm_cfg"]["mystery"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"unsupported field\(s\) \['mystery'\]"):
+        read_config(path)
+
+
+def test_every_ssm_cfg_field_is_honoured(tmp_path):
+    path = _ckpt(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["ssm_cfg"].update(d_state=8, headdim=8, ngroups=4, chunk_size=32, expand=1, d_conv=3, dt_limit=[0.01, 0.2])
+    (path / "config.json").write_text(json.dumps(cfg))
+    c, fmt = read_config(path)
+    assert (c.d_state, c.headdim, c.ngroups, c.chunk_size, c.expand, c.d_conv, c.dt_limit) == \
+        (8, 8, 4, 32, 1, 3, (0.01, 0.2))
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no weights found"):
+        load_checkpoint(tmp_path / "empty")
+    path = _ckpt(tmp_path)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        load_checkpoint(path)
+
+
+def test_corrupt_weights(tmp_path):
+    path = _ckpt(tmp_path)
+    (path / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(CheckpointError, match="cannot read tensors"):
+        load_checkpoint(path)

@@ -1,0 +1,45 @@
+"""The SSMScan contract module: specs, shape/dtype rules, attribute round trip, validation messages."""
+
+import math
+
+import pytest
+
+from m2export import contract
+from m2export.contract import SSMScanAttrs, SSMScanProblem
+from m2export.errors import ContractError
+
+
+def test_input_and_output_order_follow_mamba_chunk_scan_combined():
+    assert contract.INPUT_NAMES == ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
+    assert contract.OUTPUT_NAMES == ("y", "final_state")
+    assert [a.name for a in contract.ATTRIBUTES] == ["chunk_size", "dt_softplus", "dt_min", "dt_max"]
+
+
+@pytest.mark.parametrize("dims", [(1, 1, 4, 8, 1, 16), (3, 77, 24, 64, 1, 128), (2, 9, 16, 32, 4, 64)])
+def test_shape_rule_matches_problem(dims):
+    p = SSMScanProblem(*dims, dtype="bfloat16")
+    y, fs = contract.output_shapes(p.shape_of("x"), p.shape_of("B"))
+    assert y == p.shape_of("y") and fs == p.shape_of("final_state")
+    assert contract.output_dtypes("bfloat16") == ("bfloat16", "float32")
+
+
+def test_dtype_combinations_cover_each_float_dtype_once():
+    combos = contract.input_dtype_combinations()
+    assert [c["x"] for c in combos] == list(contract.FLOAT_DTYPES)
+    for c in combos:
+        assert c["dt"] == c["B"] == c["C"] == c["y"] == c["x"]
+        assert c["A"] == c["D"] == c["dt_bias"] == c["initial_state"] == c["final_state"] == "float32"
+
+
+def test_attrs_roundtrip_and_errors():
+    a = SSMScanAttrs(chunk_size=64, dt_softplus=True, dt_min=0.001, dt_max=math.inf)
+    assert SSMScanAttrs.from_onnx_attributes({**a.onnx_attributes(), "plugin_namespace": "m2export"}) == a
+    with pytest.raises(ContractError, match="unknown attribute"):
+        SSMScanAttrs.from_onnx_attributes({"chunk": 3})
+    with pytest.raises(ContractError, match="chunk_size"):
+        SSMScanAttrs(chunk_size=0)
+
+
+def test_problem_rejects_ungroupable_heads():
+    with pytest.raises(ContractError, match="nheads=6, ngroups=4"):
+        SSMScanProblem(1, 1, 6, 8, 4, 16)
