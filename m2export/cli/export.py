@@ -1,0 +1,51 @@
+"""``m2export export``: a Mamba-2 checkpoint -> ONNX prefill/decode graphs + m2export.json."""
+
+from __future__ import annotations
+
+HELP = "export a checkpoint to ONNX (prefill + decode graphs, SSMScan plugin node or standard ops)"
+DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) to ONNX:
+
+  OUTDIR/model.onnx     prefill graph: input_ids [batch_size, sequence_length] + past states -> logits + present states
+  OUTDIR/decode.onnx    decode graph: the same with sequence_length fixed to 1
+  OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, ssm-impl, input/output names and shapes, versions
+  OUTDIR/*.std.onnx     the standard-op flavour as well, with --ssm-impl both
+
+Both graphs take every layer's past_conv_state.{i} / past_ssm_state.{i} (zeros start a fresh sequence)
+and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float32 whatever --dtype.
+
+--ssm-impl plugin (default): one m2export::SSMScan node per layer carrying plugin_namespace/plugin_version
+  (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
+  (ONNX Runtime runs it as is). --ssm-impl onnx: standard ONNX ops only (no custom domain, no CumSum).
+
+examples:
+  m2export export /ckpt/mamba2-130m -o /tmp/m2-130m
+  m2export export /ckpt/mamba2-130m -o /tmp/m2-130m-fp16 --dtype fp16 --ssm-impl both --force
+"""
+
+
+def add_arguments(p):
+    g = p.add_argument_group("Required arguments")
+    g.add_argument("checkpoint", help="checkpoint directory (config.json + weights) or weight file")
+    g.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="output folder (must be empty or new)")
+    g = p.add_argument_group("Optional arguments")
+    g.add_argument("--ssm-impl", choices=["plugin", "onnx", "both"], default="plugin",
+                   help="SSMScan as a custom-op node with a local function (plugin), standard ops (onnx), or both "
+                        "(default: %(default)s)")
+    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="weights and activations; scan internals and ssm states stay fp32 (default: %(default)s)")
+    g.add_argument("--opset", type=int, default=None, help="default-domain ONNX opset (default: 18)")
+    g.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR")
+    g.add_argument("--no-check", action="store_true", help="skip onnx.checker full check of the written graphs")
+
+
+def run(args) -> int:
+    import logging
+
+    from m2export.exporter import export_model
+
+    m = export_model(args.checkpoint, args.output, ssm_impl=args.ssm_impl, dtype=args.dtype, opset=args.opset,
+                     force=args.force, check=not args.no_check, progress=not args.quiet)
+    files = ", ".join(g.file for g in m.graphs)
+    logging.getLogger("m2export").info("wrote %s: %s, m2export.json (dtype %s, opset %d)", args.output, files,
+                                       m.dtype, m.opset)
+    return 0

@@ -1,0 +1,337 @@
+"""SSMScan in the exported graph: the torch custom op, its ONNX translation and its ONNX function body.
+
+* :data:`ssm_scan` is ``torch.ops.m2export.ssm_scan``, a ``torch.library.custom_op`` whose eager
+  implementation is :func:`m2export.kernels.ssd.naive.ssm_scan_chunked` and whose fake (meta)
+  implementation applies :func:`m2export.contract.output_shapes` / ``output_dtypes``. torch.export keeps
+  it as one opaque call.
+* :func:`translate_ssm_scan` (for ``torch.onnx.export(custom_translation_table=...)``) lowers that call to
+  ONE node ``m2export::SSMScan`` (opset version 1) with the contract's inputs, attributes from
+  :meth:`SSMScanAttrs.onnx_attributes` and ``plugin_namespace``/``plugin_version``, so TensorRT picks the
+  registered plugin.
+* :func:`ssm_scan_function_proto` is the model-local ONNX function of the same name and domain: the
+  chunked SSD (arXiv:2405.21060, Sec. 6, Listing 1) in standard ONNX ops, so ONNX Runtime (and any
+  runtime without the plugin) runs the plugin flavour. Its attributes are *referenced* inside the body
+  (``Constant(value_int=@chunk_size)`` etc.), so one function serves every node, whatever attribute
+  values each layer carries. Inlining it (``--ssm-impl onnx``) gives the plugin-free graph.
+
+Design of the body (every step in float32, Cast islands at entry/exit for fp16/bf16 graphs):
+
+1. ``delta = clamp(where(v > 20, v, log(1 + exp(min(v, 20)))), dt_min, dt_max)``, ``v = dt + dt_bias``
+   (ONNX ``Softplus`` has no large-input passthrough and overflows in fp16).
+2. Chunk length ``Q = min(chunk_size, seqlen)`` (evaluation order only, see the contract), ``seqlen``
+   padded to ``nchunks * Q`` with ``delta = 0`` on padded steps (they neither decay nor add).
+3. Within-chunk cumulative sum of ``delta * A`` as a MatMul with a lower-triangular 0/1 matrix built
+   from ``Range`` (no ``CumSum`` node at all: TensorRT#4551, #4513).
+4. Intra-chunk output ``(C Bᵀ ∘ exp(min(cs_i - cs_j, 0)) masked to j <= i) · (delta ∘ x)``.
+5. Chunk states ``xᵀ · (exp(cs_last - cs) delta ∘ B)``.
+6. State passing in closed form: with the initial state as chunk -1, the state entering chunk c is
+   ``sum_{m <= c} exp(sum_{k=m}^{c-1} T_k) S_m`` (``T_k`` the total log-decay of chunk k). The exponent
+   is a masked sum (one MatMul with a 0/1 tensor, no difference of long cumulative sums, so no
+   cancellation on long sequences), then one masked ``exp`` and one MatMul over chunks: no Loop/Scan.
+7. ``y = intra + exp(cs) ∘ (C · state_in) + D x``, cast back to the dtype of ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from m2export import contract
+from m2export.contract import SSMScanAttrs
+from m2export.kernels.ssd.naive import ssm_scan_chunked
+
+#: the torch custom op (namespace::name) that stands for SSMScan during export
+TORCH_OP = "m2export::ssm_scan"
+PLUGIN_ATTRIBUTES = {"plugin_namespace": contract.PLUGIN_NAMESPACE, "plugin_version": contract.PLUGIN_VERSION}
+
+
+# --------------------------------------------------------------------------- torch custom op
+@torch.library.custom_op(TORCH_OP, mutates_args=())
+def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, dt_bias: torch.Tensor, initial_state: torch.Tensor, chunk_size: int,
+             dt_softplus: bool, dt_min: float, dt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSMScan with all eight inputs present (see m2export.contract); eager impl = chunked reference."""
+    y, final_state = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
+                                      dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+    return y, final_state
+
+
+@ssm_scan.register_fake
+def _ssm_scan_fake(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size, dt_softplus, dt_min, dt_max):
+    y_shape, s_shape = contract.output_shapes(x.shape, B.shape)
+    return x.new_empty(y_shape), x.new_empty(s_shape, dtype=torch.float32)
+
+
+def ssm_scan_fn(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int,
+                dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf)):
+    """A ``Mamba2Mixer.scan_fn`` that calls the custom op (absent optional inputs materialised as zeros)."""
+    nheads = x.shape[2]
+    if D is None:
+        D = x.new_zeros(nheads, dtype=torch.float32)
+    if dt_bias is None:
+        dt_bias = x.new_zeros(nheads, dtype=torch.float32)
+    if initial_state is None:
+        initial_state = x.new_zeros((x.shape[0], nheads, x.shape[3], B.shape[3]), dtype=torch.float32)
+    attrs = SSMScanAttrs(chunk_size=int(chunk_size), dt_softplus=bool(dt_softplus),
+                         dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]))
+    return torch.ops.m2export.ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, attrs.chunk_size,
+                                       attrs.dt_softplus, attrs.dt_min, attrs.dt_max)
+
+
+# --------------------------------------------------------------------------- ONNX translation
+_ONNX_ATTR_TYPES = {"int": onnx.defs.OpSchema.AttrType.INT, "float": onnx.defs.OpSchema.AttrType.FLOAT,
+                    "string": onnx.defs.OpSchema.AttrType.STRING}
+_PROTO_ATTR_TYPES = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
+                     "string": onnx.AttributeProto.STRING}
+
+
+def onnx_op_schema() -> onnx.defs.OpSchema:
+    """An (unregistered) OpSchema of m2export::SSMScan v1, built from the contract.
+
+    Used only to let the torch exporter's onnxscript tracer emit the node; never registered globally.
+    """
+    S = onnx.defs.OpSchema
+    tx = "T"
+
+    def param(spec):
+        return S.FormalParameter(spec.name, tx if spec.dtype == "x" else "tensor(float)", spec.doc)
+
+    attrs = [S.Attribute(a.name, _ONNX_ATTR_TYPES[a.type], a.doc, required=False) for a in contract.ATTRIBUTES]
+    attrs += [S.Attribute(k, S.AttrType.STRING, "TensorRT plugin selection", required=False) for k in PLUGIN_ATTRIBUTES]
+    return S(contract.OP_NAME, contract.OP_DOMAIN, contract.OP_VERSION,
+             "Chunked selective scan of one Mamba-2 layer (m2export/contract.py)",
+             inputs=[param(s) for s in contract.INPUTS], outputs=[param(s) for s in contract.OUTPUTS],
+             type_constraints=[(tx, [f"tensor({d.replace('float32', 'float')})" for d in contract.FLOAT_DTYPES],
+                                "dtype of x, dt, B, C and y")],
+             attributes=attrs)
+
+
+_SSM_OP = None
+
+
+def _onnxscript_op():
+    global _SSM_OP
+    if _SSM_OP is None:
+        import onnxscript
+        from onnxscript._internal.values import Op
+
+        _SSM_OP = Op(onnxscript.values.Opset(contract.OP_DOMAIN, contract.OP_VERSION), contract.OP_NAME,
+                     onnx_op_schema())
+    return _SSM_OP
+
+
+def translate_ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size: int, dt_softplus: bool,
+                       dt_min: float, dt_max: float):
+    """custom_translation_table entry: torch.ops.m2export.ssm_scan -> one m2export::SSMScan node."""
+    attrs = SSMScanAttrs(chunk_size=int(chunk_size), dt_softplus=bool(dt_softplus), dt_min=float(dt_min),
+                         dt_max=float(dt_max)).onnx_attributes()
+    return _onnxscript_op()(x, dt, A, B, C, D, dt_bias, initial_state, **attrs, **PLUGIN_ATTRIBUTES)
+
+
+def custom_translation_table() -> dict:
+    return {torch.ops.m2export.ssm_scan.default: translate_ssm_scan}
+
+
+# --------------------------------------------------------------------------- ONNX function body
+class _Body:
+    """Tiny node builder: ``b.op("Add", a, c)`` appends a node and returns its output name."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self._n = 0
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+        outs = []
+        for _ in range(outputs):
+            self._n += 1
+            outs.append(f"_{op_type.lower()}{self._n}")
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def ref_constant(self, kind: str, attr: str) -> str:
+        """Scalar Constant whose value is the calling node's attribute ``attr`` (an attribute reference)."""
+        self._n += 1
+        out = f"_attr_{attr}"
+        node = helper.make_node("Constant", [], [out])
+        kind_type = _PROTO_ATTR_TYPES["int" if kind == "value_int" else "float"]
+        node.attribute.append(helper.make_attribute_ref(kind, kind_type, ref_attr_name=attr))
+        self.nodes.append(node)
+        return out
+
+    def const(self, value, dtype=np.int64) -> str:
+        self._n += 1
+        out = f"_const{self._n}"
+        self.nodes.append(helper.make_node("Constant", [], [out], value=onnx.numpy_helper.from_array(
+            np.asarray(value, dtype=dtype), name=out)))
+        return out
+
+
+def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    b = _Body()
+    F = TensorProto.FLOAT
+    x, dt, A, B, C, D, dt_bias, h0 = contract.INPUT_NAMES
+    y_out, final_out = contract.OUTPUT_NAMES
+    i1 = lambda v: b.const([v])  # noqa: E731  1-D int64
+    zero_f, one_f, twenty = b.const(0.0, np.float32), b.const(1.0, np.float32), b.const(20.0, np.float32)
+
+    xf, dtf, Bf, Cf = (b.op("Cast", t, to=F) for t in (x, dt, B, C))
+    Af, Df, dtbf, h0f = (b.op("Cast", t, to=F) for t in (A, D, dt_bias, h0))
+    # sizes (1-D int64 of length 1)
+    bsz, L, h, p = (b.op("Shape", x, start=k, end=k + 1) for k in range(4))
+    g, n = b.op("Shape", B, start=2, end=3), b.op("Shape", B, start=3, end=4)
+    hpg = b.op("Div", h, g)
+
+    # 1. step size delta = clamp(softplus(dt + dt_bias)) in fp32                       (b, L, h)
+    v = b.op("Add", dtf, dtbf)
+    sp = b.op("Where", b.op("Greater", v, twenty), v,
+              b.op("Log", b.op("Add", b.op("Exp", b.op("Min", v, twenty)), one_f)))
+    use_sp = b.op("Cast", b.ref_constant("value_int", "dt_softplus"), to=TensorProto.BOOL)
+    v = b.op("Where", use_sp, sp, v)
+    dmin, dmax = b.ref_constant("value_float", "dt_min"), b.ref_constant("value_float", "dt_max")
+    # the reference clamps only when a limit is set (matters only for dt_softplus=0 with dt + dt_bias < 0)
+    limited = b.op("Or", b.op("Greater", dmin, zero_f), b.op("Less", dmax, b.const(np.inf, np.float32)))
+    delta = b.op("Where", limited, b.op("Min", b.op("Max", v, dmin), dmax), v)
+
+    # 2. chunking: Q = max(1, min(chunk_size, L)), nc = max(1, ceil(L / Q)), pad = nc*Q - L
+    one = i1(1)
+    Q = b.op("Max", b.op("Min", b.op("Reshape", b.ref_constant("value_int", "chunk_size"), one), L), one)
+    nc = b.op("Max", b.op("Div", b.op("Sub", b.op("Add", L, Q), one), Q), one)
+    Lp = b.op("Mul", nc, Q)
+    pad = b.op("Sub", Lp, L)
+    z1 = i1(0)
+
+    def pad_seq(t, rank):  # pad axis 1 at the end with zeros
+        pads = b.op("Concat", *([z1] * rank), *([z1] * 1), pad, *([z1] * (rank - 2)), axis=0)
+        return b.op("Pad", t, pads)
+
+    xc = b.op("Transpose", b.op("Reshape", pad_seq(xf, 4), b.op("Concat", bsz, nc, Q, g, hpg, p, axis=0)),
+              perm=[0, 1, 3, 4, 2, 5])  # (b, nc, g, hpg, Q, p)
+    dc = b.op("Transpose", b.op("Reshape", pad_seq(delta, 3), b.op("Concat", bsz, nc, Q, g, hpg, axis=0)),
+              perm=[0, 1, 3, 4, 2])  # (b, nc, g, hpg, Q)
+
+    def chunk_bc(t):  # (b, L, g, n) -> (b, nc, g, 1, Q, n)
+        r = b.op("Reshape", pad_seq(t, 4), b.op("Concat", bsz, nc, Q, g, n, axis=0))
+        return b.op("Unsqueeze", b.op("Transpose", r, perm=[0, 1, 3, 2, 4]), i1(3))
+
+    Bc, Cc = chunk_bc(Bf), chunk_bc(Cf)
+    A3 = b.op("Reshape", Af, b.op("Concat", g, hpg, one, axis=0))  # (g, hpg, 1)
+
+    # 3. within-chunk inclusive cumsum of delta*A as a MatMul with U[j, i] = (j <= i)
+    Qs = b.op("Squeeze", Q, b.const([0]))
+    r = b.op("Range", b.const(0), Qs, b.const(1))
+    r_col, r_row = b.op("Unsqueeze", r, i1(1)), b.op("Unsqueeze", r, i1(0))
+    causal = b.op("GreaterOrEqual", r_col, r_row)  # [i, j] = i >= j
+    upper = b.op("Cast", b.op("LessOrEqual", r_col, r_row), to=F)  # [j, i] = j <= i
+    dA = b.op("Mul", dc, A3)  # (b, nc, g, hpg, Q)
+    cs = b.op("MatMul", dA, upper)  # cs_i = sum_{j <= i} dA_j
+
+    # 4. intra-chunk output
+    seg = b.op("Sub", b.op("Unsqueeze", cs, i1(-1)), b.op("Unsqueeze", cs, i1(-2)))  # [i, j] = cs_i - cs_j
+    decay = b.op("Where", causal, b.op("Exp", b.op("Min", seg, zero_f)), zero_f)  # mask before exp use
+    CB = b.op("MatMul", Cc, b.op("Transpose", Bc, perm=[0, 1, 2, 3, 5, 4]))  # (b, nc, g, 1, Q, Q)
+    M = b.op("Mul", b.op("Mul", CB, decay), b.op("Unsqueeze", dc, i1(-2)))  # (b, nc, g, hpg, Q, Q)
+    y_diag = b.op("MatMul", M, xc)  # (b, nc, g, hpg, Q, p)
+
+    # 5. chunk states (zero state at chunk start)
+    cs_last = b.op("Slice", cs, i1(-1), i1(np.iinfo(np.int64).max), i1(-1))  # (b, nc, g, hpg, 1)
+    w = b.op("Mul", b.op("Exp", b.op("Min", b.op("Sub", cs_last, cs), zero_f)), dc)  # (b, nc, g, hpg, Q)
+    xw = b.op("Mul", xc, b.op("Unsqueeze", w, i1(-1)))
+    states = b.op("MatMul", b.op("Transpose", xw, perm=[0, 1, 2, 3, 5, 4]), Bc)  # (b, nc, g, hpg, p, n)
+
+    # 6. state passing over chunks in closed form; index m = 0 is the initial state, m = c + 1 chunk c
+    T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (b, g, hpg, nc)
+    ncs = b.op("Squeeze", nc, b.const([0]))
+    kk = b.op("Range", b.const(0), ncs, b.const(1))  # k = 0..nc-1
+    mm = b.op("Range", b.const(0), b.op("Add", ncs, b.const(1)), b.const(1))  # c, m = 0..nc
+    c3 = b.op("Unsqueeze", mm, b.const([1, 2]))  # (nc+1, 1, 1)
+    m3 = b.op("Unsqueeze", mm, b.const([0, 2]))  # (1, nc+1, 1)
+    k3 = b.op("Unsqueeze", kk, b.const([0, 1]))  # (1, 1, nc)
+    sel = b.op("Cast", b.op("And", b.op("LessOrEqual", m3, k3), b.op("Less", k3, c3)), to=F)  # [c, m, k]
+    nc1 = b.op("Add", nc, one)
+    sel2 = b.op("Reshape", sel, b.op("Concat", b.op("Mul", nc1, nc1), nc, axis=0))  # ((nc+1)^2, nc)
+    seg_c = b.op("MatMul", T, b.op("Transpose", sel2, perm=[1, 0]))  # (b, g, hpg, (nc+1)^2)
+    seg_c = b.op("Reshape", seg_c, b.op("Concat", bsz, g, hpg, nc1, nc1, axis=0))  # [c, m] = sum_{m<=k<c} T_k
+    lower_c = b.op("LessOrEqual", b.op("Unsqueeze", mm, i1(0)), b.op("Unsqueeze", mm, i1(1)))  # [c, m]: m <= c
+    Wc = b.op("Where", lower_c, b.op("Exp", b.op("Min", seg_c, zero_f)), zero_f)  # (b, g, hpg, nc+1, nc+1)
+    pn = b.op("Mul", p, n)
+    st = b.op("Reshape", b.op("Transpose", states, perm=[0, 2, 3, 1, 4, 5]),
+              b.op("Concat", bsz, g, hpg, nc, pn, axis=0))  # (b, g, hpg, nc, p*n)
+    s0 = b.op("Reshape", h0f, b.op("Concat", bsz, g, hpg, one, pn, axis=0))  # (b, g, hpg, 1, p*n)
+    S = b.op("MatMul", Wc, b.op("Concat", s0, st, axis=3))  # (b, g, hpg, nc+1, p*n): state entering chunk c
+    b.nodes.append(helper.make_node("Reshape", [b.op("Slice", S, nc, nc1, b.const([3])),
+                                                b.op("Concat", bsz, h, p, n, axis=0)], [final_out]))
+    prev = b.op("Reshape", b.op("Slice", S, b.const([0]), nc, b.const([3])),
+                b.op("Concat", bsz, g, hpg, nc, p, n, axis=0))
+    prev = b.op("Transpose", prev, perm=[0, 3, 1, 2, 5, 4])  # (b, nc, g, hpg, n, p)
+
+    # 7. inter-chunk output, skip term, back to the dtype of x
+    y_off = b.op("Mul", b.op("MatMul", Cc, prev), b.op("Unsqueeze", b.op("Exp", cs), i1(-1)))
+    yc = b.op("Add", y_diag, y_off)  # (b, nc, g, hpg, Q, p)
+    yl = b.op("Reshape", b.op("Transpose", yc, perm=[0, 1, 4, 2, 3, 5]), b.op("Concat", bsz, Lp, h, p, axis=0))
+    yl = b.op("Slice", yl, b.const([0]), L, i1(1))
+    yl = b.op("Add", yl, b.op("Mul", xf, b.op("Unsqueeze", Df, i1(1))))
+    b.nodes.append(helper.make_node("CastLike", [yl, x], [y_out]))
+    return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
+
+
+def ssm_scan_function_proto(opset: int = 18) -> onnx.FunctionProto:
+    """Model-local function ``m2export::SSMScan``: the reference semantics in standard ONNX ops (opset ``opset``).
+
+    Attributes (with defaults from the contract) are referenced in the body, so nodes with different
+    attribute values share this one function. ``plugin_namespace``/``plugin_version`` are declared (and
+    unused) so the calling node's attributes all match declared ones.
+    """
+    nodes, inputs, outputs = _build_body()
+    defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
+                for a in contract.ATTRIBUTES]
+    defaults += [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
+    fn = helper.make_function(contract.OP_DOMAIN, contract.OP_NAME, list(inputs), list(outputs), nodes,
+                              [helper.make_opsetid("", opset)], attribute_protos=defaults,
+                              doc_string="m2export::SSMScan v1 reference semantics (chunked SSD, fp32 internals); "
+                                         "see m2export/contract.py")
+    return fn
+
+
+def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "float32", opset: int = 18,
+                        inline: bool = False) -> onnx.ModelProto:
+    """A model of independent SSMScan nodes (one per entry of ``attrs_per_node``) sharing the graph inputs.
+
+    Inputs: the contract's names (symbolic dims); outputs ``y.{k}``, ``final_state.{k}`` per node.
+    For testing the function body, and the sharing of one function by nodes with different attributes.
+    ``inline`` returns the plugin-free (function-inlined) form.
+    """
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype("float32")) if dtype == "float32" else \
+        {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
+    ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
+           for s in contract.INPUTS]
+    nodes, outs = [], []
+    for k, a in enumerate(attrs_per_node):
+        names = [f"{o}.{k}" for o in contract.OUTPUT_NAMES]
+        nodes.append(helper.make_node(contract.OP_NAME, list(contract.INPUT_NAMES), names, name=f"ssm_scan.{k}",
+                                      domain=contract.OP_DOMAIN, **a.onnx_attributes(), **PLUGIN_ATTRIBUTES))
+        outs += [helper.make_tensor_value_info(names[0], elem, list(contract.OUTPUTS[0].dims)),
+                 helper.make_tensor_value_info(names[1], TensorProto.FLOAT, list(contract.OUTPUTS[1].dims))]
+    graph = helper.make_graph(nodes, "ssm_scan_nodes", ins, outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
+                              functions=[ssm_scan_function_proto(opset)])
+    model.ir_version = 10
+    if inline:
+        model = inline_ssm_scan(model)
+    return model
+
+
+def inline_ssm_scan(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The plugin-free form: every SSMScan call replaced by its body; the m2export domain removed."""
+    import onnx.inliner
+
+    out = onnx.inliner.inline_local_functions(model)
+    keep = [o for o in out.opset_import if o.domain != contract.OP_DOMAIN]
+    del out.opset_import[:]
+    out.opset_import.extend(keep)
+    return out
