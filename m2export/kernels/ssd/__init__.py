@@ -1,0 +1,109 @@
+"""SSMScan forward (prefill): one public entry point over explicit backends.
+
+``backend="cutile"`` runs the cuTile kernels of :mod:`m2export.kernels.ssd.cutile` (imported
+lazily: importing this package needs neither CUDA nor ``cuda.tile``); ``backend="torch"`` runs
+the plain-PyTorch chunked reference :func:`m2export.kernels.ssd.naive.ssm_scan_chunked` on any
+device. An unusable backend raises :class:`~m2export.errors.BackendUnavailable`; nothing ever
+falls back silently.
+"""
+
+from __future__ import annotations
+
+import math
+
+from m2export.contract import SSMScanAttrs, validate
+from m2export.errors import BackendUnavailable, ContractError
+from m2export.kernels.ssd.naive import SSMScanOutput, ssm_scan_chunked, ssm_scan_recurrent
+
+__all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent", "BACKENDS"]
+
+BACKENDS = ("cutile", "torch")
+INSTALL_HINT = 'install the GPU extra (pip install m2export[gpu]) on a CUDA machine, or pass backend="torch"'
+SUPPORTED_DIMS = (32, 64, 128, 256)
+
+
+def _require_cutile(tensors) -> None:
+    """Raise BackendUnavailable unless cuda.tile imports and every tensor is on a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
+    try:
+        import cuda.tile  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f'backend="cutile": cuda.tile cannot be imported ({e})', hint=INSTALL_HINT) from e
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cuda":
+            raise BackendUnavailable(f'backend="cutile": {name} is on {t.device}, expected a CUDA tensor',
+                                     hint='move the inputs to the GPU or pass backend="torch"')
+
+
+def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int = 256,
+             dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf), backend: str = "cutile",
+             out=None, final_state_out=None, stream=None) -> SSMScanOutput:
+    """Chunked selective scan (SSD) of one Mamba-2 layer; the semantics of ONNX op m2export::SSMScan v1.
+
+    Per head h and token t, with dt_t = clamp(softplus(dt_t + dt_bias_h), *dt_limit)::
+
+        ssm_state_t = exp(dt_t * A_h) * ssm_state_{t-1} + dt_t * outer(x_t, B_t)    # (headdim, d_state)
+        y_t         = ssm_state_t @ C_t + D_h * x_t                                  # (headdim,)
+
+    Args:
+        x: (batch, seqlen, nheads, headdim), bf16 | fp16 | fp32. SSM input after conv1d + SiLU.
+        dt: (batch, seqlen, nheads), dtype of x. Raw step size, before dt_bias and softplus.
+        A: (nheads,) fp32, negative (A = -exp(A_log)).
+        B, C: (batch, seqlen, ngroups, d_state), dtype of x; head h reads group h // (nheads // ngroups).
+        D: (nheads,) fp32 skip weight, or None.
+        dt_bias: (nheads,) fp32, or None.
+        initial_state: (batch, nheads, headdim, d_state) fp32, or None (zeros).
+        chunk_size: evaluation order of the "torch" backend (>= 1); the cuTile kernel picks its own
+            chunking (the result is the same up to fp32 rounding). seqlen need not be a multiple.
+        dt_softplus: apply softplus (with passthrough above 20) to dt + dt_bias.
+        dt_limit: (dt_min, dt_max) clamp on the step size after softplus.
+        backend: "cutile" (CUDA tensors, cuda.tile) or "torch" (naive.ssm_scan_chunked, any device).
+        out: optional preallocated y, contiguous, shape and dtype of x, on x's device ("cutile" only).
+        final_state_out: optional preallocated final_state, contiguous fp32 ("cutile" only).
+        stream: None (current stream), a torch.cuda.Stream, or a raw cudaStream_t int ("cutile" only):
+            the kernels are launched on it.
+
+    Returns:
+        SSMScanOutput(y, final_state): y (batch, seqlen, nheads, headdim) in x.dtype (``out`` if given);
+        final_state (batch, nheads, headdim, d_state) fp32 (``final_state_out`` if given).
+
+    Raises:
+        ContractError: an argument breaks the SSMScan contract (m2export/contract.py), or for
+            backend="cutile" headdim/d_state is outside {32, 64, 128, 256}, or out= does not fit.
+        BackendUnavailable: the backend cannot run here (no CUDA, no cuda.tile, CPU tensors); the
+            hint says how to install it (pip install m2export[gpu]) or to pass backend="torch".
+
+    Non-contiguous inputs are accepted; the cuTile backend makes a contiguous copy of them first.
+
+    Source:
+        Dao & Gu, "Transformers are SSMs" (arXiv:2405.21060), Sec. 6 and Listing 1; argument order of
+        mamba_ssm/ops/triton/ssd_combined.py::mamba_chunk_scan_combined.
+    """
+    attrs = SSMScanAttrs(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
+                         dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]))
+    problem = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    if backend == "torch":
+        res = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
+                               dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
+        if out is not None:
+            out.copy_(res.y)
+            res = SSMScanOutput(out, res.final_state)
+        if final_state_out is not None:
+            final_state_out.copy_(res.final_state)
+            res = SSMScanOutput(res.y, final_state_out)
+        return res
+    if backend != "cutile":
+        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    for name in ("headdim", "d_state"):
+        v = getattr(problem, name)
+        if v not in SUPPORTED_DIMS:
+            raise ContractError(f"{name}: the cuTile SSD kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
+                                hint='use backend="torch" for other sizes')
+    _require_cutile(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state))
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+
+    return ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, problem=problem, dt_softplus=dt_softplus,
+                           dt_limit=attrs.dt_limit, out=out, final_state_out=final_state_out, stream=stream)

@@ -1,0 +1,256 @@
+"""Benchmark of the SSMScan forward (prefill): cuTile vs mamba_ssm's Triton kernel vs the PyTorch reference.
+
+Shapes (issue 6; bf16, d_state 128, headdim 64, no initial state, D and dt_bias present, softplus):
+    a) batch 8, seqlen 2048,  nheads 24,  ngroups 1
+    b) batch 4, seqlen 8192,  nheads 80,  ngroups 1
+    c) batch 2, seqlen 8192,  nheads 128, ngroups 8
+    d) batch 1, seqlen 65536, nheads 80,  ngroups 1
+
+Per implementation and shape: median ms of eager calls and of CUDA-graph replays
+(triton.testing.do_bench, return_mode="median", after warm-up), then
+
+    bytes  = 2*(b*l*h*p)*s_x           x read + y written              (s_x = 2 for bf16)
+           + 2*(b*l*g*n)*s_x           B and C read once
+           + (b*l*h)*s_x               dt read
+           + (b*h*p*n)*4               final_state written (fp32)
+           + 3*h*4                     A, D, dt_bias
+    FLOPs  = nchunks * (g*2*Q*Q*n              C @ B^T per group and chunk
+                        + h*(2*Q*Q*p           (masked CB) @ x
+                             + 2*Q*n*p         C @ state (inter-chunk output)
+                             + 2*Q*n*p))       x^T @ B (chunk state)
+             with Q = 256 (mamba_ssm's default chunk) and nchunks = b * ceil(l / Q); full (not
+             causal-halved) Q x Q products, as the tensor cores execute them.
+    floor  = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)   (H200: measured copy bandwidth and bf16
+             dense matmul rate on random data, /work/.library/device/KINDS.md)
+    TFLOP/s = FLOPs / t,  GB/s = bytes / t,  % of floor = floor / t * 100  (t: graph-replay median)
+
+mamba_ssm: ``mamba_chunk_scan_combined(..., chunk_size=256, dt_softplus=True, return_final_states=True)``
+imported from a git-ignored copy of state-spaces/mamba's ``mamba_ssm/ops/triton`` under
+``.devcarry/mamba_ssm_triton`` (never committed); skipped with a note when it is not there.
+
+Run on the device (see benchmarks/NOTES_ssd.md):
+    PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd.py --results $OUT/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from m2export.contract import SSMScanProblem  # noqa: E402
+from m2export.kernels.ssd import ssm_scan  # noqa: E402
+from m2export.kernels.ssd.naive import ssm_scan_chunked  # noqa: E402
+
+SHAPES = {  # name: (batch, seqlen, nheads, headdim, ngroups, d_state)
+    "a": (8, 2048, 24, 64, 1, 128),
+    "b": (4, 8192, 80, 64, 1, 128),
+    "c": (2, 8192, 128, 64, 8, 128),
+    "d": (1, 65536, 80, 64, 1, 128),
+}
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOP_PER_S = 790e12
+FLOP_CHUNK = 256
+
+
+def bytes_moved(b, l, h, p, g, n, s_x=2) -> int:
+    return 2 * b * l * h * p * s_x + 2 * b * l * g * n * s_x + b * l * h * s_x + b * h * p * n * 4 + 3 * h * 4
+
+
+def flops(b, l, h, p, g, n, Q=FLOP_CHUNK) -> int:
+    nchunks = b * math.ceil(l / Q)
+    return nchunks * (g * 2 * Q * Q * n + h * (2 * Q * Q * p + 4 * Q * n * p))
+
+
+def floor_s(dims) -> float:
+    return max(bytes_moved(*dims) / HBM_BYTES_PER_S, flops(*dims) / BF16_FLOP_PER_S)
+
+
+def make_inputs(dims, seed=0, device="cuda", dtype=torch.bfloat16):
+    b, l, h, p, g, n = dims
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    return dict(
+        x=rnd(b, l, h, p).to(dtype),
+        dt=(rnd(b, l, h) - 1.0).to(dtype),  # raw; softplus(dt + dt_bias) ~ 0.1 .. 1
+        A=-(torch.rand(h, generator=gen, device=device) * 7.5 + 0.5),
+        B=rnd(b, l, g, n, scale=n ** -0.5).to(dtype),
+        C=rnd(b, l, g, n, scale=n ** -0.5).to(dtype),
+        D=rnd(h),
+        dt_bias=rnd(h, scale=0.5),
+    )
+
+
+def load_mamba():
+    path = ROOT / ".devcarry" / "mamba_ssm_triton"
+    if not path.is_dir():
+        return None, f"no {path}"
+    sys.path.insert(0, str(path))
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # report, don't hide: the table says why the column is empty
+        return None, f"import failed: {e!r}"
+    return mamba_chunk_scan_combined, ""
+
+
+def time_fn(fn, *, graph: bool) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    if not graph:
+        return do_bench(fn, warmup=50, rep=300, return_mode="median")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    r, o = ref.float(), out.float()
+    return ((o - r).norm() / r.norm()).item()
+
+
+def cutile_variants(spec: str):
+    """'auto' or comma list of chunk:block_p:nseg (nseg 'a' = heuristic, 'aN' = N blocks per SM)."""
+    from m2export.kernels.ssd.cutile import choose_config
+
+    out = []
+    for item in spec.split(","):
+        if item == "auto":
+            out.append(("cutile", None))
+            continue
+        q, bp, ns = item.split(":")
+        out.append((f"cutile[{item}]", (int(q), int(bp), ns)))
+    return out, choose_config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="a,b,c,d")
+    ap.add_argument("--variants", default="auto", help="cuTile configs: auto, or chunk:block_p:nseg,...")
+    ap.add_argument("--no-mamba", action="store_true")
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"),
+                    help="markdown file the table is appended to ('' for none)")
+    args = ap.parse_args(argv)
+
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+    from m2export.contract import validate
+
+    import triton
+
+    import cuda.tile as ct
+
+    mamba, why_no_mamba = (None, "--no-mamba") if args.no_mamba else load_mamba()
+    variants, choose_config = cutile_variants(args.variants)
+    dev = torch.cuda.get_device_name()
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev} ({sm} SMs), torch {torch.__version__}, "
+            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16, headdim 64, d_state 128, "
+            f"no initial state; ms = median (do_bench)")
+    print(head, flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        dims = SHAPES[name]
+        b, l, h, p, g, n = dims
+        inp = make_inputs(dims, seed=hash(name) % 1000)
+        prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"])
+        ref = None
+        impls = []
+        for label, v in variants:
+            if v is None:
+                cfg = choose_config(prob, sm_count=sm)
+            else:
+                q, bp, ns = v
+                if ns.startswith("a"):
+                    cfg = choose_config(prob, sm_count=sm, chunk=q, block_p=bp,
+                                        blocks_per_sm=int(ns[1:] or 2))
+                else:
+                    cfg = choose_config(prob, sm_count=sm, chunk=q, block_p=bp, nseg=int(ns))
+            y = torch.empty_like(inp["x"])
+            fs = torch.empty(b, h, p, n, dtype=torch.float32, device="cuda")
+
+            def run_ct(cfg=cfg, y=y, fs=fs):
+                return ssm_scan_cutile(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
+                                       None, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                                       final_state_out=fs, config=cfg)
+            impls.append((f"{label} q{cfg.chunk} p{cfg.block_p} s{cfg.nseg}", run_ct))
+        if mamba is not None:
+            def run_mamba():
+                return mamba(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=256, D=inp["D"],
+                             dt_bias=inp["dt_bias"], dt_softplus=True, return_final_states=True)
+            impls.append(("mamba_ssm triton (chunk 256)", run_mamba))
+        if not args.no_reference:
+            def run_ref():
+                return ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
+                                        chunk_size=256)
+            impls.append(("torch reference (chunk 256)", run_ref))
+        ref_out = None
+        for label, fn in impls:
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                yv, fsv = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+                if ref_out is None:
+                    ref_out = ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
+                                               inp["dt_bias"], chunk_size=256) if not label.startswith("torch") else out
+                    torch.cuda.synchronize()
+                err_y = rel_err(ref_out[0], yv)
+                err_s = rel_err(ref_out[1], fsv) if fsv is not None else float("nan")
+                t_e = time_fn(fn, graph=False)
+                try:
+                    t_g = time_fn(fn, graph=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  graph capture failed for {label}: {e!r}", flush=True)
+                    t_g = float("nan")
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {label}: FAILED {e!r}", flush=True)
+                continue
+            t = t_g if not math.isnan(t_g) else t_e
+            row = dict(shape=name, impl=label, eager=t_e, graph=t_g, tflops=flops(*dims) / (t * 1e-3) / 1e12,
+                       gbs=bytes_moved(*dims) / (t * 1e-3) / 1e9, pct=floor_s(dims) / (t * 1e-3) * 100,
+                       err_y=err_y, err_s=err_s)
+            rows.append(row)
+            print(f"  {name} {label:45s} eager {t_e:8.3f} ms  graph {t_g:8.3f} ms  {row['tflops']:6.1f} TFLOP/s "
+                  f"{row['gbs']:7.0f} GB/s  {row['pct']:5.1f}% of floor  rel-err y {err_y:.2e} state {err_s:.2e}",
+                  flush=True)
+        del inp, ref_out
+        torch.cuda.empty_cache()
+
+    lines = [f"### SSMScan forward, {head}", "",
+             "| shape | implementation | eager ms | graph ms | TFLOP/s | GB/s | % of floor | rel-err y vs torch ref |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, l, h, p, g, n = SHAPES[r["shape"]]
+        lines.append(f"| {r['shape']} (B{b} L{l} H{h} G{g}) | {r['impl']} | {r['eager']:.3f} | {r['graph']:.3f} | "
+                     f"{r['tflops']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['err_y']:.1e} |")
+    floors = ", ".join(f"{k}: {floor_s(SHAPES[k]) * 1e3:.3f} ms" for k in args.shapes.split(","))
+    lines += ["", f"Floor max(bytes/4.3 TB/s, FLOPs/790 TFLOP/s): {floors}."
+              + ("" if mamba is not None else f" mamba_ssm not run: {why_no_mamba}."), ""]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Benchmark of the SSMScan decode step (one token per sequence): cuTile vs the PyTorch reference.
+
+Memory-bound: bytes = 8*b*h*p*n (fp32 state read + written) + 2*b*h*p*s_x (x, y) + 2*b*g*n*s_x (B, C)
++ b*h*s_x (dt) + 3*h*4; GB/s = bytes / t and % of the 4.3 TB/s copy bandwidth measured on this H200
+(/work/.library/device/KINDS.md). bf16, headdim 64, d_state 128, in-place state update.
+ms = median of CUDA-graph replays (triton.testing.do_bench), eager in its own column.
+
+    PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd_step.py --results $OUT/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_ssd import time_fn  # noqa: E402
+from m2export.kernels.ssd_step import ssm_step  # noqa: E402
+
+SHAPES = {  # name: (batch, nheads, headdim, ngroups, d_state)
+    "B1_H80": (1, 80, 64, 1, 128),
+    "B16_H80": (16, 80, 64, 1, 128),
+    "B128_H80": (128, 80, 64, 1, 128),
+    "B64_H128_G8": (64, 128, 64, 8, 128),
+}
+HBM = 4.3e12
+
+
+def step_bytes(b, h, p, g, n, s=2):
+    return 8 * b * h * p * n + 2 * b * h * p * s + 2 * b * g * n * s + b * h * s + 3 * h * 4
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    import triton
+    import cuda.tile as ct
+
+    head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, triton {triton.__version__}, cuda.tile {ct.__version__}; bf16, in place")
+    print(head)
+    lines = [f"### SSMScan decode step, {head}", "",
+             "| shape | implementation | eager ms | graph ms | GB/s | % of 4.3 TB/s | rel-err y |", "|---|---|---|---|---|---|---|"]
+    for name, (b, h, p, g, n) in SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device="cuda") * sc  # noqa: E731
+        x, dt = r(b, h, p).bfloat16(), (r(b, h) - 1).bfloat16()
+        A, D, bias = -(torch.rand(h, device="cuda") * 7.5 + 0.5), r(h), r(h, sc=0.5)
+        B, C = r(b, g, n, sc=n ** -0.5).bfloat16(), r(b, g, n, sc=n ** -0.5).bfloat16()
+        state = r(b, h, p, n)
+        y = torch.empty_like(x)
+        ref = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="torch")
+        got = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="cutile")
+        err = ((got.y.float() - ref.y.float()).norm() / ref.y.float().norm()).item()
+        for label, fn in (("cutile", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y, state_out=state)),
+                          ("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch"))):
+            te, tg = time_fn(fn, graph=False), time_fn(fn, graph=True)
+            gbs = step_bytes(b, h, p, g, n) / (tg * 1e-3) / 1e9
+            lines.append(f"| {name} (P{p} N{n}) | {label} | {te:.4f} | {tg:.4f} | {gbs:.0f} | {gbs / HBM * 1e11:.1f} | "
+                         f"{err if label == 'cutile' else 0:.1e} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,519 @@
+"""cuTile (``cuda.tile``) kernels of SSMScan, the chunked SSD forward (prefill).
+
+Layout of this file (TileGym's order): private tile helpers -> ``@ct.kernel`` functions (each
+docstring names its grid and what one block owns) -> launch configuration and wrappers ->
+:func:`ssm_scan_cutile` (called by :func:`m2export.kernels.ssd.ssm_scan`) -> :func:`aot_spec`
+for the TensorRT AOT plugin.
+
+Algorithm (Dao & Gu, arXiv:2405.21060, Sec. 6; one pass, the state kept on chip). One block
+owns one (batch, head, headdim tile) and walks the sequence chunk by chunk (``CHUNK`` tokens,
+a power of two chosen here, independent of the contract's ``chunk_size``). Per chunk, all in
+registers/shared memory:
+
+    delta  = clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 on padded tokens  # (Q,)    fp32
+    cs     = cumsum(delta * A)                                                 # (Q,)    fp32, <= 0
+    CB     = C @ B^T                                                           # (Q, Q)  tensor cores, fp32 acc
+    M      = CB * exp(min(cs_i - cs_j, 0)) [i >= j] * delta_j                 # (Q, Q)  masked before exp
+    y      = M @ x + (C * exp(cs)) @ state^T + D * x                           # (Q, P)
+    state  = exp(cs_last) * state + x^T @ (B * delta * exp(cs_last - cs))      # (P, N)  fp32
+
+Padded tokens (past ``seqlen``) get delta = 0: they neither decay nor add, and their y rows
+are never stored (the store is bounds-checked). ``C @ B^T`` never leaves the chip.
+
+Two launch plans share the same tile helpers:
+
+* ``fused`` -- :func:`ssd_fused_kernel`, a single launch, grid (batch*nheads, 1, headdim tiles),
+  one block per (b, h, p-tile) over all chunks. This is the AOT/TensorRT path.
+* ``split`` -- the sequence is cut into ``nseg`` segments of whole chunks so that more blocks
+  run at once: :func:`ssd_segment_state_kernel` computes each segment's state contribution
+  from a zero state and its total log-decay (small fp32 scratch), then :func:`ssd_scan_kernel`
+  (grid (batch*nheads, nseg, headdim tiles)) folds the earlier segments' states into the
+  segment's entry state on chip and runs the full chunk loop. x and B are read twice, C once,
+  y written once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import cuda.tile as ct
+
+from m2export.contract import SSMScanAttrs, SSMScanProblem
+from m2export.kernels.ssd.naive import SSMScanOutput
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+SUPPORTED_DIMS = (32, 64, 128, 256)
+"""headdim and d_state the kernels compile for (powers of two; tiles must be)."""
+
+_ZERO = ct.PaddingMode.ZERO
+
+
+# ----------------------------------------------------------------------------- tile helpers
+def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool):
+    """(1,)-tiles A[h], D[h] (0 if absent) and dt_bias[h] (0 if absent), fp32."""
+    a_h = ct.load(A, index=(h,), shape=(1,)).astype(ct.float32)
+    if HAS_D:
+        d_h = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)
+    else:
+        d_h = ct.full((1,), 0.0, dtype=ct.float32)
+    if HAS_DT_BIAS:
+        bias_h = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
+    else:
+        bias_h = ct.full((1,), 0.0, dtype=ct.float32)
+    return a_h, d_h, bias_h
+
+
+def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt, DT_SOFTPLUS: ConstBool):
+    """Step sizes of chunk c: clamp(softplus(dt + dt_bias)), exactly 0 on tokens >= seqlen. (CHUNK,) fp32."""
+    v = ct.load(dt, index=(b, c, h), shape=(1, CHUNK, 1), padding_mode=_ZERO).reshape((CHUNK,))
+    v = v.astype(ct.float32) + bias_h
+    if DT_SOFTPLUS:
+        # softplus with the passthrough of torch/mamba_ssm for v > 20
+        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
+    v = ct.minimum(ct.maximum(v, dt_min), dt_max)
+    t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
+    return ct.where(t < seqlen, v, 0.0)
+
+
+def _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE_MMA):
+    """state (P, N) fp32 -> exp(cs_last) * state + x_c^T @ (B_c * delta * exp(cs_last - cs))."""
+    w = delta * ct.exp(cs_last - cs)  # (Q,), exponent <= 0
+    bw = (B_c.astype(ct.float32) * w[:, None]).astype(DTYPE_MMA)
+    return ct.mma(x_c.transpose(), bw, state * ct.exp(cs_last))
+
+
+def _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
+                    dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
+                    HAS_D: ConstBool, DT_SOFTPLUS: ConstBool):
+    """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state."""
+    DTYPE = x.dtype
+    idx = ct.arange(CHUNK, dtype=ct.int32)
+    causal = idx[:, None] >= idx[None, :]
+    for c in range(c_begin, c_end):
+        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
+        cs = ct.cumsum(delta * a_h, 0)  # (Q,) fp32 inclusive
+        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
+                      padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
+        B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
+                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
+        C_c = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
+                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
+        # intra-chunk: (C B^T) * decay * delta_j, masked before exp
+        cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
+        seg = cs[:, None] - cs[None, :]
+        decay = ct.where(causal, ct.exp(ct.minimum(seg, 0.0)), 0.0)
+        m = (cb * decay * delta[None, :]).astype(DTYPE)
+        acc = ct.mma(m, x_c, ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
+        # inter-chunk: (C * exp(cs)) @ state^T
+        c_dec = (C_c.astype(ct.float32) * ct.exp(cs)[:, None]).astype(DTYPE)
+        acc = ct.mma(c_dec, state.transpose().astype(DTYPE), acc)
+        if HAS_D:
+            acc = acc + d_h * x_c.astype(ct.float32)
+        ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
+        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE)
+    return state
+
+
+def _ct_load_initial(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, HAS_INIT: ConstBool):
+    if HAS_INIT:
+        return ct.load(initial_state, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE)
+                       ).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
+    return ct.full((BLOCK_P, D_STATE), 0.0, dtype=ct.float32)
+
+
+# ----------------------------------------------------------------------------- kernels
+@ct.kernel
+def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
+                     dt_min: float, dt_max: float, heads_per_group: int,
+                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                      HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool):
+    """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim // BLOCK_P).
+
+    Block (bh, 0, pt) owns batch bh // nheads, head bh % nheads, headdim rows
+    [pt*BLOCK_P, (pt+1)*BLOCK_P): it walks all chunks of the sequence with its (BLOCK_P, D_STATE)
+    fp32 state on chip, writes those rows of y for every token and of final_state at the end.
+    Absent optional inputs (HAS_* False) are never read: pass any array there.
+    """
+    bh = ct.bid(0)
+    pt = ct.bid(2)
+    nheads = x.shape[2]
+    seqlen = x.shape[1]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // heads_per_group
+    a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
+    state = _ct_load_initial(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT)
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, 0, nchunks, state, a_h, d_h, bias_h,
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS)
+    ct.store(final_state, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+
+
+@ct.kernel
+def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
+                             dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
+                             CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool):
+    """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
+
+    Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
+    chunks [s*chunks_per_seg, (s+1)*chunks_per_seg) -> seg_state[b, h, s, p-tile, :] (fp32), and
+    the segment's total log-decay sum(delta*A) -> seg_logdecay[b, h, s] (every p-tile writes the
+    same value). The last segment is never needed by pass 2, hence nseg - 1 blocks along axis 1.
+    """
+    bh = ct.bid(0)
+    s = ct.bid(1)
+    pt = ct.bid(2)
+    nheads = x.shape[2]
+    seqlen = x.shape[1]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // heads_per_group
+    a_h, d_h, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    c_begin = s * chunks_per_seg
+    c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
+    state = ct.full((BLOCK_P, D_STATE), 0.0, dtype=ct.float32)
+    logdecay = ct.full((1,), 0.0, dtype=ct.float32)
+    for c in range(c_begin, c_end):
+        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
+        cs = ct.cumsum(delta * a_h, 0)
+        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
+                      padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
+        B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
+                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
+        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, x.dtype)
+        logdecay = logdecay + cs_last
+    ct.store(seg_state, index=(b, h, s, pt, 0), tile=state.reshape((1, 1, 1, BLOCK_P, D_STATE)))
+    ct.store(seg_logdecay, index=(b, h, s), tile=logdecay.reshape((1, 1, 1)))
+
+
+@ct.kernel
+def ssd_scan_kernel(x, dt, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
+                    dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
+                    CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool):
+    """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim // BLOCK_P).
+
+    Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
+    0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
+    over segment s's chunks, writing y; the last segment's block writes final_state.
+    """
+    bh = ct.bid(0)
+    s = ct.bid(1)
+    pt = ct.bid(2)
+    nseg = ct.num_blocks(1)
+    nheads = x.shape[2]
+    seqlen = x.shape[1]
+    b = bh // nheads
+    h = bh % nheads
+    g = h // heads_per_group
+    a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
+    state = _ct_load_initial(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT)
+    for sp in range(s):
+        ld = ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,))
+        st = ct.load(seg_state, index=(b, h, sp, pt, 0), shape=(1, 1, 1, BLOCK_P, D_STATE)
+                     ).reshape((BLOCK_P, D_STATE))
+        state = state * ct.exp(ld)[:, None] + st
+    nchunks = ct.cdiv(seqlen, CHUNK)
+    c_begin = s * chunks_per_seg
+    c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
+    state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS)
+    if s == nseg - 1:
+        ct.store(final_state, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+
+
+# ----------------------------------------------------------------------------- launch configuration
+_DEFAULT_SM_COUNT = 132  # H200 SXM
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    """Tile sizes and launch plan of one SSMScan call.
+
+    chunk: tokens per chunk (power of two); block_p: headdim rows per block (power of two, divides
+    headdim); nseg: sequence segments (1 = the single-launch fused plan); chunks_per_seg: chunks in
+    each segment (the last may have fewer).
+    """
+
+    chunk: int
+    block_p: int
+    nseg: int
+    chunks_per_seg: int
+
+    @property
+    def plan(self) -> str:
+        return "fused" if self.nseg == 1 else "split"
+
+
+def _default_block_p(headdim: int, d_state: int) -> int:
+    # keep the fp32 state tile (block_p x d_state) at <= 8192 elements (32 KiB) per block
+    return max(16, min(headdim, 8192 // d_state))
+
+
+def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
+                  block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int = 2) -> ScanConfig:
+    """Pick chunk, headdim tile and segment count for ``problem``.
+
+    Heuristic: chunk 64; block_p from the register budget of the state; split the sequence into
+    segments until about ``blocks_per_sm * sm_count`` blocks run (never shorter than one chunk).
+    Explicit ``chunk``/``block_p``/``nseg`` override (used by the benchmark's sweeps).
+    """
+    chunk = chunk or 64
+    block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
+    nchunks = max(1, -(-problem.seqlen // chunk))
+    base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
+    if nseg is None:
+        nseg = max(1, -(-(blocks_per_sm * sm_count) // base))
+    nseg = max(1, min(nseg, nchunks))
+    cps = -(-nchunks // nseg)
+    nseg = -(-nchunks // cps)  # no empty segment
+    return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps)
+
+
+def _stream_handle(stream, device: torch.device) -> int:
+    """Raw cudaStream_t of ``stream``: None (current stream of device), a torch.cuda.Stream, or an int."""
+    if stream is None:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise TypeError(f"stream: expected None, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream)}")
+    return int(handle)
+
+
+def _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max, *,
+                cfg: ScanConfig, heads_per_group: int, dt_softplus: bool):
+    d_state = B.shape[3]
+    return (x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
+            initial_state if initial_state is not None else final_state, y, final_state,
+            float(dt_min), float(dt_max), int(heads_per_group),
+            cfg.chunk, cfg.block_p, d_state,
+            D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus))
+
+
+def _fused_grid(batch: int, nheads: int, headdim: int, block_p: int) -> tuple[int, int, int]:
+    return (batch * nheads, 1, headdim // block_p)
+
+
+def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: ScanConfig,
+            heads_per_group: int, dt_softplus: bool, dt_min: float, dt_max: float, stream: int) -> None:
+    batch, seqlen, nheads, headdim = x.shape
+    d_state = B.shape[3]
+    npt = headdim // cfg.block_p
+    if cfg.nseg == 1:
+        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p), ssd_fused_kernel,
+                  _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max,
+                              cfg=cfg, heads_per_group=heads_per_group, dt_softplus=dt_softplus))
+        return
+    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x)
+    seg_state = torch.empty(batch, nheads, cfg.nseg - 1, headdim, d_state, dtype=torch.float32, device=x.device)
+    seg_logdecay = torch.empty(batch, nheads, cfg.nseg - 1, dtype=torch.float32, device=x.device)
+    bias = dt_bias if dt_bias is not None else A
+    ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt), ssd_segment_state_kernel,
+              (x, dt, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max), int(heads_per_group),
+               cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None, bool(dt_softplus)))
+    ct.launch(stream, (batch * nheads, cfg.nseg, npt), ssd_scan_kernel,
+              (x, dt, A, B, C, D if D is not None else A, bias,
+               initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,
+               float(dt_min), float(dt_max), int(heads_per_group), cfg.chunks_per_seg,
+               cfg.chunk, cfg.block_p, d_state,
+               D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus)))
+
+
+def _check_out(name: str, t: torch.Tensor, shape, dtype, device) -> torch.Tensor:
+    from m2export.errors import ContractError
+
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ContractError(
+            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+    return t
+
+
+def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMScanProblem, dt_softplus: bool,
+                    dt_limit: tuple[float, float], out=None, final_state_out=None, stream=None,
+                    config: ScanConfig | None = None) -> SSMScanOutput:
+    """cuTile SSMScan on validated arguments (see :func:`m2export.kernels.ssd.ssm_scan`).
+
+    Inputs are made contiguous (a copy when they are not); ``out``/``final_state_out`` must be
+    contiguous and are written in full. ``config`` overrides :func:`choose_config`.
+    """
+    dev = x.device
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    D = D.contiguous() if D is not None else None
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    p = problem
+    y = (_check_out("out", out, x.shape, x.dtype, dev) if out is not None
+         else torch.empty_like(x))
+    fs_shape = (p.batch, p.nheads, p.headdim, p.d_state)
+    final_state = (_check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
+                   if final_state_out is not None else torch.empty(fs_shape, dtype=torch.float32, device=dev))
+    if p.batch == 0:
+        return SSMScanOutput(y, final_state)
+    sh = _stream_handle(stream, dev)
+    if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)
+        with torch.cuda.stream(torch.cuda.ExternalStream(sh, device=dev)):
+            final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
+        return SSMScanOutput(y, final_state)
+    if config is None:
+        config = choose_config(p, sm_count=_sm_count(dev))
+    with torch.cuda.device(dev):
+        _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, cfg=config,
+                heads_per_group=p.heads_per_group, dt_softplus=dt_softplus,
+                dt_min=dt_limit[0], dt_max=dt_limit[1], stream=sh)
+    return SSMScanOutput(y, final_state)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+# ----------------------------------------------------------------------------- AOT (TensorRT plugin)
+@dataclass(frozen=True)
+class AotParam:
+    """One parameter of the exported kernel, in order.
+
+    kind: "array" (name of an SSMScan input/output tensor, ``ndim`` dims, ``dtype``), "scalar"
+    (a runtime fp32 value, ``value`` taken from the attributes) or "constant" (compiled in,
+    ``value``; not a kernel parameter at run time).
+    """
+
+    name: str
+    kind: str
+    dtype: str | None = None
+    ndim: int | None = None
+    value: Any = None
+    alias: tuple[str, ...] = ()  # alias groups: arrays sharing a group may be the same buffer
+
+
+@dataclass(frozen=True)
+class AotSpec:
+    """Everything the TensorRT AOT plugin needs to export and launch the single-launch SSD kernel.
+
+    Attributes:
+        kernel: the ``@ct.kernel`` object (:func:`ssd_fused_kernel`).
+        params: the kernel's Python parameters in order (see :class:`AotParam`).
+        grid: ``grid(batch, nheads, headdim) -> (gx, gy, gz)``.
+        block: threads per block, or None: cuTile picks it at compile time; read it from the
+            exported cubin (``cuFuncGetAttribute(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)`` or the
+            ``.reqntid`` / EIATTR_REQNTID of the entry).
+        config: the :class:`ScanConfig` compiled in (nseg is always 1 here).
+
+    Flattening (calling convention ``cutile_python_v1``, verified on an sm_90 cubin exported on
+    the CPU, see tests/kernels/test_ssd_aot.py): every array parameter becomes
+    ``(pointer: u64, shape[0..ndim): i32, stride[0..ndim): i32)`` -- ``1 + 2*ndim`` consecutive
+    entry parameters, strides in elements; a runtime scalar becomes one parameter of its dtype
+    (``dt_min``, ``dt_max``: f32); ``ct.Constant`` parameters are compiled in and take no slot.
+    So the entry takes, in order: x (9), dt (7), A (3), B (9), C (9), D (3), dt_bias (3),
+    initial_state (9), y (9), final_state (9), dt_min, dt_max: 72 parameters.
+    The plugin passes the 10 device pointers (inputs then outputs) and, as extra SymInt32
+    arguments, the extents and strides of each tensor (contiguous, row-major) plus the two
+    floats' bit patterns -- :meth:`flat_args` lists them symbolically.
+    """
+
+    kernel: Any
+    params: tuple[AotParam, ...]
+    grid: Callable[[int, int, int], tuple[int, int, int]]
+    block: int | None
+    config: ScanConfig
+    problem: SSMScanProblem
+    attrs: SSMScanAttrs
+
+    def signature(self, *, index_dtype=None):
+        """:class:`cuda.tile.compilation.KernelSignature` for ``export_kernel`` (contiguous arrays)."""
+        from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+
+        dts = {"float32": ct.float32, "float16": ct.float16, "bfloat16": ct.bfloat16}
+        cons = []
+        for prm in self.params:
+            if prm.kind == "array":
+                cons.append(ArrayConstraint(dts[prm.dtype], prm.ndim, index_dtype=index_dtype or ct.int32,
+                                            stride_lower_bound_incl=0, alias_groups=prm.alias, may_alias_internally=False,
+                                            stride_constant=(None,) * (prm.ndim - 1) + (1,),
+                                            base_addr_divisible_by=16))
+            elif prm.kind == "scalar":
+                cons.append(ScalarConstraint(ct.int32 if prm.dtype == "int32" else ct.float32))
+            else:
+                cons.append(prm.value)
+        return KernelSignature(cons, CallingConvention.cutile_python_v1()).with_mangled_symbol(
+            self.kernel._pyfunc.__name__)
+
+    def export(self, output_file, *, gpu_code: str = "sm_90") -> str:
+        """Compile to a cubin (``output_file``: path or binary file object); returns the entry symbol."""
+        from cuda.tile.compilation import export_kernel
+
+        sig = self.signature()
+        export_kernel(self.kernel, [sig], output_file, gpu_code=gpu_code, output_format="cubin")
+        return sig.symbol
+
+    def flat_args(self) -> list[str]:
+        """Symbolic entry parameters in order, e.g. ``['x.ptr', 'x.shape0', ..., 'x.stride3', ...]``."""
+        out = []
+        for prm in self.params:
+            if prm.kind == "array":
+                out.append(f"{prm.name}.ptr")
+                out += [f"{prm.name}.shape{i}" for i in range(prm.ndim)]
+                out += [f"{prm.name}.stride{i}" for i in range(prm.ndim)]
+            elif prm.kind == "scalar":
+                out.append(prm.name)
+        return out
+
+
+def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True, has_dt_bias: bool = True,
+             has_initial_state: bool = True, config: ScanConfig | None = None) -> AotSpec:
+    """Describe the single-launch kernel for ``problem``'s headdim/d_state/ngroups/dtype.
+
+    Only headdim, d_state, nheads // ngroups and the dtype are compiled in; batch and seqlen are
+    runtime extents, so one export serves every batch and seqlen. In an ONNX graph D, dt_bias
+    and initial_state are always present (``has_*`` default True).
+    """
+    check_supported(problem)
+    cfg = config or ScanConfig(chunk=64, block_p=_default_block_p(problem.headdim, problem.d_state),
+                               nseg=1, chunks_per_seg=0)
+    dt_name = problem.dtype
+    arr = lambda name, nd, dt=dt_name: AotParam(name, "array", dt, nd)  # noqa: E731
+    params = (
+        arr("x", 4), arr("dt", 3), arr("A", 1, "float32"), arr("B", 4), arr("C", 4),
+        arr("D", 1, "float32"), arr("dt_bias", 1, "float32"), arr("initial_state", 4, "float32"),
+        arr("y", 4), arr("final_state", 4, "float32"),
+        AotParam("dt_min", "scalar", "float32", value=float(attrs.dt_min)),
+        AotParam("dt_max", "scalar", "float32", value=float(attrs.dt_max)),
+        AotParam("heads_per_group", "scalar", "int32", value=problem.heads_per_group),
+        AotParam("CHUNK", "constant", value=cfg.chunk),
+        AotParam("BLOCK_P", "constant", value=cfg.block_p),
+        AotParam("D_STATE", "constant", value=problem.d_state),
+        AotParam("HAS_D", "constant", value=bool(has_D)),
+        AotParam("HAS_DT_BIAS", "constant", value=bool(has_dt_bias)),
+        AotParam("HAS_INIT", "constant", value=bool(has_initial_state)),
+        AotParam("DT_SOFTPLUS", "constant", value=bool(attrs.dt_softplus)),
+    )
+    bp = cfg.block_p
+    return AotSpec(kernel=ssd_fused_kernel, params=params,
+                   grid=lambda batch, nheads, headdim: _fused_grid(batch, nheads, headdim, bp),
+                   block=None, config=cfg, problem=problem, attrs=attrs)
+
+
+def check_supported(problem: SSMScanProblem) -> None:
+    """Raise ContractError for sizes the kernels cannot do (headdim/d_state outside SUPPORTED_DIMS)."""
+    from m2export.errors import ContractError
+
+    for name in ("headdim", "d_state"):
+        v = getattr(problem, name)
+        if v not in SUPPORTED_DIMS:
+            raise ContractError(f"{name}: the cuTile SSD kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
+                                hint='pad the model or use backend="torch"')

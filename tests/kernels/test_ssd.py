@@ -1,0 +1,245 @@
+"""cuTile SSMScan forward (m2export.kernels.ssd, backend="cutile") vs the float64 oracle.
+
+GPU tests (marked ``gpu``; skipped with a reason without CUDA or cuda.tile) draw fresh random
+inputs, NaN-poison ``out=``/``final_state_out=`` before every launch, and compare with
+``naive.ssm_scan_recurrent`` evaluated in float64 on the same (already rounded) inputs.
+
+Error bounds (rel-L2 = ||out - ref|| / ||ref||; max-abs relative to max|ref|):
+
+=========  ==================  ==================  ======================================
+dtype      y rel-L2            final_state rel-L2  max-abs / max|ref| (y and final_state)
+=========  ==================  ==================  ======================================
+float32    2e-4                2e-4                2e-3
+float16    5e-3                5e-3                2e-2
+bfloat16   2e-2                2e-2                6e-2
+=========  ==================  ==================  ======================================
+
+Why these: the kernel does its matrix products on tensor cores with operands in the input dtype
+(fp32 operands run as TF32, ~1e-4 relative, the "float32" row) and accumulates in fp32; the
+intra-chunk weights and the carried state enter the products rounded to the input dtype, as in
+mamba_ssm (bf16: 2^-8 relative per operand). The state itself is kept and returned in fp32.
+
+CPU tests (not marked): argument validation and BackendUnavailable on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m2export.contract import SSMScanProblem
+from m2export.errors import BackendUnavailable, ContractError
+from m2export.kernels.ssd import ssm_scan
+from m2export.kernels.ssd.naive import ssm_scan_recurrent
+from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+
+Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+MAXABS = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+def _has_cutile() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        import cuda.tile  # noqa: F401
+    except ImportError as e:
+        return False, f"cuda.tile not importable: {e}"
+    return True, ""
+
+
+_OK, _WHY = _has_cutile()
+gpu = pytest.mark.skipif(not _OK, reason=_WHY or "gpu")
+
+
+def _run_and_check(p: SSMScanProblem, *, seed: int, init_state=True, dt_limit=(0.0, math.inf), config=None,
+                   dt_scale=1.0, A_range=(0.5, 8.0), no_D=False, no_bias=False, stream=None, dt_override=None):
+    inp = make_inputs(p, seed=seed, device="cpu", init_state=init_state, dt_scale=dt_scale, A_range=A_range)
+    if dt_override is not None:
+        inp["dt"] = dt_override(inp["dt"])
+    if no_D:
+        inp["D"] = None
+    if no_bias:
+        inp["dt_bias"] = None
+    ref = ssm_scan_recurrent(**inp, dt_limit=dt_limit)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    if config is None:
+        res = ssm_scan(**dev, dt_limit=dt_limit, out=y, final_state_out=fs, stream=stream)
+    else:
+        from m2export.kernels.ssd.cutile import ssm_scan_cutile
+        from m2export.contract import validate
+
+        prob = validate(*(dev[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")))
+        res = ssm_scan_cutile(*(dev[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")),
+                              problem=prob, dt_softplus=True, dt_limit=dt_limit, out=y, final_state_out=fs,
+                              stream=stream, config=config)
+    torch.cuda.synchronize()
+    assert res.y is y and res.final_state is fs
+    d = p.dtype
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[d], atol=MAXABS[d] * ref.y.abs().max().item())
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[d],
+                 atol=MAXABS[d] * ref.final_state.abs().max().item())
+
+
+# (id, (batch, seqlen, nheads, headdim, ngroups, d_state))
+LENGTH_CASES = [
+    ("L1", (2, 1, 8, 64, 2, 64)),
+    ("L_lt_chunk", (2, 37, 8, 64, 2, 64)),
+    ("L_eq_chunk", (2, 64, 8, 64, 2, 64)),
+    ("L_k_chunk_plus_1", (2, 3 * 64 + 1, 8, 64, 2, 64)),
+    ("several_chunks", (1, 517, 8, 64, 2, 64)),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", ["auto", "fused"])
+@pytest.mark.parametrize("case", LENGTH_CASES, ids=[c[0] for c in LENGTH_CASES])
+def test_lengths(case, plan):
+    from m2export.kernels.ssd.cutile import ScanConfig
+
+    p = SSMScanProblem(*case[1], dtype="bfloat16")
+    cfg = ScanConfig(chunk=64, block_p=64, nseg=1, chunks_per_seg=0) if plan == "fused" else None
+    _run_and_check(p, seed=hash(case[0]) % 1000 + (plan == "fused"), config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("init_state", [False, True], ids=["zero_state", "init_state"])
+def test_dtypes(dtype, init_state):
+    _run_and_check(SSMScanProblem(2, 3 * 64 + 1, 8, 64, 2, 64, dtype=dtype), seed=11, init_state=init_state)
+
+
+GROUP_CASES = [("G1_H4", (2, 130, 4, 64, 1, 64)), ("G2_H8", (2, 130, 8, 64, 2, 64)),
+               ("G4_H16", (1, 130, 16, 64, 4, 64)), ("G8_H16", (1, 130, 16, 64, 8, 64)),
+               ("G8_H8", (1, 130, 8, 64, 8, 64))]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
+def test_groups(case):
+    _run_and_check(SSMScanProblem(*case[1], dtype="bfloat16"), seed=5)
+
+
+DIM_CASES = [(32, 32), (64, 128), (128, 64), (128, 128), (32, 256), (256, 64)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("headdim,d_state", DIM_CASES, ids=[f"P{a}_N{b}" for a, b in DIM_CASES])
+def test_dims(headdim, d_state):
+    _run_and_check(SSMScanProblem(2, 200, 4, headdim, 2, d_state, dtype="bfloat16"), seed=headdim + d_state)
+
+
+@pytest.mark.gpu
+@gpu
+def test_dims_fp32():
+    _run_and_check(SSMScanProblem(1, 200, 4, 128, 1, 128, dtype="float32"), seed=3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dt_limit(dtype):
+    _run_and_check(SSMScanProblem(2, 150, 8, 64, 2, 64, dtype=dtype), seed=7, dt_limit=(0.05, 0.3), dt_scale=2.0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_very_negative_decay(dtype):
+    """dt ~ 5 after softplus and A = -16: per-token log-decay -80, chunk sums ~ -5000: no NaN/inf."""
+    p = SSMScanProblem(2, 200, 8, 64, 2, 64, dtype=dtype)
+    _run_and_check(p, seed=9, A_range=(16.0, 16.0), dt_override=lambda d: torch.full_like(d, 5.0), no_bias=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_optional_inputs_absent():
+    _run_and_check(SSMScanProblem(2, 100, 8, 64, 2, 64, dtype="bfloat16"), seed=13, init_state=False, no_D=True,
+                   no_bias=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("nseg", [2, 3, 7])
+def test_split_plan(nseg):
+    from m2export.kernels.ssd.cutile import ScanConfig
+
+    p = SSMScanProblem(2, 700, 8, 64, 2, 128, dtype="bfloat16")
+    nchunks = -(-700 // 64)
+    cps = -(-nchunks // nseg)
+    _run_and_check(p, seed=20 + nseg, config=ScanConfig(chunk=64, block_p=64, nseg=-(-nchunks // cps),
+                                                        chunks_per_seg=cps))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["torch_stream", "int_stream"])
+def test_stream(kind):
+    s = torch.cuda.Stream()
+    _run_and_check(SSMScanProblem(1, 100, 4, 64, 1, 64, dtype="bfloat16"), seed=17,
+                   stream=s if kind == "torch_stream" else int(s.cuda_stream))
+
+
+@pytest.mark.gpu
+@gpu
+def test_noncontiguous_inputs():
+    p = SSMScanProblem(2, 100, 8, 64, 2, 64, dtype="bfloat16")
+    inp = make_inputs(p, seed=23)
+    ref = ssm_scan_recurrent(**inp)
+    # x as a strided view (heads and headdim transposed twice), B/C sliced from a wider tensor
+    x = inp["x"].cuda().transpose(2, 3).contiguous().transpose(2, 3)
+    Bw = torch.cat([inp["B"], inp["B"]], dim=-1).cuda()[..., : p.d_state]
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    dev.update(x=x, B=Bw)
+    assert not x.is_contiguous() and not Bw.is_contiguous()
+    res = ssm_scan(**dev)
+    assert_close("y", ref.y, res.y.cpu(), rel=Y_REL["bfloat16"])
+    assert_close("final_state", ref.final_state, res.final_state.cpu(), rel=STATE_REL["bfloat16"])
+
+
+# ----------------------------------------------------------------------------- CPU: validation
+def _cpu_inputs(headdim=64, d_state=64):
+    return make_inputs(SSMScanProblem(1, 8, 2, headdim, 1, d_state), seed=0)
+
+
+@pytest.mark.parametrize("headdim,d_state,bad", [(48, 64, "headdim"), (64, 96, "d_state"), (512, 64, "headdim")])
+def test_unsupported_dims_rejected(headdim, d_state, bad):
+    with pytest.raises(ContractError, match=rf"{bad}: .*got {headdim if bad == 'headdim' else d_state}"):
+        ssm_scan(**_cpu_inputs(headdim, d_state), backend="cutile")
+
+
+def test_unknown_backend_rejected():
+    with pytest.raises(ContractError, match="backend"):
+        ssm_scan(**_cpu_inputs(), backend="triton")
+
+
+def test_contract_violation_rejected():
+    inp = _cpu_inputs()
+    inp["dt"] = inp["dt"][:, :4]
+    with pytest.raises(ContractError, match="dt"):
+        ssm_scan(**inp, backend="cutile")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
+def test_cutile_unavailable_on_cpu():
+    with pytest.raises(BackendUnavailable) as ei:
+        ssm_scan(**_cpu_inputs(), backend="cutile")
+    assert "m2export[gpu]" in (ei.value.hint or "")
+
+
+def test_torch_backend_matches_oracle_and_fills_out():
+    inp = _cpu_inputs()
+    ref = ssm_scan_recurrent(**inp)
+    y = torch.full_like(inp["x"], float("nan"))
+    res = ssm_scan(**inp, backend="torch", chunk_size=4, out=y)
+    assert res.y is y
+    assert_close("y", ref.y, y, rel=1e-5)
+    assert_close("final_state", ref.final_state, res.final_state, rel=1e-5)

@@ -1,0 +1,129 @@
+"""cuTile SSMScan decode step (m2export.kernels.ssd_step, backend="cutile") vs a float64 oracle.
+
+The oracle is ``ssm_step_ref``'s formula evaluated on float64 upcasts of the inputs
+(``naive.ssm_scan_recurrent`` with seqlen 1). Outputs are NaN-poisoned through ``out=`` /
+``state_out=`` before each launch; the in-place update (``state_out=ssm_state``) is tested too.
+
+Error bounds (rel-L2; max-abs relative to max|ref|): the step has no matrix products, only fp32
+elementwise work and one fp32 reduction, so the state is fp32-exact to ~1e-6 for every dtype and
+y carries the rounding of its final cast:
+
+=========  ===========  =================  =============
+dtype      y rel-L2     new state rel-L2   max-abs / max
+=========  ===========  =================  =============
+float32    1e-5         1e-5               1e-5
+float16    2e-3         1e-5               4e-3
+bfloat16   1e-2         1e-5               2e-2
+=========  ===========  =================  =============
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m2export.contract import SSMScanProblem
+from m2export.errors import BackendUnavailable, ContractError
+from m2export.kernels.ssd.naive import ssm_scan_recurrent
+from m2export.kernels.ssd_step import ssm_step
+from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+from tests.kernels.test_ssd import gpu
+
+Y_REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+MAXABS_Y = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
+STATE_REL = 1e-5
+
+
+def _step_inputs(p: SSMScanProblem, seed: int, **kw):
+    inp = make_inputs(p, seed=seed, **kw)
+    step = dict(x=inp["x"][:, 0], dt=inp["dt"][:, 0], A=inp["A"], B=inp["B"][:, 0], C=inp["C"][:, 0], D=inp["D"],
+                dt_bias=inp["dt_bias"], ssm_state=inp["initial_state"])
+    return inp, step
+
+
+def _check(p: SSMScanProblem, *, seed: int, in_place=False, dt_limit=(0.0, math.inf), init_state=True, no_D=False,
+           A_range=(0.5, 8.0), dt_value=None):
+    inp, step = _step_inputs(p, seed, init_state=init_state, A_range=A_range)
+    if dt_value is not None:
+        inp["dt"] = torch.full_like(inp["dt"], dt_value)
+        step["dt"] = inp["dt"][:, 0]
+    if no_D:
+        inp["D"] = step["D"] = None
+    ref = ssm_scan_recurrent(**inp, dt_limit=dt_limit)  # float64, seqlen 1
+    dev = {k: (v.cuda() if v is not None else None) for k, v in step.items()}
+    y = torch.full(tuple(step["x"].shape), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    if in_place:
+        st_out = dev["ssm_state"]
+    else:
+        st_out = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    res = ssm_step(**dev, dt_limit=dt_limit, out=y, state_out=st_out)
+    torch.cuda.synchronize()
+    assert res.y is y and res.final_state is st_out
+    d = p.dtype
+    assert_close("y", ref.y[:, 0], y.cpu(), rel=Y_REL[d], atol=MAXABS_Y[d] * ref.y.abs().max().item())
+    assert_close("state", ref.final_state, st_out.cpu(), rel=STATE_REL)
+
+
+CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64)),
+         ("B3_H16_G4", (3, 1, 16, 32, 4, 32)), ("B2_H16_G8", (2, 1, 16, 128, 8, 128)),
+         ("B2_H4_P256_N64", (2, 1, 4, 256, 1, 64)), ("B2_H4_P32_N256", (2, 1, 4, 32, 2, 256))]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_step(case, dtype):
+    _check(SSMScanProblem(*case[1], dtype=dtype), seed=hash((case[0], dtype)) % 1000)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_in_place(dtype):
+    _check(SSMScanProblem(4, 1, 8, 64, 2, 128, dtype=dtype), seed=31, in_place=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_step_dt_limit_and_no_state():
+    _check(SSMScanProblem(2, 1, 8, 64, 2, 64, dtype="bfloat16"), seed=32, dt_limit=(0.05, 0.2), init_state=False,
+           no_D=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_step_very_negative_decay():
+    _check(SSMScanProblem(2, 1, 8, 64, 2, 64, dtype="float32"), seed=33, A_range=(16.0, 16.0), dt_value=5.0)
+
+
+# ----------------------------------------------------------------------------- CPU: validation
+def test_step_bad_headdim():
+    _, step = _step_inputs(SSMScanProblem(1, 1, 2, 24, 1, 32), 0)
+    with pytest.raises(ContractError, match="headdim: .*got 24"):
+        ssm_step(**step, backend="cutile")
+
+
+def test_step_bad_rank():
+    _, step = _step_inputs(SSMScanProblem(1, 1, 2, 32, 1, 32), 0)
+    step["x"] = step["x"][:, None]
+    with pytest.raises(ContractError, match="x: expected a 3-D"):
+        ssm_step(**step, backend="cutile")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
+def test_step_cutile_unavailable_on_cpu():
+    _, step = _step_inputs(SSMScanProblem(1, 1, 2, 32, 1, 32), 0)
+    with pytest.raises(BackendUnavailable):
+        ssm_step(**step, backend="cutile")
+
+
+def test_step_torch_backend_in_place():
+    inp, step = _step_inputs(SSMScanProblem(2, 1, 4, 32, 2, 32), 1)
+    ref = ssm_scan_recurrent(**inp)
+    st = step["ssm_state"]
+    res = ssm_step(**step, backend="torch", state_out=st)
+    assert res.final_state is st
+    assert_close("state", ref.final_state, st, rel=1e-6)
