@@ -1,0 +1,642 @@
+"""``m2export check``: compare an export against the PyTorch reference with Polygraphy.
+
+Two sections, both compared with ``Comparator.compare_accuracy`` and one ``SimpleCompareFunc``
+(what ``CompareFunc.simple`` builds; per-output atol/rtol with ``""`` as the default key,
+``check_error_stat="elemwise"``: an element fails when its abs error > atol *and* its rel error > rtol):
+
+* ``prefill``: ``Comparator.run`` over :class:`~m2export.check.data.TokenDataLoader` feeds (real byte
+  tokens, zero past states, several batch/seqlen sizes) through the prefill graph of every runtime.
+* ``sequence``: prefill a prompt, then ``decode_steps`` decode-graph steps, each runtime feeding its own
+  ``present_*`` states back as ``past_*``; the reference's greedy token is fed to all runtimes so every
+  step compares like with like, and each runtime's own greedy choice must agree with the reference's
+  wherever the reference's top-2 logit margin exceeds the logits tolerance.
+
+Every comparison is (runtime, reference): Polygraphy's relative error divides by the second output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import logging
+import math
+import shlex
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from m2export.check.data import TokenDataLoader, default_shapes, np_dtype, read_corpus, token_windows, byte_tokens
+from m2export.check.runners import (ModelFromCheckpoint, TorchRunner, onnxrt_runner, tensorrt_available,
+                                    trt_runner)
+from m2export.errors import BackendUnavailable, CheckpointError, ExportError, M2ExportError, ToleranceError
+from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.manifest import Manifest, read_manifest
+
+log = logging.getLogger(__name__)
+
+REPORT_JSON = "check_report.json"
+REPORT_MD = "check_report.md"
+REPORT_PNG = "check_errors.png"
+DATA_LOADER_SCRIPT = "check_data_loader.py"
+REFERENCE = "torch"
+#: default rtol per export dtype (atol comes from Mamba2OnnxConfig.ATOL)
+DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
+RUNTIMES = ("onnxrt", "trt")
+
+
+# ----------------------------------------------------------------------------------------------- tolerances
+def default_tolerances(dtype: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(atol, rtol) dicts with only the ``""`` default key, for an export ``dtype``."""
+    atol = dict(Mamba2OnnxConfig.ATOL)
+    if dtype not in atol:
+        raise ExportError(f"m2export.json: unknown dtype {dtype!r}; expected one of {sorted(atol)}")
+    return {"": float(atol[dtype])}, {"": DEFAULT_RTOL[dtype]}
+
+
+def parse_tolerances(values: list[str] | None, base: dict[str, float], output_names: list[str],
+                     flag: str) -> dict[str, float]:
+    """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.
+
+    NAME may be a glob (``present_ssm_state.*``); it is expanded to the exact output names Polygraphy
+    needs. Later values win.
+
+    Raises:
+        M2ExportError: a malformed value, or a NAME that matches no output (with the names available).
+    """
+    out = dict(base)
+    for v in values or []:
+        name, sep, num = v.rpartition(":")
+        try:
+            x = float(num)
+            if not x >= 0:
+                raise ValueError
+        except ValueError:
+            raise M2ExportError(f"{flag} {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
+        if not sep:
+            out[""] = x
+            continue
+        matched = [n for n in output_names if fnmatch.fnmatchcase(n, name)]
+        if not matched:
+            raise M2ExportError(f"{flag} {v!r}: no output named {name!r}",
+                                hint=f"Note: outputs are {_abbrev_names(output_names)}; globs like "
+                                     "'present_ssm_state.*' work")
+        for n in matched:
+            out[n] = x
+    return out
+
+
+def _abbrev_names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def make_compare_func(atol: dict[str, float], rtol: dict[str, float]):
+    """Polygraphy ``SimpleCompareFunc`` (= ``CompareFunc.simple``) with exact output-name matching."""
+    from polygraphy.comparator.compare import SimpleCompareFunc
+
+    def exact(output_name, index, iter_result, base_iter_result=None):
+        return [output_name] if output_name in iter_result else None
+
+    return SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise", find_output_func=exact)
+
+
+# ----------------------------------------------------------------------------------------------- report
+@dataclass
+class OutputRow:
+    """Comparison of one output between a runtime and the reference over a section's iterations."""
+
+    section: str  # "prefill" | "sequence"
+    runner: str
+    reference: str
+    output: str
+    iterations: int
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    mean_rel: float
+    atol: float
+    rtol: float
+    passed: bool
+    failed_iterations: list[str] = field(default_factory=list)  # e.g. "2x65" or "step 3"
+    note: str = ""
+
+
+@dataclass
+class CheckReport:
+    """Everything ``m2export check`` measured. Truthy when every comparison passed."""
+
+    outdir: str
+    dtype: str
+    reference: str
+    runners: list[dict[str, str]]
+    skipped: list[str]
+    shapes: list[list[int]]
+    decode_steps: int
+    prompt_len: int
+    atol: dict[str, float]
+    rtol: dict[str, float]
+    rows: list[OutputRow]
+    greedy: dict[str, dict[str, Any]]
+    polygraphy_commands: list[str] = field(default_factory=list)
+    histogram: str | None = None
+    histogram_note: str = ""
+    corpus: str = "Python stdlib sources"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows) and all(
+            g["passed"] for g in self.greedy.values())
+
+    def failures(self) -> list[str]:
+        """One short line per failed output / greedy check: "section runner: output (max abs ..., atol ...)"."""
+        out = [f"{r.section} {r.runner}: {r.output} (max abs {r.max_abs:.3g} vs atol {r.atol:.3g}, max rel "
+               f"{r.max_rel:.3g} vs rtol {r.rtol:.3g}{'; ' + r.note if r.note else ''})"
+               for r in self.rows if not r.passed]
+        out += [f"sequence {name}: greedy tokens differ from {self.reference} at {g['mismatches'][0]['where']}"
+                for name, g in self.greedy.items() if not g["passed"]]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+    def write_json(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
+        return path
+
+    def to_markdown(self) -> str:
+        lines = [f"# m2export check: {'PASSED' if self.passed else 'FAILED'}", "",
+                 f"- output folder: `{self.outdir}` (dtype {self.dtype})",
+                 f"- reference: `{self.reference}` (PyTorch fp32, scan m2export.kernels.ssd.naive.ssm_scan_chunked)",
+                 "- runtimes: " + ", ".join(f"`{r['name']}` ({r['detail']})" for r in self.runners)]
+        lines += [f"- {s}" for s in self.skipped]
+        lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
+                  + ", ".join(f"{b}x{s}" for b, s in self.shapes)
+                  + f"; sequence: prompt {self.prompt_len} tokens + {self.decode_steps} decode steps",
+                  f"- tolerances (elemwise: fails where abs > atol and rel > rtol): atol {_fmt_tol(self.atol)}; "
+                  f"rtol {_fmt_tol(self.rtol)}", ""]
+        if self.failures():
+            lines += ["## Failures", ""] + [f"- {f}" for f in self.failures()] + [""]
+        lines += ["## Per output", "",
+                  "| section | runtime | output | iters | max abs | mean abs | max rel | mean rel | atol | rtol | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r.section} | {r.runner} | {r.output} | {r.iterations} | {r.max_abs:.3e} | "
+                         f"{r.mean_abs:.3e} | {r.max_rel:.3e} | {r.mean_rel:.3e} | {r.atol:.1e} | {r.rtol:.1e} | "
+                         f"{'pass' if r.passed else 'FAIL ' + ', '.join(r.failed_iterations)} |")
+        lines += ["", "## Greedy tokens (sequence section)", ""]
+        for name, g in self.greedy.items():
+            lines.append(f"- `{name}`: {g['agree']}/{g['total']} greedy tokens agree with `{self.reference}`"
+                         + ("" if g["passed"] else f" (FAILED: first at {g['mismatches'][0]['where']})")
+                         + (f"; {g['ties']} near-tie(s) ignored" if g.get("ties") else ""))
+        if self.histogram:
+            lines += ["", f"![error histogram]({Path(self.histogram).name})"]
+        elif self.histogram_note:
+            lines += ["", f"Error histogram: {self.histogram_note}"]
+        if self.polygraphy_commands:
+            lines += ["", "## Reproduce with Polygraphy's CLI", "",
+                      "Polygraphy cannot load the PyTorch reference; these commands compare the exported runtimes "
+                      "with each other on the same inputs:", "", "```sh"] + self.polygraphy_commands + ["```"]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt_tol(t: dict[str, float]) -> str:
+    return ", ".join(f"{k or 'default'}={v:g}" for k, v in t.items())
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    return str(o)
+
+
+# ----------------------------------------------------------------------------------------------- runners
+@dataclass
+class _Runtime:
+    """One runtime's prefill and decode runners (decode None when the export has no decode graph)."""
+
+    name: str
+    detail: str
+    prefill: Any
+    decode: Any | None
+
+
+def _graph_path(outdir: Path, file: str, what: str) -> Path:
+    p = outdir / file
+    if not p.is_file():
+        raise ExportError(f"{p}: {what} listed in m2export.json is missing",
+                          hint="re-export with 'm2export export CHECKPOINT -o OUTDIR --force'")
+    return p
+
+
+def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNTIMES,
+                   require_trt: bool = False) -> tuple[list[_Runtime], list[str]]:
+    """The reference plus one runtime per ONNX flavour (and TensorRT engines where possible).
+
+    Returns (runtimes with the reference first, skipped-lines).
+
+    Raises:
+        ExportError: a graph or engine listed in the manifest is missing (exit 1).
+        BackendUnavailable: ``require_trt`` and TensorRT is not installed or no engine was built (exit 4).
+    """
+    dtype = manifest.dtype
+    out = [_Runtime(REFERENCE, "PyTorch fp32 reference", TorchRunner(reference, role="prefill", dtype=dtype),
+                    TorchRunner(reference, role="decode", dtype=dtype))]
+    skipped: list[str] = []
+    if "onnxrt" in runtimes:
+        primary = manifest.graph("prefill").ssm_impl
+        for impl in [primary] + [i for i in manifest.ssm_impls() if i != primary]:
+            g = manifest.graph("prefill", impl)
+            pre = _graph_path(outdir, g.file, f"{impl} prefill graph")
+            try:
+                dg = manifest.graph("decode", impl)
+            except ExportError:
+                dg = None
+            dec = _graph_path(outdir, dg.file, f"{impl} decode graph") if dg else None
+            files = pre.name + (f"+{dec.name}" if dec else "")
+            out.append(_Runtime(f"onnxrt:{files}", f"ONNX Runtime CPU, ssm_impl={impl}",
+                                onnxrt_runner(pre), onnxrt_runner(dec) if dec else None))
+    if "trt" in runtimes:
+        pre_e, dec_e = manifest.engine("prefill"), manifest.engine("decode")
+        engines = [e for e in (pre_e, dec_e) if e is not None]
+        for e in engines:
+            _graph_path(outdir, e.file, f"{e.role} TensorRT engine")
+        if not engines:
+            msg = "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')"
+            if require_trt:
+                raise BackendUnavailable(f"{outdir}: no TensorRT engines to check",
+                                         hint="build them with 'm2export build OUTDIR' on a machine with a GPU")
+            skipped.append(msg)
+        elif not tensorrt_available():
+            if require_trt:
+                raise BackendUnavailable("TensorRT is not installed; cannot check the engines",
+                                         hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt")
+            skipped.append(f"TensorRT: skipped: TensorRT not installed ({', '.join(e.file for e in engines)} "
+                           "not checked)")
+        elif pre_e is None:
+            skipped.append("TensorRT: skipped: no prefill engine (model.plan)")
+        else:
+            out.append(_Runtime(f"trt:{pre_e.file}" + (f"+{dec_e.file}" if dec_e else ""),
+                                f"TensorRT {pre_e.tensorrt_version}, {pre_e.precision}, plugin {pre_e.plugin_mode}",
+                                trt_runner(outdir / pre_e.file),
+                                trt_runner(outdir / dec_e.file) if dec_e else None))
+    return out, skipped
+
+
+def _engine_shapes(manifest: Manifest) -> list[tuple[int, int]] | None:
+    """(batch, seqlen) from the prefill engine's profiles: min, opt and max of ``input_ids``, if recorded."""
+    e = manifest.engine("prefill")
+    if e is None:
+        return None
+    out = []
+    for prof in e.profiles or []:
+        spec = prof.get("input_ids") if isinstance(prof, dict) else None
+        if not isinstance(spec, dict):
+            continue
+        for k in ("min", "opt", "max"):
+            shp = spec.get(k)
+            if isinstance(shp, (list, tuple)) and len(shp) == 2 and (int(shp[0]), int(shp[1])) not in out:
+                out.append((int(shp[0]), int(shp[1])))
+    return out or None
+
+
+# ----------------------------------------------------------------------------------------------- main entry
+def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol: list[str] | None = None,
+              rtol: list[str] | None = None, shapes: list[tuple[int, int]] | None = None, decode_steps: int = 8,
+              prompt_len: int | None = None, text: str | Path | None = None, seed: int = 0,
+              runtimes=RUNTIMES, require_trt: bool = False, report_dir: str | Path | None = None,
+              max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False) -> CheckReport:
+    """Compare every runtime of an export with the PyTorch reference; write the reports.
+
+    Args:
+        outdir: folder written by ``m2export export`` (m2export.json + graphs [+ engines]).
+        checkpoint: the reference checkpoint (default: the manifest's ``source_checkpoint``); its sha256
+            must match the manifest's.
+        atol, rtol: ``VALUE`` or ``NAME:VALUE`` (NAME may be a glob) on top of the dtype defaults.
+        shapes: prefill (batch, seqlen) sizes (default: the engine profile's min/opt/max when engines
+            exist, else :func:`~m2export.check.data.default_shapes`).
+        decode_steps: decode-graph steps in the sequence section (0 skips the section).
+        prompt_len: prompt length of the sequence section (default chunk_size // 2 + 5).
+        text: corpus file (default: the Python stdlib sources).
+        runtimes: subset of ("onnxrt", "trt").
+        require_trt: fail with BackendUnavailable instead of skipping TensorRT.
+        report_dir: where the reports go (default ``outdir``).
+        progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
+        polygraphy_log: let Polygraphy log its per-output details (``-v``).
+
+    Returns:
+        CheckReport (truthy when everything passed); reports written to ``report_dir``:
+        check_report.json, check_report.md, check_errors.png (with matplotlib), check_data_loader.py.
+
+    Raises:
+        ExportError, CheckpointError: the folder or the reference is unusable (exit 1).
+        BackendUnavailable: ``require_trt`` without TensorRT/engines (exit 4).
+    """
+    from polygraphy.comparator import Comparator, RunResults
+    from polygraphy.exception import PolygraphyException
+    from polygraphy.logger import G_LOGGER
+
+    outdir = Path(outdir)
+    manifest = read_manifest(outdir)
+    cfg = manifest.model_config()
+    dtype = manifest.dtype
+    np_dtype(dtype)
+    report_dir = Path(report_dir) if report_dir else outdir
+    report_dir.mkdir(parents=True, exist_ok=True)
+
+    ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
+    if not ck_path.exists():
+        raise CheckpointError(f"reference checkpoint {ck_path} (from m2export.json) does not exist",
+                              hint="pass the checkpoint the export was made from with --checkpoint")
+    reference = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
+
+    out_names = list(Mamba2OnnxConfig(cfg).outputs(decode=False))
+    atol_d, rtol_d = default_tolerances(dtype)
+    atol_d = parse_tolerances(atol, atol_d, out_names, "--atol")
+    rtol_d = parse_tolerances(rtol, rtol_d, out_names, "--rtol")
+    compare_func = make_compare_func(atol_d, rtol_d)
+
+    shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
+    corpus = read_corpus(text)
+    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed)
+    rts, skipped = build_runtimes(outdir, manifest, reference, runtimes=runtimes, require_trt=require_trt)
+    if len(rts) < 2:
+        raise M2ExportError(f"{outdir}: nothing to compare with the reference (runtimes={list(runtimes)})",
+                            hint="keep 'onnxrt' in --runtime")
+    reference()  # load now: a bad checkpoint fails before any runtime starts
+    comparisons = [(i, 0) for i in range(1, len(rts))]
+    hist: dict[str, list[np.ndarray]] = {}
+    prog = progress or (lambda desc, total: (lambda: None))
+
+    severity = G_LOGGER.INFO if polygraphy_log else G_LOGGER.CRITICAL
+    try:
+        with G_LOGGER.verbosity(severity):
+            # -------- prefill section: Comparator.run over the data loader (streaming: all runners active)
+            advance = prog(f"prefill: {len(shapes)} inputs x {len(rts)} runtimes", len(shapes))
+            stream = Comparator.run([r.prefill for r in rts], data_loader=loader, streaming=True)
+            labels = [f"{b}x{s}" for b, s in shapes]
+            prefill_acc = Comparator.compare_accuracy(
+                _tap(stream, advance, hist, [r.prefill.name for r in rts]), comparisons=comparisons,
+                compare_func=compare_func)
+            rows = _rows("prefill", prefill_acc, labels, out_names, atol_d, rtol_d)
+
+            # -------- sequence section: prefill -> decode steps, states fed back per runtime
+            greedy: dict[str, dict[str, Any]] = {}
+            plen = prompt_len or min(max_seqlen, cfg.chunk_size // 2 + 5)
+            if decode_steps > 0 and all(r.decode is not None for r in rts):
+                advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
+                seq_results, greedy = _sequence(rts, cfg, dtype, corpus, plen, decode_steps, seed,
+                                                atol_d.get("logits", atol_d[""]), advance)
+                seq_acc = Comparator.compare_accuracy(seq_results, comparisons=comparisons,
+                                                      compare_func=compare_func)
+                rows += _rows("sequence", seq_acc, ["prefill"] + [f"step {k + 1}" for k in range(decode_steps)],
+                              out_names, atol_d, rtol_d)
+            elif decode_steps > 0:
+                skipped.append("sequence check: skipped: the export has no decode graph for every runtime")
+    except PolygraphyException as e:
+        raise M2ExportError(f"Polygraphy failed while running the comparison: {e}".strip(),
+                            hint="re-run with -v for Polygraphy's log") from None
+
+    report = CheckReport(
+        outdir=str(outdir), dtype=dtype, reference=REFERENCE,
+        runners=[{"name": r.name, "detail": r.detail} for r in rts], skipped=skipped,
+        shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
+        prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
+        corpus=str(text) if text else "Python stdlib sources")
+    script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed)
+    report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
+    report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
+    report.write_json(report_dir / REPORT_JSON)
+    (report_dir / REPORT_MD).write_text(report.to_markdown())
+    return report
+
+
+def _tap(stream, advance, hist, names):
+    """Pass Polygraphy's streamed RunResults through, advancing the progress bar and keeping the
+    abs errors vs the reference (runner 0) per runtime and output group for the histogram."""
+    for rr in stream:
+        ref = rr[0][1][0]
+        for name, iters in list(rr)[1:]:
+            it = iters[0]
+            for out_name in it.keys():
+                if out_name in ref:
+                    grp = out_name.split(".")[0]
+                    err = np.abs(np.asarray(it[out_name], dtype=np.float64) - np.asarray(ref[out_name], np.float64))
+                    hist.setdefault(f"{name} | {grp}", []).append(err.ravel())
+        advance()
+        yield rr
+
+
+def _rows(section, acc_results, labels, out_names, atol_d, rtol_d) -> list[OutputRow]:
+    """OutputRow per (pair, output) aggregated over iterations; outputs never compared become failures."""
+    acc = acc_results[0]  # one compare func
+    rows = []
+    for (runner, reference), iters in acc.items():
+        seen: dict[str, list] = OrderedDict((n, []) for n in out_names)
+        for k, match in enumerate(iters):
+            for name, res in match.items():
+                seen.setdefault(name, []).append((k, res))
+        for name, results in seen.items():
+            atol, rtol = atol_d.get(name, atol_d[""]), rtol_d.get(name, rtol_d[""])
+            if not results:
+                rows.append(OutputRow(section, runner, reference, name, 0, math.nan, math.nan, math.nan, math.nan,
+                                      atol, rtol, False, note="output missing from this runtime"))
+                continue
+            stats = [r for _, r in results if hasattr(r, "max_absdiff")]
+            failed = [labels[k] if k < len(labels) else str(k) for k, r in results if not bool(r)]
+            note = "" if len(stats) == len(results) else "shape mismatch"
+            rows.append(OutputRow(
+                section, runner, reference, name, len(results),
+                max((s.max_absdiff for s in stats), default=math.nan),
+                float(np.mean([s.mean_absdiff for s in stats])) if stats else math.nan,
+                max((s.max_reldiff for s in stats), default=math.nan),
+                float(np.mean([s.mean_reldiff for s in stats])) if stats else math.nan,
+                atol, rtol, not failed, failed, note))
+    return rows
+
+
+def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: int, seed: int, logits_atol: float,
+              advance) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """Run prefill + ``steps`` decode steps per runtime; return (RunResults, greedy agreement per runtime).
+
+    The reference runs first; its greedy token at each step is fed to every runtime.
+    """
+    from polygraphy.comparator import RunResults
+    from polygraphy.comparator.struct import IterationResult
+
+    n = cfg.n_layer
+    rng = np.random.default_rng(seed + 1)
+    prompt = token_windows(byte_tokens(corpus, cfg.vocab_size), 2, plen, rng)
+    from m2export.check.data import zero_states
+
+    results = RunResults()
+    ref_tokens: list[np.ndarray] = []
+    ref_logits: list[np.ndarray] = []
+    greedy: dict[str, dict[str, Any]] = {}
+    for ri, rt in enumerate(rts):
+        iters = []
+        with rt.prefill as pre, rt.decode as dec:
+            feed = OrderedDict(input_ids=prompt)
+            feed.update(zero_states(cfg, prompt.shape[0], dtype))
+            out = _copy(pre.infer(feed))
+            iters.append(IterationResult(out, runner_name=rt.name))
+            for k in range(steps + 1):
+                last = np.asarray(out["logits"], dtype=np.float32)[:, -1, :cfg.vocab_size]
+                if ri == 0:
+                    ref_logits.append(last)
+                    ref_tokens.append(last.argmax(-1))
+                else:
+                    _greedy_update(greedy.setdefault(rt.name, {"agree": 0, "total": 0, "ties": 0, "mismatches": []}),
+                                   k, last, ref_logits[k], logits_atol)
+                if k == steps:
+                    break
+                feed = OrderedDict(input_ids=ref_tokens[k][:, None].astype(np.int64))
+                for i in range(n):
+                    feed[f"past_conv_state.{i}"] = out[f"present_conv_state.{i}"]
+                    feed[f"past_ssm_state.{i}"] = out[f"present_ssm_state.{i}"]
+                out = _copy(dec.infer(feed))
+                iters.append(IterationResult(out, runner_name=rt.name))
+        results.append((rt.name, iters))
+        advance()
+    for g in greedy.values():
+        g["passed"] = not g["mismatches"]
+    return results, greedy
+
+
+def _greedy_update(g: dict, step: int, last: np.ndarray, ref: np.ndarray, atol: float) -> None:
+    """Count greedy agreement at one step; a disagreement counts only where the reference's top-2 margin
+    exceeds 2 * atol (otherwise the choice is a numerical tie)."""
+    mine, theirs = last.argmax(-1), ref.argmax(-1)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    for b in range(len(mine)):
+        g["total"] += 1
+        if mine[b] == theirs[b]:
+            g["agree"] += 1
+        elif margin[b] <= 2 * atol:
+            g["ties"] += 1
+        else:
+            g["mismatches"].append({"where": f"{'prefill' if step == 0 else f'step {step}'} batch {b}",
+                                    "token": int(mine[b]), "reference_token": int(theirs[b]),
+                                    "reference_margin": float(margin[b])})
+
+
+def _copy(outputs) -> "OrderedDict[str, np.ndarray]":
+    """Own copies of a runner's outputs (runners may reuse their buffers)."""
+    return OrderedDict((k, np.array(v, copy=True)) for k, v in outputs.items())
+
+
+# ----------------------------------------------------------------------------------------------- histogram
+def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | None, str]:
+    """PNG histogram of log10 abs errors per runtime and output group; (path, "") or (None, why not)."""
+    if not hist:
+        return None, "skipped: no comparisons"
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "skipped: matplotlib not installed (pip install 'm2export[plot]')"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, errs in sorted(hist.items()):
+        e = np.concatenate(errs)
+        ax.hist(np.log10(np.maximum(e, 1e-12)), bins=80, histtype="step", label=label)
+    ax.set_xlabel("log10 |runtime - torch| (prefill section)")
+    ax.set_ylabel("elements")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path), ""
+
+
+# ----------------------------------------------------------------------------------------------- polygraphy CLI
+DATA_LOADER_TEMPLATE = '''"""Polygraphy data loader written by `m2export check`: the prefill feeds it compared.
+
+Use with: polygraphy run ... --data-loader-script {script}:load_data
+"""
+
+try:  # registers the m2export::SSMScan TensorRT plugin where TensorRT is installed
+    import m2export.plugins  # noqa: F401
+except ImportError:
+    pass
+from m2export.check.data import TokenDataLoader, read_corpus
+from m2export.exporter.manifest import read_manifest
+
+OUTDIR = {outdir!r}
+SHAPES = {shapes!r}
+TEXT = {text!r}
+SEED = {seed!r}
+
+
+def load_data():
+    manifest = read_manifest(OUTDIR)
+    yield from TokenDataLoader(manifest.model_config(), manifest.dtype, SHAPES, corpus=read_corpus(TEXT), seed=SEED)
+'''
+
+
+def write_data_loader_script(path: Path, outdir: Path, shapes, text, seed) -> Path:
+    path.write_text(DATA_LOADER_TEMPLATE.format(script=path.name, outdir=str(Path(outdir).resolve()),
+                                                shapes=[tuple(s) for s in shapes],
+                                                text=str(Path(text).resolve()) if text else None, seed=seed))
+    return path
+
+
+def _tol_args(flag: str, tol: dict[str, float]) -> list[str]:
+    vals = [f"{k}:{v:g}" for k, v in tol.items() if k] + [f"{tol['']:g}"]
+    return [flag, *vals]
+
+
+def polygraphy_commands(outdir: Path, manifest: Manifest, script: Path, atol: dict[str, float],
+                        rtol: dict[str, float], report_dir: Path) -> list[str]:
+    """Equivalent ``polygraphy run`` commands: save the primary ONNX graph's ORT outputs, then compare
+    the other flavour and/or the TensorRT engine against them with the same tolerances."""
+    q = shlex.quote
+    primary = outdir / manifest.graph("prefill").file
+    saved = report_dir / "polygraphy_onnxrt_outputs.json"
+    dl = ["--data-loader-script", f"{script}:load_data"]
+    cmds = [["polygraphy", "run", str(primary), "--onnxrt", *dl, "--save-outputs", str(saved)]]
+    tol = [*_tol_args("--atol", atol), *_tol_args("--rtol", rtol), "--check-error-stat", "elemwise"]
+    for g in manifest.graphs:
+        if g.role == "prefill" and g.file != manifest.graph("prefill").file:
+            cmds.append(["polygraphy", "run", str(outdir / g.file), "--onnxrt", *dl, "--load-outputs", str(saved),
+                         *tol])
+    e = manifest.engine("prefill")
+    if e is not None:
+        cmds.append(["polygraphy", "run", str(outdir / e.file), "--model-type", "engine", "--trt", *dl,
+                     "--load-outputs", str(saved), *tol])
+    return [" ".join(q(a) for a in c) for c in cmds]
+
+
+# ----------------------------------------------------------------------------------------------- console
+def group_rows(rows: list[OutputRow]) -> list[dict[str, Any]]:
+    """Console rows: ``logits`` alone, the per-layer states grouped (worst case, pass count)."""
+    groups: OrderedDict[tuple, list[OutputRow]] = OrderedDict()
+    for r in rows:
+        key = (r.section, r.runner, r.output.split(".")[0])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (section, runner, grp), rs in groups.items():
+        n_ok = sum(r.passed for r in rs)
+        name = rs[0].output if len(rs) == 1 else f"{grp}.* ({len(rs)} layers)"
+        worst = [r for r in rs if not r.passed]
+        out.append({"section": section, "runner": runner, "output": name,
+                    "max_abs": max((r.max_abs for r in rs), default=math.nan),
+                    "mean_abs": float(np.mean([r.mean_abs for r in rs])),
+                    "max_rel": max((r.max_rel for r in rs), default=math.nan),
+                    "mean_rel": float(np.mean([r.mean_rel for r in rs])),
+                    "atol": max(r.atol for r in rs), "rtol": max(r.rtol for r in rs),
+                    "passed": n_ok == len(rs),
+                    "result": "pass" if n_ok == len(rs) else
+                    f"FAIL {len(rs) - n_ok}/{len(rs)}: " + ", ".join(r.output for r in worst[:3])
+                    + (" ..." if len(worst) > 3 else "")})
+    return out

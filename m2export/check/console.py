@@ -1,0 +1,36 @@
+"""Console helpers shared by the check / generate / inspect verbs: rich progress bars and tables."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable, Iterator
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable[[], None]]]:
+    """Yield ``new_task(description, total) -> advance()``; a rich progress display on stderr when enabled.
+
+    Disabled (quiet, or stderr not a terminal) it yields no-op tasks.
+    """
+    if not enabled or not sys.stderr.isatty():
+        yield lambda desc, total: (lambda: None)
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as prog:
+        def new_task(desc: str, total: int) -> Callable[[], None]:
+            tid = prog.add_task(desc, total=total)
+            return lambda: prog.advance(tid)
+
+        yield new_task
+
+
+def quiet_polygraphy() -> None:
+    """Polygraphy logs through a process-wide logger; turn its colour probe off (it prints a warning
+    when the optional ``colored`` module is missing)."""
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.colors = False

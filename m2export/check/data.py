@@ -1,0 +1,177 @@
+"""Inputs for accuracy checks: real byte-level token sequences with zero past states.
+
+:class:`TokenDataLoader` is a Polygraphy data loader (an iterable of feed dicts, see
+``polygraphy.comparator.DataLoader``): every feed dict holds ``input_ids`` (batch, seqlen) int64
+taken from a text corpus, plus ``past_conv_state.{i}`` / ``past_ssm_state.{i}`` zeros (a fresh
+sequence), with the names and dtypes of the exported graphs (m2export/exporter/configs.py).
+
+The default corpus is the Python standard library's own ``.py`` sources: real, varied text that
+is on every machine, and the domain of the bundled stdlib byte model.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from m2export.errors import M2ExportError
+from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.models.config import Mamba2Config
+
+#: numpy dtype of the conv states / logits per export dtype (bf16 has no numpy dtype)
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+DEFAULT_CORPUS_BYTES = 1 << 20  # 1 MiB of stdlib sources is plenty of distinct windows
+
+
+@lru_cache(maxsize=4)
+def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
+    """The first ``max_bytes`` of the stdlib's top-level ``*.py`` files, in sorted file-name order.
+
+    Deterministic for one Python version; files are separated by a blank line.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, n = [], 0
+    for f in sorted(root.glob("*.py")):
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        out.append(b + b"\n\n")
+        n += len(b) + 2
+        if n >= max_bytes:
+            break
+    if not out:
+        raise M2ExportError(f"no Python sources found under {root} for the default corpus",
+                            hint="pass a text file with --text FILE")
+    return b"".join(out)[:max_bytes]
+
+
+def read_corpus(text_file: str | Path | None) -> bytes:
+    """The bytes of ``text_file``, or :func:`stdlib_corpus` when None.
+
+    Raises:
+        M2ExportError: the file is missing or shorter than 2 bytes.
+    """
+    if text_file is None:
+        return stdlib_corpus()
+    p = Path(text_file)
+    if not p.is_file():
+        raise M2ExportError(f"--text {p}: no such file", hint="pass a UTF-8 text file, or omit --text for the "
+                            "default corpus (the Python stdlib sources)")
+    data = p.read_bytes()
+    if len(data) < 2:
+        raise M2ExportError(f"--text {p}: only {len(data)} bytes; need at least 2")
+    return data
+
+
+def byte_tokens(data: bytes, vocab_size: int) -> np.ndarray:
+    """Byte-level token ids (int64); bytes >= vocab_size (only for vocabularies < 256) wrap around."""
+    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    return ids % vocab_size if vocab_size < 256 else ids
+
+
+def token_windows(tokens: np.ndarray, batch: int, seqlen: int, rng: np.random.Generator) -> np.ndarray:
+    """(batch, seqlen) int64 windows at random offsets of ``tokens`` (repeated if it is too short)."""
+    if len(tokens) < seqlen + 1:
+        tokens = np.tile(tokens, -(-(seqlen + 1) // len(tokens)))
+    starts = rng.integers(0, len(tokens) - seqlen, size=batch)
+    return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int64)
+
+
+def zero_states(cfg: Mamba2Config, batch: int, dtype: str) -> "OrderedDict[str, np.ndarray]":
+    """``past_conv_state.{i}`` (model dtype) and ``past_ssm_state.{i}`` (fp32) zeros: a fresh sequence."""
+    conv_dt = np_dtype(dtype)
+    oc = Mamba2OnnxConfig(cfg)
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    for name, shape in oc.inputs(decode=False).items():
+        if name == "input_ids":
+            continue
+        concrete = tuple(batch if d == "batch_size" else d for d in shape)
+        out[name] = np.zeros(concrete, dtype=np.float32 if "ssm_state" in name else conv_dt)
+    return out
+
+
+def np_dtype(dtype: str):
+    """numpy dtype of an export dtype name.
+
+    Raises:
+        M2ExportError: bf16 (numpy has no bfloat16; ONNX Runtime's CPU provider lacks most bf16 kernels).
+    """
+    if dtype not in NP_DTYPES:
+        raise M2ExportError(f"dtype {dtype!r}: accuracy checks on the CPU need fp32 or fp16 graphs",
+                            hint="export with --dtype fp32 (or fp16) to check on the CPU; bf16 engines are "
+                                 "checked with TensorRT on a GPU")
+    return NP_DTYPES[dtype]
+
+
+def default_shapes(cfg: Mamba2Config, max_seqlen: int = 512) -> list[tuple[int, int]]:
+    """(batch, seqlen) pairs across the range that matters for a chunked scan.
+
+    One token, a partial chunk, exactly one chunk, one chunk + 1 and a couple of chunks plus a
+    remainder; batch 1..3. Capped at ``max_seqlen``.
+    """
+    c = cfg.chunk_size
+    cand = [(1, 1), (1, max(2, c // 2 - 1)), (2, c), (2, c + 1), (3, 2 * c + 3)]
+    out = []
+    for b, s in cand:
+        s = min(s, max_seqlen)
+        if (b, s) not in out:
+            out.append((b, s))
+    return out
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    """'1x1,2x64' -> [(1, 1), (2, 64)].
+
+    Raises:
+        M2ExportError: a malformed item, named.
+    """
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        try:
+            b, s = (int(v) for v in item.lower().split("x"))
+            if b < 1 or s < 1:
+                raise ValueError
+        except ValueError:
+            raise M2ExportError(f"--shapes: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
+                                "e.g. 1x1,2x64") from None
+        out.append((b, s))
+    return out
+
+
+class TokenDataLoader:
+    """Polygraphy data loader: one feed dict per (batch, seqlen) in ``shapes``, real tokens, zero states.
+
+    Args:
+        cfg: the model configuration (state shapes, vocabulary size).
+        dtype: export dtype ("fp32" | "fp16"): dtype of ``past_conv_state.{i}``.
+        shapes: (batch, seqlen) per feed dict.
+        corpus: text bytes to cut windows from (default :func:`stdlib_corpus`).
+        seed: window offsets; the same seed gives the same feeds.
+
+    Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
+    shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
+    """
+
+    def __init__(self, cfg: Mamba2Config, dtype: str, shapes: Sequence[tuple[int, int]], *,
+                 corpus: bytes | None = None, seed: int = 0):
+        self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
+        self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
+        np_dtype(dtype)  # fail early on bf16
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __iter__(self) -> Iterator["OrderedDict[str, np.ndarray]"]:
+        rng = np.random.default_rng(self.seed)
+        for batch, seqlen in self.shapes:
+            feed: OrderedDict[str, np.ndarray] = OrderedDict(
+                input_ids=token_windows(self.tokens, batch, seqlen, rng))
+            feed.update(zero_states(self.cfg, batch, self.dtype))
+            yield feed

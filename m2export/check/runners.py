@@ -1,0 +1,167 @@
+"""Polygraphy runners and loaders for the three runtimes ``m2export check`` compares.
+
+* :class:`TorchRunner`: the PyTorch reference (:class:`m2export.models.mamba2.Mamba2LMHeadModel`,
+  fp32, scan ``m2export.kernels.ssd.naive.ssm_scan_chunked``) behind the same feed-dict interface
+  as the exported graphs: ``input_ids`` + ``past_*_state.{i}`` in, ``logits`` + ``present_*_state.{i}``
+  out (names from m2export/exporter/configs.py). Polygraphy's own ``PytRunner`` predates
+  ``BaseRunner``'s metadata checks, so we subclass ``BaseRunner`` and fill in only the ``*_impl``.
+* ONNX Runtime: Polygraphy's ``OnnxrtRunner`` on a ``SessionFromOnnx`` (CPU provider), one per
+  graph flavour present in OUTDIR (:func:`onnxrt_runner`).
+* TensorRT: Polygraphy's ``TrtRunner`` on ``EngineFromBytes`` (:func:`trt_runner`), only where
+  ``tensorrt`` imports; ``m2export.plugins`` is imported first so the SSMScan plugin is registered.
+
+Loaders follow Polygraphy's lazy ``XFromY`` convention: constructing one stores configuration,
+calling it does the work (:class:`ModelFromCheckpoint`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+from polygraphy import util as pg_util
+from polygraphy.backend.base import BaseLoader, BaseRunner
+from polygraphy.common import TensorMetadata
+
+from m2export.check.data import np_dtype
+from m2export.errors import BackendUnavailable, CheckpointError
+from m2export.exporter.configs import Mamba2OnnxConfig
+
+ROLES = ("prefill", "decode")
+
+
+class ModelFromCheckpoint(BaseLoader):
+    """Lazy loader: ``ModelFromCheckpoint(path)()`` -> :class:`m2export.models.checkpoint.LoadedCheckpoint` (fp32).
+
+    Args:
+        checkpoint: checkpoint directory or weight file.
+        expected_sha256: when given (the manifest's ``checkpoint_sha256``), a checkpoint whose files hash
+            differently raises :class:`CheckpointError`: comparing an export against other weights
+            proves nothing.
+    """
+
+    def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None):
+        self.checkpoint = Path(checkpoint)
+        self.expected_sha256 = expected_sha256
+        self._cache: dict = {}  # loaded once, shared by the prefill and decode runners
+
+    def call_impl(self):
+        if "ck" in self._cache:
+            return self._cache["ck"]
+        import torch
+
+        from m2export.models.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(self.checkpoint, dtype=torch.float32)
+        if self.expected_sha256 and ck.sha256 != self.expected_sha256:
+            raise CheckpointError(
+                f"{self.checkpoint}: sha256 {ck.sha256[:12]}... differs from the exported checkpoint's "
+                f"{self.expected_sha256[:12]}... (m2export.json)",
+                hint="pass the checkpoint the export was made from with --checkpoint, or re-export")
+        ck.model.eval()
+        self._cache["ck"] = ck
+        return ck
+
+
+class TorchRunner(BaseRunner):
+    """Runs the PyTorch reference model on exported-graph feed dicts.
+
+    Args:
+        model: a :class:`LoadedCheckpoint`, a ``Mamba2LMHeadModel``, or a loader returning either
+            (e.g. :class:`ModelFromCheckpoint`). Run in fp32 whatever the export dtype.
+        role: "prefill" (``input_ids`` (batch, sequence_length)) or "decode" (``input_ids`` (batch, 1)).
+        dtype: export dtype ("fp32" | "fp16"): dtype of ``past_conv_state.{i}`` inputs and of ``logits`` /
+            ``present_conv_state.{i}`` outputs, so outputs compare like for like with the graph's.
+        name: runner name in reports (default "torch").
+
+    Outputs: ``OrderedDict`` in graph order: ``logits`` (batch, seqlen, vocab_size_padded), then per layer
+    ``present_conv_state.{i}``, ``present_ssm_state.{i}`` (fp32).
+    """
+
+    def __init__(self, model, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):
+        super().__init__(name=name or "torch", prefix="torch-runner")
+        if role not in ROLES:
+            raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+        self._model = model
+        self.role, self.dtype = role, dtype
+        self._io_dtype = np_dtype(dtype)
+
+    def activate_impl(self):
+        import torch
+
+        m, _ = pg_util.invoke_if_callable(self._model)
+        self.model = getattr(m, "model", m)  # LoadedCheckpoint -> Mamba2LMHeadModel
+        self.model = self.model.float().eval()
+        self.cfg = self.model.cfg
+        self._torch = torch
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for name, shape in Mamba2OnnxConfig(self.cfg).inputs(decode=self.role == "decode").items():
+            if name == "input_ids":
+                dt = np.int64
+            elif "ssm_state" in name:
+                dt = np.float32
+            else:
+                dt = self._io_dtype
+            meta.add(name, dtype=dt, shape=list(shape))
+        return meta
+
+    def infer_impl(self, feed_dict):
+        torch = self._torch
+        n = self.cfg.n_layer
+        ids = torch.as_tensor(np.asarray(feed_dict["input_ids"]), dtype=torch.int64)
+        conv = [torch.as_tensor(np.asarray(feed_dict[f"past_conv_state.{i}"])).float() for i in range(n)]
+        ssm = [torch.as_tensor(np.asarray(feed_dict[f"past_ssm_state.{i}"])).float() for i in range(n)]
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn = self.model.step if self.role == "decode" else self.model.forward
+            out = fn(ids, conv, ssm)
+        self.inference_time = time.perf_counter() - start
+        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=out.logits.float().numpy().astype(self._io_dtype))
+        for i in range(n):
+            res[f"present_conv_state.{i}"] = out.conv_states[i].float().numpy().astype(self._io_dtype)
+            res[f"present_ssm_state.{i}"] = out.ssm_states[i].float().numpy().astype(np.float32)
+        return res
+
+    def deactivate_impl(self):
+        del self.model, self.cfg, self._torch
+
+
+def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
+    """Polygraphy ``OnnxrtRunner`` on ``SessionFromOnnx(onnx_path, providers=["cpu"])``.
+
+    The path (not bytes) is passed so external-data files next to the graph are found.
+    """
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    p = Path(onnx_path)
+    return OnnxrtRunner(SessionFromOnnx(str(p), providers=["cpu"]), name=name or f"onnxrt:{p.name}")
+
+
+def tensorrt_available() -> bool:
+    """True when the ``tensorrt`` Python package is importable (says nothing about a GPU)."""
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def trt_runner(engine_path: str | Path, *, name: str | None = None):
+    """Polygraphy ``TrtRunner`` on ``EngineFromBytes(BytesFromPath(engine_path))``.
+
+    Imports ``m2export.plugins`` first so the m2export::SSMScan plugin is registered before the engine
+    is deserialised.
+
+    Raises:
+        BackendUnavailable: ``tensorrt`` is not installed (exit code 4).
+    """
+    if not tensorrt_available():
+        raise BackendUnavailable("TensorRT is not installed",
+                                 hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt (needs a GPU)")
+    import m2export.plugins  # noqa: F401  (registers the SSMScan plugin)
+    from polygraphy.backend.common import BytesFromPath
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    p = Path(engine_path)
+    return TrtRunner(EngineFromBytes(BytesFromPath(str(p))), name=name or f"trt:{p.name}")

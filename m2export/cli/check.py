@@ -1,0 +1,131 @@
+"""``m2export check``: accuracy of an export against the PyTorch reference, with Polygraphy."""
+
+from __future__ import annotations
+
+HELP = "compare an export (ONNX Runtime, TensorRT) with the PyTorch reference on real token sequences"
+DESCRIPTION = """Run the same inputs through the PyTorch reference model (fp32), ONNX Runtime (every graph flavour
+in OUTDIR) and TensorRT (the engines, when built and TensorRT is installed; otherwise a "skipped" line),
+and compare every output with Polygraphy (Comparator.compare_accuracy, per-output atol/rtol).
+
+Inputs are real byte-level token sequences (--text FILE, default: the Python stdlib's own sources) at
+several batch x seqlen sizes with zero past states (a fresh sequence), plus a sequence check: a prompt
+through the prefill graph, then --decode-steps steps through the decode graph with each runtime feeding
+its own states back; greedy tokens must agree with the reference (numerical ties excepted).
+
+An element fails when its absolute error > atol AND its relative error > rtol. Defaults by export
+dtype: fp32 atol 1e-4 rtol 1e-3; fp16 atol 5e-2 rtol 1e-2. Override with --atol/--rtol VALUE (the
+default) or NAME:VALUE (one output; NAME may be a glob like 'present_ssm_state.*').
+
+Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
+(error histogram, when matplotlib is installed) and check_data_loader.py (the same inputs for
+'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed).
+
+exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
+1 OUTDIR, a graph, an engine or the reference checkpoint is missing; 4 --runtime trt without TensorRT.
+
+examples:
+  m2export check /tmp/m2-130m
+  m2export check /tmp/m2-130m --text my_corpus.txt --shapes 1x1,4x512 --decode-steps 32
+  m2export check /tmp/m2-130m-fp16 --atol 'logits:0.1' --rtol 0.02
+  m2export check /tmp/m2-130m --runtime trt      # fail (exit 4) instead of skipping TensorRT
+  m2export check /tmp/m2-130m --checkpoint /ckpt/mamba2-130m   # the reference moved since export
+"""
+
+
+def add_arguments(p):
+    g = p.add_argument_group("Required arguments")
+    g.add_argument("outdir", metavar="OUTDIR", help="folder written by 'm2export export' (m2export.json + graphs)")
+    g = p.add_argument_group("Reference and runtimes")
+    g.add_argument("--checkpoint", metavar="PATH",
+                   help="reference checkpoint (default: the one recorded in m2export.json; hashes must match)")
+    g.add_argument("--runtime", dest="runtimes", action="append", choices=["onnxrt", "trt"],
+                   help="runtime(s) to compare with the reference (repeatable; default: onnxrt, and trt when "
+                        "engines and TensorRT exist; naming trt makes its absence an error)")
+    g = p.add_argument_group("Inputs")
+    g.add_argument("--text", metavar="FILE", help="corpus for the token sequences (default: Python stdlib sources)")
+    g.add_argument("--shapes", metavar="BxS,...",
+                   help="prefill batch x seqlen sizes, e.g. 1x1,2x64 (default: engine profile min/opt/max, else "
+                        "1 token, a partial chunk, one chunk, one chunk + 1, two chunks + 3)")
+    g.add_argument("--max-seq-len", type=int, default=512, help="cap on the default sizes (default: %(default)s)")
+    g.add_argument("--decode-steps", type=int, default=8,
+                   help="decode steps in the sequence check; 0 skips it (default: %(default)s)")
+    g.add_argument("--prompt-len", type=int, default=None, help="prompt length of the sequence check "
+                   "(default: chunk_size // 2 + 5)")
+    g.add_argument("--seed", type=int, default=0, help="where the windows are cut from the corpus")
+    g = p.add_argument_group("Tolerances")
+    g.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance(s)")
+    g.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance(s)")
+    g = p.add_argument_group("Output")
+    g.add_argument("--report-dir", metavar="DIR", help="where the reports go (default: OUTDIR)")
+
+
+def run(args) -> int:
+    import time
+
+    from m2export.check.compare import REPORT_JSON, REPORT_MD, RUNTIMES, group_rows, run_check
+    from m2export.check.console import progress_bars, quiet_polygraphy
+    from m2export.check.data import parse_shapes
+    from m2export.errors import M2ExportError, ToleranceError
+
+    t0 = time.perf_counter()
+    quiet_polygraphy()
+    if args.decode_steps < 0:
+        raise M2ExportError(f"--decode-steps {args.decode_steps}: expected >= 0")
+    shapes = parse_shapes(args.shapes) if args.shapes else None
+    runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
+    with progress_bars(not args.quiet) as prog:
+        report = run_check(args.outdir, checkpoint=args.checkpoint, atol=args.atol, rtol=args.rtol, shapes=shapes,
+                           decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
+                           seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
+                           report_dir=args.report_dir, max_seqlen=args.max_seq_len, progress=prog,
+                           polygraphy_log=args.verbose > 1)
+    report_dir = args.report_dir or args.outdir
+    if not args.quiet:
+        _print_report(report, report_dir, group_rows(report.rows), REPORT_JSON, REPORT_MD)
+    elapsed = time.perf_counter() - t0
+    if report.passed:
+        print(f"PASSED | m2export check {args.outdir} | {elapsed:.1f}s")
+        return 0
+    print(f"FAILED | m2export check {args.outdir} | {elapsed:.1f}s")
+    fails = report.failures()
+    raise ToleranceError(f"accuracy check failed: {len(fails)} comparison(s) out of tolerance: " + "; ".join(fails[:4])
+                         + (f"; ... (all in {report_dir}/{REPORT_MD})" if len(fails) > 4 else ""),
+                         hint=f"details per output in {report_dir}/{REPORT_MD}; widen --atol/--rtol NAME:VALUE only "
+                              "if the error is expected (e.g. fp16)")
+
+
+def _print_report(report, report_dir, groups, json_name, md_name) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    import sys
+
+    con = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    con.print(f"m2export check {report.outdir} (dtype {report.dtype}): reference {report.reference} "
+              f"(PyTorch fp32) vs " + ", ".join(r["name"] for r in report.runners[1:]), markup=False)
+    for s in report.skipped:
+        con.print(s, markup=False)
+    con.print("inputs: " + report.corpus + "; prefill " + ", ".join(f"{b}x{s}" for b, s in report.shapes)
+              + (f"; sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps"
+                 if report.decode_steps else ""), markup=False)
+    for section in dict.fromkeys(g["section"] for g in groups):
+        t = Table(title=f"{section}: runtime vs {report.reference}", title_justify="left")
+        for col in ("runtime", "output", "max abs", "mean abs", "max rel", "mean rel", "atol", "rtol", "result"):
+            t.add_column(col, justify="left" if col in ("runtime", "output", "result") else "right")
+        for g in groups:
+            if g["section"] == section:
+                t.add_row(g["runner"], g["output"], f"{g['max_abs']:.2e}", f"{g['mean_abs']:.2e}",
+                          f"{g['max_rel']:.2e}", f"{g['mean_rel']:.2e}", f"{g['atol']:.0e}", f"{g['rtol']:.0e}",
+                          "[green]pass[/]" if g["passed"] else f"[red]{g['result']}[/]")
+        con.print(t)
+    for name, g in report.greedy.items():
+        con.print(f"greedy tokens {name}: {g['agree']}/{g['total']} agree with {report.reference}"
+                  + (f" ({g['ties']} near-ties ignored)" if g["ties"] else "")
+                  + ("" if g["passed"] else f" [red]FAILED at {g['mismatches'][0]['where']}[/]"))
+    con.print(f"error histogram: {report.histogram or report.histogram_note}", markup=False)
+    con.print(f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}", markup=False)
+    if report.polygraphy_commands:
+        con.print("reproduce with Polygraphy's CLI (it cannot load the PyTorch reference, so these compare the "
+                  "exported runtimes with each other on the same inputs):")
+        for c in report.polygraphy_commands:
+            con.print("  " + c, markup=False)
