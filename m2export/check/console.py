@@ -28,9 +28,10 @@ def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable[[], N
         yield new_task
 
 
-def quiet_polygraphy() -> None:
-    """Polygraphy logs through a process-wide logger; turn its colour probe off (it prints a warning
-    when the optional ``colored`` module is missing)."""
+def quiet_polygraphy(verbose: int = 0) -> None:
+    """Polygraphy logs through a process-wide logger: keep only its errors unless ``-vv``, and turn its
+    colour probe off (it prints a warning when the optional ``colored`` module is missing)."""
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.colors = False
+    G_LOGGER.module_severity = G_LOGGER.INFO if verbose > 1 else G_LOGGER.ERROR

@@ -68,7 +68,7 @@ def run(args) -> int:
     from m2export.errors import M2ExportError, ToleranceError
 
     t0 = time.perf_counter()
-    quiet_polygraphy()
+    quiet_polygraphy(args.verbose)
     if args.decode_steps < 0:
         raise M2ExportError(f"--decode-steps {args.decode_steps}: expected >= 0")
     shapes = parse_shapes(args.shapes) if args.shapes else None

@@ -1,0 +1,86 @@
+"""``m2export generate``: continue a prompt with an export (or the PyTorch reference)."""
+
+from __future__ import annotations
+
+HELP = "generate text from a prompt with the exported graphs (ort), engines (trt) or PyTorch (torch)"
+DESCRIPTION = """Continue a prompt: the prefill graph reads it, the decode graph then produces one token per step,
+feeding its present_*_state outputs back as past_*_state inputs. Greedy by default; --temperature > 0
+samples (optionally among the --top-k largest logits, reproducibly with --seed).
+
+Byte-level models (vocab_size 256, like the bundled stdlib model) take --prompt as text; other
+vocabularies need --tokenizer tokenizer.json (the 'tokenizers' package) or --prompt-ids.
+The text goes to stdout; the speed line (prefill time, decode tokens/s) to stderr.
+
+SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
+
+exit codes: 0 ok; 1 missing folder/graph/engine or bad prompt; 4 --runtime trt without TensorRT.
+
+examples:
+  m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200
+  m2export generate /tmp/m2-stdlib --prompt 'import os' --runtime torch
+  m2export generate samples/checkpoints/stdlib-byte-mamba2 --runtime torch --prompt 'class '
+  m2export generate /tmp/m2-stdlib --prompt 'for ' --temperature 0.8 --top-k 40 --seed 1
+  m2export generate /tmp/m2-130m --prompt 'Mamba is' --tokenizer /ckpt/gpt-neox/tokenizer.json
+"""
+
+
+def add_arguments(p):
+    g = p.add_argument_group("Required arguments")
+    g.add_argument("source", metavar="SOURCE", help="export OUTDIR (or a checkpoint, with --runtime torch)")
+    g = p.add_argument_group("Prompt")
+    x = g.add_mutually_exclusive_group(required=True)
+    x.add_argument("--prompt", help="prompt text")
+    x.add_argument("--prompt-ids", metavar="ID,ID,...", help="prompt as comma-separated token ids")
+    g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
+    g = p.add_argument_group("Runtime")
+    g.add_argument("--runtime", choices=["torch", "ort", "trt"], default=None,
+                   help="default: ort for an OUTDIR, torch for a checkpoint")
+    g.add_argument("--ssm-impl", choices=["plugin", "onnx"], default=None,
+                   help="ort: which graph flavour (default: the primary model.onnx/decode.onnx)")
+    g = p.add_argument_group("Decoding")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k largest logits; 0 = all")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    g.add_argument("--ids", action="store_true", help="also print the new token ids")
+
+
+def run(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from m2export.check.console import quiet_polygraphy
+    from m2export.errors import M2ExportError
+    from m2export.exporter.configs import MANIFEST_FILE
+    from m2export.generate import choose_tokenizer, generate, open_runtime
+
+    quiet_polygraphy(args.verbose)
+    src = Path(args.source)
+    runtime = args.runtime or ("ort" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
+    session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
+    tok = None
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
+        except ValueError:
+            raise M2ExportError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
+        if args.tokenizer or session.cfg.vocab_size == 256:
+            tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
+    else:
+        tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
+        ids = tok.encode(args.prompt)
+    res = generate(src, ids, runtime=runtime, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, seed=args.seed, session=session)
+    if tok is not None:
+        sys.stdout.write(tok.decode(res.prompt_ids + res.new_ids) + "\n")
+    else:
+        sys.stdout.write(" ".join(str(i) for i in res.new_ids) + "\n")
+    if args.ids and tok is not None:
+        sys.stdout.write("new ids: " + " ".join(str(i) for i in res.new_ids) + "\n")
+    sys.stdout.flush()
+    if not args.quiet:
+        mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature:g}" + (
+            f", top-k {args.top_k}" if args.top_k else "") + f", seed {args.seed}"
+        print(f"{res.runtime}: prefill {len(res.prompt_ids)} tokens in {res.prefill_s * 1e3:.1f} ms; "
+              f"{len(res.new_ids)} new tokens ({mode}), decode {res.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    return 0

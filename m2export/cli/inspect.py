@@ -1,0 +1,38 @@
+"""``m2export inspect``: what is inside an export folder, an ONNX graph or a TensorRT engine."""
+
+from __future__ import annotations
+
+HELP = "show what is inside an OUTDIR, a .onnx graph or a .plan engine (IO, SSMScan nodes, dtype, profiles)"
+DESCRIPTION = """Show the contents of:
+
+  OUTDIR       the manifest (checkpoint, hash, config, dtype, opset), every graph and engine it lists
+  model.onnx   inputs/outputs with dtypes and shapes, opsets/domains, SSMScan nodes with their
+               attributes, model-local functions, op counts, parameters (external data is not loaded)
+  model.plan   what m2export.json records about the engine (precision, GPU, profiles); with TensorRT
+               installed also the engine's IO tensors and optimisation profiles
+
+exit codes: 0 ok; 1 missing path, or a file that is none of the above.
+
+examples:
+  m2export inspect /tmp/m2-130m
+  m2export inspect /tmp/m2-130m/model.onnx
+  m2export inspect /tmp/m2-130m/model.plan
+  m2export inspect /tmp/m2-130m --json | jq '.graphs[].ssm_scan_nodes[0].attributes'
+"""
+
+
+def add_arguments(p):
+    g = p.add_argument_group("Required arguments")
+    g.add_argument("path", metavar="OUTDIR|model.onnx|model.plan", help="what to inspect")
+    g = p.add_argument_group("Output")
+    g.add_argument("--json", action="store_true", help="print the full description as JSON")
+
+
+def run(args) -> int:
+    import json
+
+    from m2export.inspect import describe, format_text
+
+    info = describe(args.path)
+    print(json.dumps(info, indent=2, default=str) if args.json else format_text(info))
+    return 0

@@ -1,0 +1,236 @@
+"""Text generation with an export (ONNX Runtime, TensorRT) or the PyTorch reference.
+
+All three runtimes are driven through the same Polygraphy runners as ``m2export check``
+(:mod:`m2export.check.runners`): the prefill graph consumes the prompt, then the decode graph
+runs one token at a time, each step's ``present_*_state.{i}`` fed back as ``past_*_state.{i}``.
+
+Tokens are bytes for byte-level models (vocab_size 256, e.g. the bundled stdlib model); a
+``tokenizers`` JSON file can be given for other vocabularies, or raw token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+
+RUNTIMES = ("torch", "ort", "trt")
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; decoding replaces invalid UTF-8 sequences."""
+
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A HF ``tokenizers`` JSON file (tokenizer.json)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise M2ExportError(f"--tokenizer {path}: the 'tokenizers' package is not installed",
+                                hint="pip install tokenizers, or pass token ids with --prompt-ids") from None
+        p = Path(path)
+        if not p.is_file():
+            raise M2ExportError(f"--tokenizer {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
+        try:
+            self.tok = Tokenizer.from_file(str(p))
+        except Exception as e:  # tokenizers raises a bare Exception subclass on malformed files
+            raise M2ExportError(f"--tokenizer {p}: not a tokenizers JSON file ({e})") from None
+        self.name = p.name
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def choose_tokenizer(vocab_size: int, tokenizer_file: str | Path | None):
+    """The tokenizer for a model: the file when given, else bytes when the vocabulary has 256 entries.
+
+    Raises:
+        M2ExportError: no tokenizer file and vocab_size != 256 (use --tokenizer or --prompt-ids).
+    """
+    if tokenizer_file:
+        return FileTokenizer(tokenizer_file)
+    if vocab_size == 256:
+        return ByteTokenizer()
+    raise M2ExportError(f"the model's vocabulary has {vocab_size} tokens, not 256 bytes: text needs a tokenizer",
+                        hint="pass --tokenizer tokenizer.json (needs the 'tokenizers' package), or token ids with "
+                             "--prompt-ids 1,2,3")
+
+
+# ----------------------------------------------------------------------------------------------- runtimes
+@dataclass
+class _Session:
+    runtime: str
+    label: str
+    prefill: Any
+    decode: Any
+    cfg: Any
+    dtype: str
+
+
+def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = None) -> _Session:
+    """Prefill and decode runners of ``runtime`` for ``source`` (an export OUTDIR, or a checkpoint for torch).
+
+    Raises:
+        ExportError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
+        BackendUnavailable: trt without TensorRT (exit 4).
+    """
+    from m2export.check.runners import ModelFromCheckpoint, TorchRunner, onnxrt_runner, trt_runner
+    from m2export.exporter.configs import MANIFEST_FILE
+    from m2export.exporter.manifest import read_manifest
+
+    if runtime not in RUNTIMES:
+        raise M2ExportError(f"runtime {runtime!r}: expected one of {list(RUNTIMES)}")
+    src = Path(source)
+    if not src.exists():
+        raise ExportError(f"{src}: no such file or directory",
+                          hint="pass an OUTDIR written by 'm2export export' (or a checkpoint with --runtime torch)")
+    is_outdir = src.is_dir() and (src / MANIFEST_FILE).is_file()
+    if runtime == "torch":
+        if is_outdir:
+            m = read_manifest(src)
+            ck = ModelFromCheckpoint(m.source_checkpoint, expected_sha256=m.checkpoint_sha256 or None)
+            label = f"torch ({m.source_checkpoint})"
+        else:
+            ck = ModelFromCheckpoint(src)
+            label = f"torch ({src})"
+        cfg = ck().config
+        return _Session("torch", label, TorchRunner(ck, role="prefill"), TorchRunner(ck, role="decode"), cfg, "fp32")
+    if not is_outdir:
+        raise ExportError(f"{src}: not an m2export output folder (no {MANIFEST_FILE})",
+                          hint=f"--runtime {runtime} needs an OUTDIR from 'm2export export'; a checkpoint works with "
+                               "--runtime torch")
+    m = read_manifest(src)
+    cfg = m.model_config()
+    if runtime == "ort":
+        from m2export.check.data import np_dtype
+        np_dtype(m.dtype)
+        files = []
+        for role in ("prefill", "decode"):
+            f = src / m.graph(role, ssm_impl).file
+            if not f.is_file():
+                raise ExportError(f"{f}: graph listed in {MANIFEST_FILE} is missing",
+                                  hint="re-export with 'm2export export CHECKPOINT -o OUTDIR --force'")
+            files.append(f)
+        return _Session("ort", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
+                        onnxrt_runner(files[1]), cfg, m.dtype)
+    engines = [m.engine("prefill"), m.engine("decode")]
+    if any(e is None for e in engines):
+        raise ExportError(f"{src}: no TensorRT engines (model.plan, decode.plan) in {MANIFEST_FILE}",
+                          hint="build them with 'm2export build OUTDIR' on a machine with a GPU and TensorRT")
+    for e in engines:
+        if not (src / e.file).is_file():
+            raise ExportError(f"{src / e.file}: engine listed in {MANIFEST_FILE} is missing",
+                              hint="rebuild with 'm2export build OUTDIR'")
+    return _Session("trt", f"trt ({engines[0].file} + {engines[1].file})", trt_runner(src / engines[0].file),
+                    trt_runner(src / engines[1].file), cfg, m.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@dataclass
+class GenerationResult:
+    runtime: str
+    prompt_ids: list[int]
+    new_ids: list[int]
+    prefill_s: float
+    decode_s: float
+    text: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of decoding (tokens after the first, which the prefill produced)."""
+        n = len(self.new_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+
+def sample_next(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """Greedy (temperature <= 0) or temperature / top-k sampling from one row of logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    if temperature <= 0:
+        return int(x.argmax())
+    x = x / temperature
+    if 0 < top_k < len(x):
+        kth = np.partition(x, -top_k)[-top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "ort", max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, ssm_impl: str | None = None,
+             session: _Session | None = None) -> GenerationResult:
+    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with one runtime (batch 1).
+
+    Args:
+        source: export OUTDIR (any runtime) or checkpoint (``runtime="torch"``).
+        prompt_ids: at least one token id < vocab_size.
+        runtime: "torch" | "ort" | "trt".
+        temperature: 0 (default) is greedy; > 0 samples from softmax(logits / temperature).
+        top_k: sample only among the k largest logits (0: all).
+        seed: sampling seed.
+        ssm_impl: graph flavour for "ort" ("plugin" | "onnx"; default the primary model.onnx).
+
+    Returns:
+        GenerationResult (new token ids, prefill and decode times).
+    """
+    if max_new_tokens < 0:
+        raise M2ExportError(f"--max-new-tokens {max_new_tokens}: expected >= 0")
+    s = session or open_runtime(source, runtime, ssm_impl=ssm_impl)
+    cfg = s.cfg
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise M2ExportError("empty prompt: give at least one token", hint="pass --prompt TEXT or --prompt-ids 1,2,3")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise M2ExportError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
+    from m2export.check.data import zero_states
+
+    rng = np.random.default_rng(seed)
+    new: list[int] = []
+    with s.prefill as pre, s.decode as dec:
+        warm = OrderedDict(input_ids=np.asarray([ids[:1]], dtype=np.int64))
+        warm.update(zero_states(cfg, 1, s.dtype))
+        pre.infer(warm)  # untimed warm-up: first runs pay one-off allocations
+        dec.infer(warm)
+        feed = OrderedDict(input_ids=np.asarray([ids], dtype=np.int64))
+        feed.update(zero_states(cfg, 1, s.dtype))
+        t0 = time.perf_counter()
+        out = pre.infer(feed)
+        prefill_s = time.perf_counter() - t0
+        decode_s = 0.0
+        while len(new) < max_new_tokens:
+            logits = np.asarray(out["logits"])[0, -1, :cfg.vocab_size]
+            new.append(sample_next(logits, temperature=temperature, top_k=top_k, rng=rng))
+            if len(new) == max_new_tokens:
+                break
+            feed = OrderedDict(input_ids=np.asarray([[new[-1]]], dtype=np.int64))
+            for i in range(cfg.n_layer):
+                feed[f"past_conv_state.{i}"] = np.array(out[f"present_conv_state.{i}"], copy=True)
+                feed[f"past_ssm_state.{i}"] = np.array(out[f"present_ssm_state.{i}"], copy=True)
+            t0 = time.perf_counter()
+            out = dec.infer(feed)
+            decode_s += time.perf_counter() - t0
+    return GenerationResult(s.label, ids, new, prefill_s, decode_s,
+                            settings={"temperature": temperature, "top_k": top_k, "seed": seed,
+                                      "max_new_tokens": max_new_tokens})

@@ -1,0 +1,280 @@
+"""What is inside an export: OUTDIR (manifest + graphs + engines), one ONNX graph, or one TensorRT engine.
+
+:func:`describe` returns a JSON-able dict; :func:`format_text` renders it for the console. ONNX graphs
+are read without their external data (only the structure is needed). Engines are deserialised only
+where TensorRT is installed; otherwise the manifest's record of the engine is shown.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from m2export.contract import OP_DOMAIN, OP_NAME
+from m2export.errors import ExportError, M2ExportError
+from m2export.exporter.configs import MANIFEST_FILE
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """Describe ``path``: an OUTDIR, a ``.onnx`` graph, or a ``.plan``/``.engine`` TensorRT engine.
+
+    Raises:
+        ExportError: path missing, a folder without m2export.json, or a file that is neither.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ExportError(f"{p}: no such file or directory",
+                          hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
+    if p.is_dir():
+        if not (p / MANIFEST_FILE).is_file():
+            raise ExportError(f"{p}: not an m2export output folder (no {MANIFEST_FILE})",
+                              hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
+        return describe_outdir(p)
+    if p.suffix == ".onnx":
+        return describe_onnx(p)
+    if p.suffix in (".plan", ".engine"):
+        return describe_engine(p)
+    raise ExportError(f"{p}: not an ONNX graph (.onnx), a TensorRT engine (.plan) or an OUTDIR",
+                      hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
+
+
+def _dims(type_proto) -> list[Any]:
+    t = type_proto.tensor_type
+    if not t.HasField("shape"):
+        return ["?"]
+    return [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
+
+
+def describe_onnx(path: str | Path) -> dict[str, Any]:
+    """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan nodes with attributes, local functions."""
+    import onnx
+    from onnx import helper
+
+    p = Path(path)
+    try:
+        m = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
+                          hint="re-export with 'm2export export ... --force'") from None
+
+    def io(vs):
+        return [{"name": v.name, "dtype": helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                 if v.type.tensor_type.elem_type else "?", "shape": _dims(v.type)} for v in vs]
+
+    def attr(a):
+        v = helper.get_attribute_value(a)
+        return v.decode() if isinstance(v, bytes) else v
+
+    scans = [{"name": n.name, "inputs": list(n.input), "outputs": list(n.output),
+              "attributes": {a.name: attr(a) for a in n.attribute}}
+             for n in m.graph.node if n.op_type == OP_NAME and n.domain == OP_DOMAIN]
+    n_params = 0
+    for init in m.graph.initializer:
+        k = 1
+        for d in init.dims:
+            k *= d
+        n_params += k
+    outputs = io(m.graph.output)
+    logits = next((o for o in outputs if o["name"] == "logits"), None)
+    return {
+        "kind": "onnx", "path": str(p), "bytes": p.stat().st_size,
+        "ir_version": m.ir_version, "producer": f"{m.producer_name} {m.producer_version}".strip(),
+        "opsets": {(o.domain or "ai.onnx"): o.version for o in m.opset_import},
+        "dtype": logits["dtype"] if logits else None,
+        "inputs": io(m.graph.input), "outputs": outputs,
+        "nodes": len(m.graph.node), "op_types": dict(Counter(n.op_type for n in m.graph.node).most_common()),
+        "ssm_scan_nodes": scans,
+        "functions": [{"domain": f.domain, "name": f.name, "nodes": len(f.node),
+                       "attributes": list(f.attribute) + [a.name for a in f.attribute_proto]} for f in m.functions],
+        "initializers": len(m.graph.initializer), "parameters": n_params,
+        "external_data": sorted({e.value for t in m.graph.initializer for e in t.external_data
+                                 if e.key == "location"}),
+    }
+
+
+def _manifest_near(p: Path):
+    from m2export.exporter.manifest import read_manifest
+
+    if (p.parent / MANIFEST_FILE).is_file():
+        return read_manifest(p.parent)
+    return None
+
+
+def describe_engine(path: str | Path) -> dict[str, Any]:
+    """What the manifest records about the engine, plus its IO and profiles when TensorRT is installed."""
+    from dataclasses import asdict
+
+    from m2export.check.runners import tensorrt_available
+
+    p = Path(path)
+    out: dict[str, Any] = {"kind": "engine", "path": str(p), "bytes": p.stat().st_size}
+    m = _manifest_near(p)
+    entry = next((e for e in m.engines if e.file == p.name), None) if m else None
+    out["manifest"] = asdict(entry) if entry else None
+    if m is None:
+        out["manifest_note"] = f"no {MANIFEST_FILE} next to the engine"
+    elif entry is None:
+        out["manifest_note"] = f"{MANIFEST_FILE} does not list {p.name} (built outside 'm2export build'?)"
+    if not tensorrt_available():
+        out["tensorrt"] = "not installed: TensorRT is needed to read the engine itself (IO tensors, profiles)"
+        return out
+    import tensorrt as trt
+
+    import m2export.plugins  # noqa: F401  (registers the SSMScan plugin before deserialising)
+
+    logger = trt.Logger(trt.Logger.ERROR)
+    engine = trt.Runtime(logger).deserialize_cuda_engine(p.read_bytes())
+    if engine is None:
+        raise ExportError(f"{p}: TensorRT {trt.__version__} cannot deserialise this engine (built with another "
+                          "TensorRT version or GPU, or not an engine)", hint="rebuild with 'm2export build OUTDIR'")
+    tensors = []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        tensors.append({"name": name, "mode": engine.get_tensor_mode(name).name,
+                        "dtype": str(engine.get_tensor_dtype(name)), "shape": list(engine.get_tensor_shape(name))})
+    profiles = []
+    for k in range(engine.num_optimization_profiles):
+        prof = {}
+        for t in tensors:
+            if t["mode"] == "INPUT" and -1 in t["shape"]:
+                mn, opt, mx = engine.get_tensor_profile_shape(t["name"], k)
+                prof[t["name"]] = {"min": list(mn), "opt": list(opt), "max": list(mx)}
+        profiles.append(prof)
+    out["tensorrt"] = trt.__version__
+    out["io_tensors"] = tensors
+    out["profiles"] = profiles
+    return out
+
+
+def describe_outdir(path: str | Path) -> dict[str, Any]:
+    """Manifest summary plus :func:`describe_onnx` of every graph; missing files are flagged."""
+    from dataclasses import asdict
+
+    from m2export.exporter.manifest import read_manifest
+
+    d = Path(path)
+    m = read_manifest(d)
+    c = m.config
+    graphs = []
+    for g in m.graphs:
+        f = d / g.file
+        entry: dict[str, Any] = {"role": g.role, "ssm_impl": g.ssm_impl, "file": g.file, "present": f.is_file()}
+        if f.is_file():
+            info = describe_onnx(f)
+            entry.update({k: info[k] for k in ("bytes", "opsets", "nodes", "ssm_scan_nodes", "functions",
+                                                "parameters", "inputs", "outputs")})
+        graphs.append(entry)
+    engines = [{**asdict(e), "present": (d / e.file).is_file()} for e in m.engines]
+    return {"kind": "outdir", "path": str(d), "source_checkpoint": m.source_checkpoint,
+            "checkpoint_format": m.checkpoint_format, "checkpoint_sha256": m.checkpoint_sha256,
+            "dtype": m.dtype, "opset": m.opset, "config": c, "tool_versions": m.tool_versions,
+            "graphs": graphs, "engines": engines}
+
+
+# ----------------------------------------------------------------------------------------------- text
+def _shape(s) -> str:
+    return "[" + ", ".join(str(x) for x in s) + "]"
+
+
+def _io_lines(ios: list[dict], indent: str, limit: int = 6) -> list[str]:
+    """IO lines; per-layer state tensors beyond the first layer are summarised."""
+    out, hidden = [], 0
+    for v in ios:
+        name = v["name"]
+        if "_state." in name and not name.endswith(".0"):
+            hidden += 1
+            continue
+        out.append(f"{indent}{name:<24} {v['dtype']:<8} {_shape(v['shape'])}")
+    if hidden:
+        out.append(f"{indent}... and {hidden} more per-layer state tensors (same dtype/shape as layer 0)")
+    return out
+
+
+def _scan_lines(scans: list[dict], indent: str) -> list[str]:
+    if not scans:
+        return [f"{indent}SSMScan nodes: none (standard ONNX ops only)"]
+    attrs = [tuple(sorted(s["attributes"].items())) for s in scans]
+    out = [f"{indent}SSMScan nodes ({OP_DOMAIN}::{OP_NAME}): {len(scans)}"]
+    for a, n in Counter(attrs).items():
+        out.append(f"{indent}  {n} x " + ", ".join(f"{k}={v}" for k, v in a))
+    return out
+
+
+def format_text(info: dict[str, Any]) -> str:
+    """Console rendering of :func:`describe`'s dict."""
+    L: list[str] = []
+    if info["kind"] == "onnx":
+        L.append(f"{info['path']}: ONNX IR {info['ir_version']}, producer {info['producer']}, "
+                 f"{info['bytes'] / 1e6:.1f} MB, dtype {info['dtype']}")
+        L.append("  opsets: " + ", ".join(f"{k} {v}" for k, v in info["opsets"].items()))
+        L.append("  inputs:")
+        L += _io_lines(info["inputs"], "    ")
+        L.append("  outputs:")
+        L += _io_lines(info["outputs"], "    ")
+        L += _scan_lines(info["ssm_scan_nodes"], "  ")
+        for f in info["functions"]:
+            L.append(f"  local function {f['domain']}::{f['name']} ({f['nodes']} nodes; attributes "
+                     f"{', '.join(f['attributes'])})")
+        top = ", ".join(f"{k} {v}" for k, v in list(info["op_types"].items())[:8])
+        L.append(f"  {info['nodes']} nodes ({top}{', ...' if len(info['op_types']) > 8 else ''}); "
+                 f"{info['initializers']} initializers, {info['parameters']:,} parameters"
+                 + (f"; external data {', '.join(info['external_data'])}" if info["external_data"] else ""))
+    elif info["kind"] == "engine":
+        L.append(f"{info['path']}: TensorRT engine, {info['bytes'] / 1e6:.1f} MB")
+        e = info.get("manifest")
+        if e:
+            L.append(f"  built from {e['onnx_file']} ({e['role']}), precision {e['precision']}, TensorRT "
+                     f"{e['tensorrt_version']}, {e['gpu']} (sm {e['compute_capability']}), plugin {e['plugin_mode']}")
+            for k, prof in enumerate(e["profiles"]):
+                L.append(f"  profile {k}: {prof}")
+        else:
+            L.append(f"  {info.get('manifest_note', '')}")
+        if "io_tensors" in info:
+            for t in info["io_tensors"]:
+                if "_state." in t["name"] and not t["name"].endswith(".0"):
+                    continue
+                L.append(f"    {t['mode'].lower():<6} {t['name']:<24} {t['dtype']:<14} {_shape(t['shape'])}")
+            for k, prof in enumerate(info["profiles"]):
+                L.append(f"  engine profile {k}: " + "; ".join(
+                    f"{n} min {_shape(v['min'])} opt {_shape(v['opt'])} max {_shape(v['max'])}"
+                    for n, v in prof.items() if n == "input_ids" or n.endswith(".0")))
+        else:
+            L.append(f"  TensorRT: {info['tensorrt']}")
+    else:
+        c = info["config"]
+        L.append(f"{info['path']}: m2export output folder, dtype {info['dtype']}, opset {info['opset']}")
+        L.append(f"  checkpoint: {info['source_checkpoint']} ({info['checkpoint_format']}, sha256 "
+                 f"{info['checkpoint_sha256'][:12]}...)")
+        L.append("  model: " + ", ".join(f"{k}={c[k]}" for k in ("d_model", "n_layer", "vocab_size", "d_state",
+                                                                 "headdim", "ngroups", "expand", "d_conv",
+                                                                 "chunk_size") if k in c))
+        for g in info["graphs"]:
+            if not g["present"]:
+                L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} MISSING")
+                continue
+            n_scan = len(g["ssm_scan_nodes"])
+            L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {g['bytes'] / 1e6:.1f} MB, "
+                     f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
+                     + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
+        first = next((g for g in info["graphs"] if g["present"]), None)
+        if first:
+            L.append(f"  {first['file']} inputs:")
+            L += _io_lines(first["inputs"], "    ")
+            L.append(f"  {first['file']} outputs:")
+            L += _io_lines(first["outputs"], "    ")
+            scan_graph = next((g for g in info["graphs"] if g["present"] and g["ssm_scan_nodes"]), None)
+            if scan_graph:
+                L += _scan_lines(scan_graph["ssm_scan_nodes"], "  ")
+        if info["engines"]:
+            for e in info["engines"]:
+                L.append(f"  {e['file']:<16} {e['role']:<8} TensorRT {e['tensorrt_version']}, {e['precision']}, "
+                         f"{e['gpu']}" + ("" if e["present"] else " MISSING"))
+                for k, prof in enumerate(e["profiles"]):
+                    L.append(f"    profile {k}: {prof}")
+        else:
+            L.append("  engines: none (build with 'm2export build OUTDIR' on a GPU machine with TensorRT)")
+    return "\n".join(L)
+
+
+__all__ = ["describe", "describe_onnx", "describe_engine", "describe_outdir", "format_text", "M2ExportError"]
