@@ -3,11 +3,33 @@
 Inside the block every :class:`~m2export.models.mamba2.Mamba2Mixer` calls the custom op
 ``torch.ops.m2export.ssm_scan`` (an opaque call for torch.export, lowered to one ONNX node); on exit the
 original scan functions are restored, also when the export raises.
+
+For bfloat16 models the patcher also routes the depthwise ``conv1d`` through float32 (Cast island):
+ONNX ``Conv`` accepts bfloat16 only from opset 22, and m2export exports opset 18 by default. PyTorch's
+CPU bf16 conv accumulates in fp32 and rounds once, so the island computes the same values.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
+import m2export.models.mamba2 as mamba2_module
 from m2export.models.mamba2 import Mamba2LMHeadModel, ScanFn
+
+
+class _FunctionalFp32Conv:
+    """``torch.nn.functional`` with ``conv1d`` evaluated in float32 for bfloat16 inputs."""
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def conv1d(x, weight, bias=None, *args, **kwargs):
+        if x.dtype != torch.bfloat16:
+            return F.conv1d(x, weight, bias, *args, **kwargs)
+        out = F.conv1d(x.float(), weight.float(), None if bias is None else bias.float(), *args, **kwargs)
+        return out.to(x.dtype)
 
 
 class Mamba2ModelPatcher:
@@ -28,9 +50,14 @@ class Mamba2ModelPatcher:
         self._saved = [m.scan_fn for m in self.model.mixers]
         for m in self.model.mixers:
             m.scan_fn = self.scan_fn
+        self._saved_F = mamba2_module.F
+        if self.model.lm_head.weight.dtype == torch.bfloat16:
+            mamba2_module.F = _FunctionalFp32Conv()
         return self.model
 
     def __exit__(self, *exc) -> None:
         for m, fn in zip(self.model.mixers, self._saved or []):
             m.scan_fn = fn
+        if self._saved is not None:
+            mamba2_module.F = self._saved_F
         self._saved = None

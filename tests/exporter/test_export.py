@@ -1,0 +1,274 @@
+"""Exported prefill/decode graphs of tiny random checkpoints: structure, manifest, ORT vs PyTorch, generation.
+
+Both flavours (plugin: SSMScan node + local function; onnx: standard ops). Exports trace at batch 2,
+seq 7; every run below uses other sizes (dynamic axes). Tolerances (rel-L2 of logits / states vs the
+PyTorch model of the same checkpoint): fp32 1e-5; fp16 vs the fp32 model 1e-2; bf16 (ONNX reference
+evaluator, since ORT CPU has no bf16 kernels) vs the bf16 PyTorch model 3e-2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from m2export.contract import SSMScanAttrs
+from m2export.exporter import OrtModel, ort_generate_greedy
+from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.manifest import read_manifest
+from m2export.models.checkpoint import load_checkpoint
+from tests.helpers import assert_close
+
+pytest.importorskip("onnxruntime")
+
+FP32_REL = 1e-5
+CHUNK = 8
+# (batch, seqlen): none equals the export example (2, 7)
+PREFILL_CASES = {"L1": (1, 1), "L_lt_chunk": (1, 5), "L_eq_chunk": (1, CHUNK), "L_k_chunk_plus_1": (1, 2 * CHUNK + 1),
+                 "B3_L25": (3, 3 * CHUNK + 1)}
+IMPLS = ["plugin", "onnx"]
+
+
+def _model(ck, dtype=None):
+    return load_checkpoint(ck, dtype=dtype).model
+
+
+def _ids(batch, seqlen, seed=0, vocab=100):
+    return torch.randint(0, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _compare(name, ref, out: dict, rel):
+    assert_close(f"{name} logits", ref.logits.float(), torch.from_numpy(out["logits"].astype(np.float32)), rel=rel)
+    for i, (c, s) in enumerate(zip(ref.conv_states, ref.ssm_states)):
+        assert out[f"present_ssm_state.{i}"].dtype == np.float32
+        assert_close(f"{name} ssm_state.{i}", s, torch.from_numpy(out[f"present_ssm_state.{i}"]), rel=rel)
+        assert_close(f"{name} conv_state.{i}", c.float(),
+                     torch.from_numpy(out[f"present_conv_state.{i}"].astype(np.float32)), rel=rel)
+
+
+# ------------------------------------------------------------------ structure and manifest
+def test_plugin_graph_structure(export_fp32_both, tiny_g2):
+    m = read_manifest(export_fp32_both)
+    cfg = m.model_config()
+    want_attrs = {**SSMScanAttrs(chunk_size=cfg.chunk_size, dt_min=cfg.dt_limit[0], dt_max=cfg.dt_limit[1])
+                  .onnx_attributes(), "plugin_namespace": "m2export", "plugin_version": "1"}
+    for role in ("prefill", "decode"):
+        g = m.graph(role, "plugin")
+        model = onnx.load(export_fp32_both / g.file)
+        scans = [n for n in model.graph.node if n.op_type == "SSMScan"]
+        assert len(scans) == cfg.n_layer
+        for n in scans:
+            assert n.domain == "m2export"
+            assert {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} == {
+                k: (v.encode() if isinstance(v, str) else v) for k, v in want_attrs.items()}
+            assert len(n.input) == 8 and len(n.output) == 2 and all(n.input)
+        assert {(o.domain, o.version) for o in model.opset_import} >= {("", m.opset), ("m2export", 1)}
+        assert [(f.domain, f.name) for f in model.functions] == [("m2export", "SSMScan")]
+        assert not [n for n in model.graph.node if n.domain not in ("", "m2export")]
+
+
+def test_onnx_graph_structure(export_fp32_both):
+    m = read_manifest(export_fp32_both)
+    for role in ("prefill", "decode"):
+        model = onnx.load(export_fp32_both / m.graph(role, "onnx").file)
+        assert not model.functions
+        assert {o.domain for o in model.opset_import} == {""}
+        assert not [n for n in model.graph.node if n.domain not in ("", "ai.onnx")]
+        cumsum = [n for n in model.graph.node if n.op_type == "CumSum"]
+        assert not [n for n in cumsum if any(a.name == "reverse" and a.i for a in n.attribute)]
+        assert not cumsum  # within-chunk sums are MatMuls (TensorRT#4551)
+        assert not [n for n in model.graph.node if n.op_type in ("Softplus", "Loop", "Scan")]
+
+
+def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
+    m = read_manifest(export_fp32_both)
+    cfg = m.model_config()
+    oc = Mamba2OnnxConfig(cfg)
+    assert {(g.role, g.ssm_impl, g.file) for g in m.graphs} == {
+        ("prefill", "plugin", "model.onnx"), ("decode", "plugin", "decode.onnx"),
+        ("prefill", "onnx", "model.std.onnx"), ("decode", "onnx", "decode.std.onnx")}
+    assert m.dtype == "fp32" and m.opset == Mamba2OnnxConfig.DEFAULT_OPSET
+    assert m.checkpoint_sha256 == load_checkpoint(tiny_g2).sha256
+    assert {"torch", "onnx", "onnxscript", "onnxruntime", "m2export"} <= set(m.tool_versions)
+    for g in m.graphs:
+        decode = g.role == "decode"
+        model = onnx.load(export_fp32_both / g.file)
+        dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                for v in list(model.graph.input) + list(model.graph.output)}
+        expected = {**oc.inputs(decode), **oc.outputs(decode)}
+        assert [v.name for v in model.graph.input] == list(oc.inputs(decode))
+        assert [v.name for v in model.graph.output] == list(oc.outputs(decode))
+        assert dims == {k: list(v) for k, v in expected.items()}
+        assert set(g.inputs) == set(oc.inputs(decode)) and g.inputs["past_ssm_state.0"]["dtype"] == "float32"
+
+
+# ------------------------------------------------------------------ ORT vs PyTorch, fp32
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_fp32(export_fp32_both, tiny_g2, impl, case):
+    om = OrtModel(export_fp32_both, impl)
+    ids = _ids(*PREFILL_CASES[case], seed=len(case))
+    with torch.no_grad():
+        ref = _model(tiny_g2)(ids)
+    _compare(f"{impl} {case}", ref, om.run(ids.numpy()), FP32_REL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_g1_dt_limit_cli_export(export_fp32_g1_cli, tiny_g1, impl):
+    """G=1, dt_limit set, HF-format checkpoint, exported through the CLI."""
+    om = OrtModel(export_fp32_g1_cli, impl)
+    model = _model(tiny_g1)
+    assert model.cfg.dt_limit == (0.002, 0.08)
+    for b, L in [(1, 1), (2, 3 * CHUNK + 1)]:
+        ids = _ids(b, L, seed=L)
+        with torch.no_grad():
+            ref = model(ids)
+        _compare(f"G1 {impl} B{b} L{L}", ref, om.run(ids.numpy()), FP32_REL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_prefill_and_decode_continue_states(export_fp32_both, tiny_g2, impl):
+    """prefill(10) -> prefill(9, states) -> decode x2 in ORT == one PyTorch prefill over all 21 tokens."""
+    om = OrtModel(export_fp32_both, impl)
+    ids = _ids(2, 21, seed=4)
+    with torch.no_grad():
+        ref = _model(tiny_g2)(ids)
+    a = om.run(ids[:, :10].numpy())
+    past = {k.replace("present_", "past_"): v for k, v in a.items() if k.startswith("present_")}
+    b = om.run(ids[:, 10:19].numpy(), past)
+    past = {k.replace("present_", "past_"): v for k, v in b.items() if k.startswith("present_")}
+    c = om.run(ids[:, 19:20].numpy(), past, decode=True)
+    past = {k.replace("present_", "past_"): v for k, v in c.items() if k.startswith("present_")}
+    d = om.run(ids[:, 20:21].numpy(), past, decode=True)
+    got = np.concatenate([a["logits"], b["logits"], c["logits"], d["logits"]], axis=1)
+    assert_close(f"{impl} chunked logits", ref.logits, torch.from_numpy(got), rel=FP32_REL)
+    assert_close(f"{impl} final ssm_state.1", ref.ssm_states[1], torch.from_numpy(d["present_ssm_state.1"]),
+                 rel=FP32_REL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_greedy_generation_matches_torch(export_fp32_both, tiny_g2, impl):
+    """Prefill + decode greedy generation in ORT == PyTorch greedy generation, token for token."""
+    ids = _ids(2, 13, seed=9)
+    model = _model(tiny_g2)
+    with torch.no_grad():
+        ref = model.generate_greedy(ids, 24)
+    toks, logits = ort_generate_greedy(export_fp32_both, ids, 24, ssm_impl=impl, return_logits=True)
+    assert toks.shape == (2, 24) and toks.dtype == np.int64
+    assert (torch.from_numpy(toks) == ref).all(), f"{impl}: ORT {toks.tolist()} != torch {ref.tolist()}"
+    # the logits each token was picked from, recomputed in torch over the whole sequence
+    with torch.no_grad():
+        full = model(torch.cat([ids, ref[:, :-1]], dim=1)).logits[:, ids.shape[1] - 1:]
+    assert_close(f"{impl} generation logits", full, torch.from_numpy(logits), rel=FP32_REL)
+
+
+# ------------------------------------------------------------------ fp16 / bf16
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_export(export_fp16_both, tiny_g2, impl):
+    """fp16 weights/activations, fp32 ssm states; vs the fp32 PyTorch model within rel-L2 1e-2."""
+    om = OrtModel(export_fp16_both, impl)
+    m32 = _model(tiny_g2)
+    for b, L in [(1, 1), (3, 2 * CHUNK + 1)]:
+        ids = _ids(b, L, seed=L)
+        with torch.no_grad():
+            ref = m32(ids)
+        out = om.run(ids.numpy())
+        assert out["logits"].dtype == np.float16 and out["present_conv_state.0"].dtype == np.float16
+        _compare(f"fp16 {impl} B{b} L{L}", ref, out, 1e-2)
+    toks = om.generate_greedy(_ids(1, 9, seed=2).numpy(), 8)
+    assert toks.shape == (1, 8)
+
+
+def test_bf16_export(export_bf16_both, tiny_g2):
+    """bf16 graphs: typed bf16 with fp32 ssm states; ORT CPU refuses clearly; the ONNX reference evaluator runs them."""
+    from onnx.reference import ReferenceEvaluator
+
+    from m2export.errors import BackendUnavailable
+
+    m = read_manifest(export_bf16_both)
+    with pytest.raises(BackendUnavailable, match="bf16 export does not run on ONNX Runtime's CPUExecutionProvider"):
+        OrtModel(export_bf16_both)
+    import ml_dtypes
+
+    m16 = _model(tiny_g2, torch.bfloat16)
+    ids = _ids(2, 2 * CHUNK + 1, seed=3)
+    with torch.no_grad():
+        ref = m16(ids)
+    for g in (m.graph("prefill", "plugin"), m.graph("prefill", "onnx")):
+        model = onnx.load(export_bf16_both / g.file)
+        types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
+        assert types["logits"] == onnx.TensorProto.BFLOAT16 and types["past_conv_state.0"] == onnx.TensorProto.BFLOAT16
+        assert types["past_ssm_state.0"] == types["present_ssm_state.1"] == onnx.TensorProto.FLOAT
+        feeds = {"input_ids": ids.numpy()}
+        for name, spec in g.inputs.items():
+            if name != "input_ids":
+                shape = [2 if isinstance(d, str) else d for d in spec["shape"]]
+                feeds[name] = np.zeros(shape, np.float32 if spec["dtype"] == "float32" else ml_dtypes.bfloat16)
+        outs = dict(zip(g.outputs, ReferenceEvaluator(model).run(None, feeds)))
+        _compare(f"bf16 {g.ssm_impl}", ref, outs, 3e-2)
+
+
+# ------------------------------------------------------------------ failures and errors
+def test_failed_export_leaves_nothing(tiny_g2, tmp_path, monkeypatch):
+    """A failure after the first graph was written removes the temp folder and leaves OUTDIR untouched."""
+    import m2export.exporter.export as ex
+    from m2export.errors import ExportError
+
+    calls = []
+
+    def failing_check(path):
+        calls.append(Path(path).name)
+        raise ExportError("injected failure")
+
+    monkeypatch.setattr(ex, "_check", failing_check)
+    out = tmp_path / "sub" / "out"
+    with pytest.raises(ExportError, match="injected"):
+        ex.export_model(tiny_g2, out, ssm_impl="onnx")
+    assert calls == ["model.onnx"]
+    assert not out.exists() and list((tmp_path / "sub").iterdir()) == []
+    # with --force over an existing export: the old content survives a failed re-export
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(ExportError, match="injected"):
+        ex.export_model(tiny_g2, out, force=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+def test_existing_outdir_without_force(tiny_g2, tmp_path):
+    from m2export.errors import ExportError
+    from m2export.exporter import export_model
+
+    (tmp_path / "x.txt").write_text("")
+    with pytest.raises(ExportError, match="exists and is not empty") as e:
+        export_model(tiny_g2, tmp_path)
+    assert "--force" in e.value.hint
+
+
+def test_bad_arguments_and_unwritable(tiny_g2, tmp_path):
+    from m2export.errors import ExportError
+    from m2export.exporter import export_model
+
+    with pytest.raises(ExportError, match="ssm_impl"):
+        export_model(tiny_g2, tmp_path / "a", ssm_impl="trt")
+    with pytest.raises(ExportError, match="dtype"):
+        export_model(tiny_g2, tmp_path / "a", dtype="int8")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ExportError, match="not a directory"):
+        export_model(tiny_g2, tmp_path / "file")
+    with pytest.raises(ExportError, match="cannot write|not a directory"):
+        export_model(tiny_g2, tmp_path / "file" / "out")
+
+
+def test_cli_errors(tiny_g2, tmp_path, capsys):
+    from m2export.cli.main import main
+
+    (tmp_path / "x.txt").write_text("")
+    assert main(["export", str(tiny_g2), "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "exists and is not empty" in err and "hint:" in err and "--force" in err
+    assert main(["export", str(tmp_path / "no_such_ckpt"), "-o", str(tmp_path / "new")]) == 1
+    assert "no such file or directory" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -1,0 +1,180 @@
+"""The SSMScan ONNX function body (plugin flavour) and its inlined form (onnx flavour) vs the float64 oracle.
+
+One-node models built by ``ssm_scan_node_model`` run in ONNX Runtime (CPU) on problems drawn from the
+contract with ``tests.helpers.make_inputs``; the reference is ``ssm_scan_recurrent`` in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from m2export.contract import SSMScanAttrs, SSMScanProblem
+from m2export.exporter.ssm_scan_op import PLUGIN_ATTRIBUTES, ssm_scan_fn, ssm_scan_node_model
+from m2export.kernels.ssd.naive import ssm_scan_recurrent
+from tests.helpers import assert_close, make_inputs
+
+ort = pytest.importorskip("onnxruntime")
+
+CHUNK = 8
+# (batch, seqlen, nheads, headdim, ngroups, d_state)
+CASES = {
+    "L1": (1, 1, 4, 8, 1, 16),
+    "L_lt_chunk": (1, 5, 4, 8, 1, 16),
+    "L_eq_chunk": (1, CHUNK, 4, 8, 1, 16),
+    "L_k_chunk_plus_1": (1, 3 * CHUNK + 1, 4, 8, 1, 16),
+    "B3": (3, 11, 4, 8, 1, 16),
+    "G2": (2, 19, 4, 8, 2, 16),
+    "G4_H8": (1, 2 * CHUNK, 8, 4, 4, 8),
+    "long_L200": (1, 200, 2, 4, 1, 8),
+}
+FP32_REL = 2e-5
+
+
+def _session(model: onnx.ModelProto):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(inp: dict) -> dict:
+    p_zero = None
+    out = {}
+    for k, v in inp.items():
+        if v is None:  # ONNX graphs always carry all eight inputs: absent initial_state = zeros
+            x, B = inp["x"], inp["B"]
+            p_zero = np.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[3]), np.float32)
+            out[k] = p_zero
+        elif v.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            out[k] = v.float().numpy().astype(ml_dtypes.bfloat16)
+        else:
+            out[k] = v.numpy()
+    return out
+
+
+@pytest.fixture(scope="module", params=["function", "inlined"])
+def two_node_session(request):
+    """Two SSMScan nodes in one graph with different attributes, sharing the one local function."""
+    attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4)]
+    model = ssm_scan_node_model(attrs, inline=request.param == "inlined")
+    onnx.checker.check_model(model, full_check=True)
+    return attrs, _session(model)
+
+
+@pytest.mark.parametrize("init_state", [True, False], ids=["init_state", "zero_state"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_node_vs_oracle(two_node_session, case, init_state):
+    attrs, sess = two_node_session
+    p = SSMScanProblem(*CASES[case])
+    inp = make_inputs(p, seed=list(CASES).index(case), init_state=init_state, dt_scale=2.0)
+    outs = sess.run(None, _feeds(inp))
+    for k, a in enumerate(attrs):
+        ref = ssm_scan_recurrent(**inp, dt_softplus=a.dt_softplus, dt_limit=a.dt_limit)
+        assert_close(f"{case} node{k} y", ref.y, torch.from_numpy(outs[2 * k]), rel=FP32_REL)
+        assert_close(f"{case} node{k} final_state", ref.final_state, torch.from_numpy(outs[2 * k + 1]), rel=FP32_REL)
+
+
+def test_nodes_with_different_attributes_differ(two_node_session):
+    """Guards the attribute references: a dt_limit that bites must change node 1's output, not node 0's."""
+    attrs, sess = two_node_session
+    p = SSMScanProblem(2, 13, 4, 8, 2, 16)
+    inp = make_inputs(p, seed=5, dt_scale=3.0)
+    outs = sess.run(None, _feeds(inp))
+    assert np.abs(outs[0] - outs[2]).max() > 1e-2
+    unclamped = ssm_scan_recurrent(**inp)
+    clamped = ssm_scan_recurrent(**inp, dt_limit=attrs[1].dt_limit)
+    assert_close("node0 = no limit", unclamped.y, torch.from_numpy(outs[0]), rel=FP32_REL)
+    assert_close("node1 = dt_limit", clamped.y, torch.from_numpy(outs[2]), rel=FP32_REL)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_no_softplus_and_large_dt(inline):
+    """dt_softplus=0 uses dt + dt_bias as is; with softplus, dt + dt_bias > 20 passes through (no exp overflow)."""
+    p = SSMScanProblem(1, 10, 2, 4, 1, 8)
+    sess = _session(ssm_scan_node_model([SSMScanAttrs(chunk_size=4, dt_softplus=False), SSMScanAttrs(chunk_size=4)],
+                                        inline=inline))
+    inp = make_inputs(p, seed=7)
+    inp["dt"] = inp["dt"].abs() * 0.1
+    inp["dt_bias"] = inp["dt_bias"].abs() * 0.1
+    outs = sess.run(None, _feeds(inp))
+    ref = ssm_scan_recurrent(**inp, dt_softplus=False)
+    assert_close("dt_softplus=0 y", ref.y, torch.from_numpy(outs[0]), rel=FP32_REL)
+    inp["dt_bias"] = torch.full((2,), 60.0)  # softplus(v) = v for v > 20; exp(60) would overflow in fp32 mid-way
+    inp["A"] = torch.tensor([-1e-3, -2e-3])
+    outs = sess.run(None, _feeds(inp))
+    ref = ssm_scan_recurrent(**inp)
+    assert_close("large dt y", ref.y, torch.from_numpy(outs[2]), rel=FP32_REL)
+    assert_close("large dt final_state", ref.final_state, torch.from_numpy(outs[3]), rel=FP32_REL)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_fp16_node(inline):
+    """fp16 x/dt/B/C: internals fp32 (Cast islands), y fp16, final_state fp32; bound: rel-L2 2e-3."""
+    p = SSMScanProblem(2, 21, 4, 8, 2, 16, dtype="float16")
+    sess = _session(ssm_scan_node_model([SSMScanAttrs(chunk_size=CHUNK)], dtype="float16", inline=inline))
+    inp = make_inputs(p, seed=11)
+    y, s = sess.run(None, _feeds(inp))
+    assert y.dtype == np.float16 and s.dtype == np.float32
+    ref = ssm_scan_recurrent(**inp)
+    assert_close("fp16 y", ref.y, torch.from_numpy(y), rel=2e-3)
+    assert_close("fp16 final_state", ref.final_state, torch.from_numpy(s), rel=2e-3)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_bf16_node_reference_evaluator(inline):
+    """bf16 graphs: ORT CPU has no bf16 kernels; the ONNX reference evaluator runs them. Bound rel-L2 1e-2."""
+    from onnx.reference import ReferenceEvaluator
+
+    p = SSMScanProblem(2, 13, 4, 8, 2, 16, dtype="bfloat16")
+    model = ssm_scan_node_model([SSMScanAttrs(chunk_size=CHUNK)], dtype="bfloat16", inline=inline)
+    onnx.checker.check_model(model, full_check=True)
+    inp = make_inputs(p, seed=13)
+    y, s = ReferenceEvaluator(model).run(None, _feeds(inp))
+    assert s.dtype == np.float32
+    ref = ssm_scan_recurrent(**inp)
+    assert_close("bf16 y", ref.y, torch.from_numpy(y.astype(np.float32)), rel=1e-2)
+    assert_close("bf16 final_state", ref.final_state, torch.from_numpy(s), rel=1e-2)
+
+
+def test_function_declares_and_references_attributes():
+    model = ssm_scan_node_model([SSMScanAttrs()])
+    (fn,) = model.functions
+    assert (fn.domain, fn.name) == ("m2export", "SSMScan")
+    declared = {a.name for a in fn.attribute_proto}
+    assert declared == {"chunk_size", "dt_softplus", "dt_min", "dt_max", *PLUGIN_ATTRIBUTES}
+    referenced = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
+    assert referenced == {"chunk_size", "dt_softplus", "dt_min", "dt_max"}
+    assert not [n for n in fn.node if n.op_type == "CumSum"]
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in fn.attribute_proto}["dt_max"] == math.inf
+
+
+def test_custom_op_opcheck():
+    """torch.library.opcheck: the custom op's fake impl agrees with its eager impl (shapes, dtypes, no aliasing)."""
+    p = SSMScanProblem(2, 9, 4, 8, 2, 16)
+    inp = make_inputs(p, seed=3)
+    args = tuple(inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state"))
+    torch.library.opcheck(torch.ops.m2export.ssm_scan.default, args + (8, True, 0.0, math.inf),
+                          test_utils=("test_schema", "test_faketensor"))
+    y, s = ssm_scan_fn(*args[:5], chunk_size=8)  # optional inputs materialised as zeros
+    ref = ssm_scan_recurrent(*args[:5])
+    assert_close("ssm_scan_fn y", ref.y, y, rel=FP32_REL)
+    assert s.dtype == torch.float32
+
+
+def test_patcher_restores_on_error(tiny_g2):
+    from m2export.exporter.patcher import Mamba2ModelPatcher
+    from m2export.models.checkpoint import load_checkpoint
+
+    model = load_checkpoint(tiny_g2).model
+    before = [m.scan_fn for m in model.mixers]
+    with pytest.raises(RuntimeError, match="boom"):
+        with Mamba2ModelPatcher(model):
+            assert all(m.scan_fn is ssm_scan_fn for m in model.mixers)
+            raise RuntimeError("boom")
+    assert [m.scan_fn for m in model.mixers] == before
