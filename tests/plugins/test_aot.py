@@ -1,0 +1,324 @@
+"""AOT path of the SSMScan plugin (m2export.plugins.aot): argument mapping, PTX rewriting, target checks.
+
+CPU tests run on a real cuTile export (tests/plugins/data: the ``.nv_debug_ptx_txt`` section of the
+cubin that ``cuda.tile.compilation.export_kernel`` wrote for the single-launch SSD kernel, sm_90, bf16;
+how it was made is in data/README.md). GPU tests (marked ``gpu``) export the current kernel, load the
+rewritten PTX with the CUDA driver and launch it exactly as TensorRT's AOT launcher does (input
+pointers | extra int32 args | output pointers), against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import math
+import re
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanProblem
+from m2export.errors import BackendUnavailable, InternalError
+from m2export.plugins import aot
+from m2export.plugins.ssm_scan_trt import aot_launch
+from tests.plugins.fakes import Expr, exprs
+
+DATA = Path(__file__).parent / "data"
+META = json.loads((DATA / "ssd_fused_bf16_sm90.json").read_text())
+RAW_SECTION = lzma.decompress((DATA / "ssd_fused_bf16_sm90.nv_debug_ptx_txt.xz").read_bytes())
+
+
+def _meta_scalars() -> dict:
+    return {k: (dt, math.inf if v == "inf" else v) for k, (dt, v) in META["scalars"].items()}
+
+
+def make_elf(sections: dict[str, bytes]) -> bytes:
+    """A minimal 64-bit little-endian ELF with these sections (enough for cubin_sections)."""
+    names = b"\0" + b"".join(n.encode() + b"\0" for n in [*sections, ".shstrtab"])
+    offsets, body = [], b""
+    for data in [*sections.values(), names]:
+        offsets.append(64 + len(body))
+        body += data
+    shoff = 64 + len(body)
+    header = bytearray(64)
+    header[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(sections) + 2, len(sections) + 1)
+    shdrs = bytes(64)  # null section
+    name_off = 1
+    for (name, data), off in zip([*sections.items(), (".shstrtab", names)], offsets):
+        shdrs += struct.pack("<IIQQQQIIQQ", name_off, 1, 0, 0, off, len(data), 0, 0, 1, 0)
+        name_off += len(name) + 1
+    return bytes(header) + body + shdrs
+
+
+def fixture_cubin() -> bytes:
+    return make_elf({".text.k": b"\0" * 16, aot.PTX_SECTION: RAW_SECTION, ".nv.info": b"\1\2"})
+
+
+def fixture_spec():
+    """An AotSpec stand-in describing exactly what the fixture was exported from."""
+    params = [SimpleNamespace(name=k, kind="scalar", dtype=dt, value=v) for k, (dt, v) in _meta_scalars().items()]
+    bp = META["block_p"]
+    return SimpleNamespace(flat_args=lambda: list(META["flat_args"]), params=params, block=None,
+                           grid=lambda batch, nheads, headdim: (batch * nheads, 1, headdim // bp))
+
+
+# ----------------------------------------------------------------------------- argument mapping
+def test_argument_map_orders_inputs_extras_outputs():
+    amap = aot.argument_map(META["flat_args"])
+    slots = amap.trt_slots
+    assert slots[:8] == tuple(f"{n}.ptr" for n in INPUT_NAMES)
+    assert slots[-2:] == tuple(f"{n}.ptr" for n in OUTPUT_NAMES)
+    assert [s for s in slots[8:-2] if s.endswith(".ptr")] == []
+    assert slots[8:-2] == amap.extra_args
+    # extras keep cuTile's relative order: x's shape then strides, ..., final_state's, then the scalars
+    assert amap.extra_args[:8] == ("x.shape0", "x.shape1", "x.shape2", "x.shape3",
+                                   "x.stride0", "x.stride1", "x.stride2", "x.stride3")
+    assert amap.extra_args[-len(META["scalars"]):] == tuple(META["scalars"])
+    assert sorted(amap.order) == list(range(len(META["flat_args"])))
+
+
+def test_argument_map_rejects_mismatches():
+    args = list(META["flat_args"])
+    with pytest.raises(InternalError, match="no pointer parameter for \\['final_state'\\]"):
+        aot.argument_map([a for a in args if a != "final_state.ptr"])
+    with pytest.raises(InternalError, match="two pointers"):
+        aot.argument_map(args + ["x.ptr"])
+    with pytest.raises(InternalError, match="neither plugin inputs"):
+        aot.argument_map(args + ["scratch.ptr"])
+    with pytest.raises(InternalError, match="expected TENSOR.ptr"):
+        aot.argument_map(args + ["x.size"])
+
+
+def test_extra_arg_values_symbolic_and_concrete():
+    amap = aot.argument_map(META["flat_args"])
+    p = SSMScanProblem(batch=3, seqlen=70, nheads=4, headdim=32, ngroups=2, d_state=32)
+    concrete = {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}
+    vals = dict(zip(amap.extra_args, aot.extra_arg_values(amap, concrete, _meta_scalars())))
+    assert [vals[f"x.shape{i}"] for i in range(4)] == [3, 70, 4, 32]
+    assert [vals[f"x.stride{i}"] for i in range(4)] == [70 * 4 * 32, 4 * 32, 32, 1]
+    assert [vals[f"final_state.stride{i}"] for i in range(4)] == [4 * 32 * 32, 32 * 32, 32, 1]
+    assert vals["A.shape0"] == 4 and vals["A.stride0"] == 1
+    assert vals["dt_max"] == 0x7F800000 and vals["dt_min"] == 0 and vals["heads_per_group"] == 2
+    # the same with TensorRT-like symbolic dims: batch and seqlen stay expressions
+    b, L = Expr("batch"), Expr("seqlen")
+    sym = {n: tuple(b if d == "batch" else L if d == "seqlen" else Expr(v) for d, v in zip(_dims(n), p.shape_of(n)))
+           for n in INPUT_NAMES + OUTPUT_NAMES}
+    svals = dict(zip(amap.extra_args, aot.extra_arg_values(amap, sym, _meta_scalars())))
+    assert svals["x.shape0"] is b and svals["x.stride0"] == Expr("((seqlen*4)*32)")
+    assert svals["x.stride3"] == 1 and svals["y.stride1"] == Expr(128)
+
+
+def _dims(name: str) -> tuple[str, ...]:
+    from m2export.contract import INPUTS, OUTPUTS
+
+    return next(s.dims for s in INPUTS + OUTPUTS if s.name == name)
+
+
+def test_scalar_args():
+    assert aot.float32_bits(1.0) == 0x3F800000
+    assert aot.float32_bits(-2.0) == -0x40000000
+    assert aot.float32_bits(math.inf) == 0x7F800000
+    assert aot.scalar_arg("int32", 3) == 3
+    with pytest.raises(InternalError, match="out of range"):
+        aot.scalar_arg("int32", 2**31)
+    with pytest.raises(InternalError, match="32-bit"):
+        aot.scalar_arg("float64", 1.0)
+
+
+# ----------------------------------------------------------------------------- PTX from a real export
+def test_cubin_sections_and_ptx_extraction():
+    secs = aot.cubin_sections(fixture_cubin())
+    assert set(secs) >= {".text.k", aot.PTX_SECTION, ".nv.info"} and secs[".nv.info"] == b"\1\2"
+    ptx = aot.ptx_from_cubin(fixture_cubin())
+    assert ptx.startswith(".version ") and ptx.rstrip().endswith("}")
+    # the debug sections and the Tile IR source that follow the entry in the section are cut off
+    assert ".nv_intermediate_source_section" in RAW_SECTION.decode(errors="replace")
+    assert ".nv_intermediate_source_section" not in ptx and ".section" not in ptx
+    assert aot.ptx_version(ptx) == (9, 4) and aot.ptx_target(ptx) == "sm_90a"
+    assert aot.required_threads(ptx) is not None
+    with pytest.raises(InternalError, match="no .nv_debug_ptx_txt section"):
+        aot.ptx_from_cubin(make_elf({".text": b"x"}))
+    with pytest.raises(InternalError, match="ELF"):
+        aot.cubin_sections(b"not an elf" * 10)
+
+
+def test_entry_matches_the_kernel_description():
+    ptx = aot.ptx_from_cubin(fixture_cubin())
+    entry = aot.parse_entry(ptx)
+    assert entry.name == META["symbol"]
+    assert len(entry.params) == len(META["flat_args"])
+    amap = aot.argument_map(META["flat_args"])
+    aot.check_entry(entry, amap, {k: v[0] for k, v in _meta_scalars().items()})
+    # one parameter fewer (e.g. a calling-convention change) is refused, not guessed
+    with pytest.raises(InternalError, match="refusing to guess"):
+        aot.check_entry(entry, aot.argument_map(META["flat_args"][:-1]), {})
+    # a scalar declared with another type than described is refused
+    wrong = {k: ("int32" if dt == "float32" else "float32") for k, (dt, _) in _meta_scalars().items()}
+    with pytest.raises(InternalError, match="is declared"):
+        aot.check_entry(entry, amap, wrong)
+
+
+def test_reorder_rebinds_parameters_by_name():
+    ptx = aot.ptx_from_cubin(fixture_cubin())
+    entry = aot.parse_entry(ptx)
+    amap = aot.argument_map(META["flat_args"])
+    out = aot.reorder_entry_params(ptx, entry, amap.order)
+    new = aot.parse_entry(out)
+    assert new.name == entry.name and len(new.params) == len(entry.params)
+    # slot i now declares the cuTile parameter amap.order[i] (its original name, hence its original uses)
+    assert [new.param_name(i) for i in range(len(new.params))] == [entry.param_name(j) for j in amap.order]
+    assert [new.param_kind(i) for i in range(8)] == ["ptr"] * 8
+    assert [new.param_kind(i) for i in (-2, -1)] == ["ptr", "ptr"]
+    # the body is untouched
+    body = lambda s: s[s.index("{", aot.parse_entry(s).span[1]):]  # noqa: E731
+    assert body(out) == body(ptx)
+    # each of the 10 pointer slots is read by the body under the name it was declared with
+    for i in [*range(8), -2, -1]:
+        assert re.search(r"ld\.param\.\w+\s+[^,]+,\s*\[" + re.escape(new.param_name(i)) + r"\]", out), i
+    with pytest.raises(InternalError, match="not a permutation"):
+        aot.reorder_entry_params(ptx, entry, [0] * len(entry.params))
+
+
+def test_build_aot_kernel_from_fixture():
+    k = aot.build_aot_kernel(fixture_spec(), fixture_cubin(), META["symbol"], gpu_code="sm_90")
+    assert k.name == META["symbol"] and k.block == aot.required_threads(k.ptx)
+    assert aot.parse_entry(k.ptx).params == tuple(
+        aot.parse_entry(aot.ptx_from_cubin(fixture_cubin())).params[i] for i in k.amap.order)
+    isa = aot.build_aot_kernel(fixture_spec(), fixture_cubin(), META["symbol"], gpu_code="sm_90", ptx_isa=(9, 0))
+    assert aot.ptx_version(isa.ptx) == (9, 0) and isa.ptx.replace(".version 9.0", ".version 9.4", 1) == k.ptx
+    with pytest.raises(InternalError, match="not the requested symbol"):
+        aot.build_aot_kernel(fixture_spec(), fixture_cubin(), "other", gpu_code="sm_90")
+
+
+def test_aot_launch_with_symbolic_shapes():
+    """The @aot_impl body with TensorRT-like ShapeExprs: grid, block, extras in slot order."""
+    kernel = aot.build_aot_kernel(fixture_spec(), fixture_cubin(), META["symbol"], gpu_code="sm_90")
+    calls = []
+
+    def compile_kernel(*key):
+        calls.append(key)
+        return kernel
+
+    pm = META["problem"]
+    b, L = Expr("batch"), Expr("seqlen")
+    H, P, G, N = pm["nheads"], pm["headdim"], pm["ngroups"], pm["d_state"]
+    shapes = {"x": (b, L, *exprs(H, P)), "dt": (b, L, Expr(H)), "A": exprs(H), "B": (b, L, *exprs(G, N)),
+              "C": (b, L, *exprs(G, N)), "D": exprs(H), "dt_bias": exprs(H),
+              "initial_state": (b, *exprs(H, P, N)), "y": (b, L, *exprs(H, P)), "final_state": (b, *exprs(H, P, N))}
+    out = aot_launch(shapes, "DataType.BF16", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=compile_kernel)
+    assert calls == [(H, P, G, N, "bfloat16", SSMScanAttrs(), "sm_90", None)]
+    assert out["name"] == META["symbol"] and out["block"] == kernel.block and out["shared_mem"] == 0
+    assert out["grid"] == (b * H, 1, P // META["block_p"])
+    assert out["extra_names"] == kernel.amap.extra_args and len(out["extra_args"]) == len(kernel.amap.extra_args)
+    named = dict(zip(out["extra_names"], out["extra_args"]))
+    assert named["x.shape1"] is L and named["initial_state.shape0"] is b and named["dt_max"] == 0x7F800000
+
+
+def test_aot_needs_static_head_dims():
+    shapes = {"x": (Expr("b"), Expr("L"), Expr("h"), Expr(32)), "B": exprs(1, 1, 2, 32)}
+    with pytest.raises(BackendUnavailable, match="nheads .* must be static"):
+        aot_launch(shapes, "float32", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=None)
+
+
+# ----------------------------------------------------------------------------- target checks
+def test_check_target():
+    ptx = aot.ptx_from_cubin(fixture_cubin())  # .target sm_90a, .version 9.4
+    aot.check_target(ptx, cc=(9, 0), driver=(13, 4), load=lambda b: 0)
+    with pytest.raises(BackendUnavailable, match="does not match the build GPU .compute capability 10.0"):
+        aot.check_target(ptx, cc=(10, 0), driver=(13, 4), load=lambda b: 0)
+    with pytest.raises(BackendUnavailable, match="CUDA 13.0. cannot JIT PTX ISA 9.4") as e:
+        aot.check_target(ptx, cc=(9, 0), driver=(13, 0), load=lambda b: 222)
+    assert "--plugin jit" in e.value.hint
+    with pytest.raises(BackendUnavailable, match="rejects the PTX .* CUDA_ERROR_INVALID_PTX"):
+        aot.check_target(ptx, cc=(9, 0), driver=(13, 4), load=lambda b: 218)
+    assert aot.gpu_code_for((9, 0)) == "sm_90"
+
+
+# ----------------------------------------------------------------------------- GPU: launch like TensorRT
+def _gpu_ready() -> str | None:
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch: {e}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cuda.tile  # noqa: F401
+    except ImportError as e:
+        return f"cuda.tile not importable: {e}"
+    return None
+
+
+_WHY = _gpu_ready()
+gpu = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+#: same bounds as tests/kernels/test_ssd.py (the AOT kernel is the same cuTile kernel)
+Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+AOT_CASES = [
+    pytest.param(SSMScanProblem(2, 100, 8, 64, 2, 64, "float32"), id="B2-L100-H8-P64-G2-N64-fp32"),
+    pytest.param(SSMScanProblem(1, 1, 4, 32, 1, 128, "float32"), id="L1-N128-fp32"),
+    pytest.param(SSMScanProblem(3, 257, 8, 64, 8, 128, "bfloat16"), id="L_k_chunk_plus_1-G8-bf16"),
+    pytest.param(SSMScanProblem(2, 64, 4, 128, 2, 64, "float16"), id="L_eq_chunk-P128-fp16"),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("p", AOT_CASES)
+def test_aot_kernel_launched_like_tensorrt(p):
+    """Export -> PTX rewritten to TensorRT's order -> driver JIT -> cuLaunchKernel with TensorRT's slots."""
+    import torch
+
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+    from m2export.plugins import _cuda
+    from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+
+    cc = _cuda.compute_capability(torch.cuda.current_device())
+    attrs = SSMScanAttrs(dt_min=1e-4, dt_max=math.inf)
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc))
+    inp = make_inputs(p, seed=7, device="cpu")
+    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
+    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
+    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    image, how = k.ptx.encode(), "PTX (driver JIT, as TensorRT loads it)"
+    rc = _cuda.try_load_module(image)
+    if rc == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        # this driver predates tileiras' PTX ISA (TensorRT would refuse the same: check_target); still prove
+        # the argument mapping by assembling the rewritten PTX with the carried ptxas instead
+        image, how = _assemble(k.ptx, aot.ptx_target(k.ptx)), "cubin (ptxas; driver too old for the PTX ISA)"
+    else:
+        assert rc == 0, _cuda.result_name(rc)
+    print(f"\n{p}: loading {how}, driver CUDA {_cuda.driver_version()}")
+    kern = _cuda.load_kernel(image, k.name)
+    shapes = {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}
+    extras = aot.extra_arg_values(k.amap, shapes, k.scalars)
+    args = ([("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
+            + [("u64", t.data_ptr()) for t in (y, fs)])
+    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block, args,
+                stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    kern.unload()
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+
+
+def _assemble(ptx: str, target: str) -> bytes:
+    import shutil
+    import subprocess
+    import tempfile
+
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("driver too old for the PTX ISA and no ptxas on PATH to assemble it")
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d) / "k.ptx", Path(d) / "k.cubin"
+        src.write_text(ptx)
+        subprocess.run([ptxas, f"-arch={target}", str(src), "-o", str(dst)], check=True, capture_output=True)
+        return dst.read_bytes()
