@@ -1,0 +1,258 @@
+"""TensorRT plugin m2export::SSMScan (m2export.plugins.ssm_scan_trt) without TensorRT.
+
+CPU: the shape/dtype/autotune rules for every contract case (ints and ShapeExpr-like dims), the module
+importing without TensorRT and saying why, and the whole registration against stand-ins of
+``tensorrt.plugin`` that enforce its schema rules (tests/plugins/fakes.py): descriptor, autotune, the
+JIT impl's argument plumbing and the AOT impl's launch description.
+GPU (marked ``gpu``): the JIT impl body on torch CUDA tensors seen through TensorRT-like tensor objects
+(data_ptr/shape/strides/dtype, bf16 included) against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from m2export import contract
+from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanProblem
+from m2export.errors import BackendUnavailable, InternalError
+from m2export.plugins import ssm_scan_trt as plug
+from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+from tests.plugins.fakes import Expr, FakeTensor, fake_tensorrt
+
+CASES = [
+    pytest.param(SSMScanProblem(2, 100, 8, 64, 2, 64, "float32"), id="B2-L100-H8-P64-G2-N64-fp32"),
+    pytest.param(SSMScanProblem(1, 1, 4, 32, 1, 128, "float16"), id="L1-G1-N128-fp16"),
+    pytest.param(SSMScanProblem(3, 257, 8, 64, 8, 128, "bfloat16"), id="L_k_chunk_plus_1-G8-bf16"),
+    pytest.param(SSMScanProblem(1, 64, 24, 64, 1, 128, "bfloat16"), id="L_eq_chunk-H24-bf16"),
+    pytest.param(SSMScanProblem(4, 7, 2, 128, 2, 256, "float32"), id="L_lt_chunk-P128-N256-fp32"),
+]
+
+
+def _sym(p: SSMScanProblem, name: str) -> tuple:
+    """TensorRT-like dims of ``name``: batch and seqlen symbolic, the rest constant expressions."""
+    spec = next(s for s in contract.INPUTS + contract.OUTPUTS if s.name == name)
+    return tuple(Expr(d) if d in ("batch", "seqlen") else Expr(v) for d, v in zip(spec.dims, p.shape_of(name)))
+
+
+# ----------------------------------------------------------------------------- rules
+@pytest.mark.parametrize("p", CASES)
+def test_output_shapes_ints_and_shape_exprs(p):
+    y, fs = plug.output_shapes(p.shape_of("x"), p.shape_of("B"))
+    assert (y, fs) == (p.shape_of("y"), p.shape_of("final_state"))
+    sy, sfs = plug.output_shapes(_sym(p, "x"), _sym(p, "B"))
+    assert sy == _sym(p, "y") and sfs == _sym(p, "final_state")
+    assert sy[0].v == "batch" and sy[1].v == "seqlen" and sfs[0].v == "batch"
+
+
+@pytest.mark.parametrize("dtype", contract.FLOAT_DTYPES)
+def test_output_dtypes(dtype):
+    assert plug.output_dtypes(dtype, "F32") == (dtype, "F32")
+    trt_name = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16"}[dtype]
+    assert plug.output_dtypes(trt_name, "DataType.FLOAT") == (trt_name, "DataType.FLOAT")
+
+
+def test_autotune_io_types_follow_the_contract():
+    combos = plug.autotune_io_types()
+    assert len(combos) == len(contract.input_dtype_combinations()) == 3
+    names = INPUT_NAMES + OUTPUT_NAMES
+    for s, want in zip(combos, contract.input_dtype_combinations()):
+        types_ = [t.strip() for t in s.split(",")]
+        assert len(types_) == len(names)
+        assert types_ == [plug.TRT_TYPE_NAMES[want[n]] for n in names]
+    assert combos[2].startswith("BF16, BF16, FP32, BF16, BF16, FP32, FP32, FP32, BF16, FP32")
+
+
+def test_attrs_from_plugin_fields():
+    # TensorRT's ONNX parser hands INT attributes as int32 and FLOAT as float32 fields
+    a = plug.attrs_from_plugin(np.int32(64), np.int32(0), np.float32(1e-3), np.float32(np.inf))
+    assert a == SSMScanAttrs(chunk_size=64, dt_softplus=False, dt_min=float(np.float32(1e-3)), dt_max=math.inf)
+    assert plug.attrs_from_plugin(256, 1, 0.0, math.inf) == SSMScanAttrs()
+
+
+def test_plugin_signature_drift_is_caught():
+    plug.check_plugin_signature(list(INPUT_NAMES) + list(contract.ATTRIBUTE_NAMES) + ["outputs"], extra=["outputs"])
+    with pytest.raises(InternalError, match="drifted from the contract"):
+        plug.check_plugin_signature(list(INPUT_NAMES) + ["chunk_size"], extra=[])
+
+
+def test_cuda_array_interface_describes_trt_tensors():
+    t = SimpleNamespace(data_ptr=0x7F0000001000, shape=(2, 3, 4), strides=(12, 4, 1), dtype="DataType.BF16")
+    cai = plug.cuda_array_interface(t)
+    assert cai["typestr"] == "<i2" and cai["strides"] == (24, 8, 2) and cai["shape"] == (2, 3, 4)
+    assert cai["data"] == (0x7F0000001000, False) and cai["version"] == 3 and cai["stream"] is None
+    t32 = SimpleNamespace(data_ptr=256, shape=(5, 6), strides=None, dtype=torch.float32)
+    assert plug.cuda_array_interface(t32)["strides"] == (24, 4)
+    with pytest.raises(InternalError, match="unsupported tensor dtype"):
+        plug.cuda_array_interface(SimpleNamespace(data_ptr=0, shape=(1,), strides=(1,), dtype="DataType.INT8"))
+
+
+def test_run_jit_plumbing_on_cpu():
+    """Inputs in contract order, attributes and outputs reach ssm_scan (torch backend, CPU views)."""
+    p = SSMScanProblem(2, 33, 4, 32, 2, 32, "float32")
+    inp = make_inputs(p, seed=3)
+    attrs = SSMScanAttrs(chunk_size=16, dt_min=1e-3, dt_max=0.5)
+    y = torch.full(p.shape_of("y"), float("nan"))
+    fs = torch.full(p.shape_of("final_state"), float("nan"))
+    plug.run_jit([FakeTensor(inp[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], attrs, 0,
+                 backend="torch", as_tensor=lambda t: t.tensor)
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+
+    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
+    assert_close("y", ref.y, y, rel=1e-5)
+    assert_close("final_state", ref.final_state, fs, rel=1e-5)
+    with pytest.raises(InternalError, match="got 7 inputs"):
+        plug.run_jit([FakeTensor(inp[n]) for n in INPUT_NAMES[:7]], [y, fs], attrs, 0, as_tensor=lambda t: t)
+
+
+# ----------------------------------------------------------------------------- import / registration
+def test_plugins_import_without_tensorrt_says_why():
+    pytest.importorskip("polygraphy")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    import m2export.plugins as plugins
+
+    assert plugins.registered() is None
+    assert "TensorRT is not installed" in plugins.unavailable_reason()
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed") as e:
+        plugins.register()
+    assert "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12" in e.value.hint
+    assert "tensorrt-cu13" in e.value.hint
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    monkeypatch.setattr(plug, "_REGISTERED", {})
+    yield
+
+
+def _descs(trtp, p: SSMScanProblem):
+    names = INPUT_NAMES
+    dts = {n: ({"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16"}[p.dtype]
+               if p.dtype_of(n) != "float32" else "DataType.FLOAT") for n in names + OUTPUT_NAMES}
+    return [trtp.TensorDesc(_sym(p, n), dts[n]) for n in names], dts
+
+
+def test_register_with_tensorrt_stand_ins(fresh_registry, monkeypatch):
+    trt, trtp = fake_tensorrt()
+    assert plug.register(trt=trt, trtp=trtp) == {"jit": True, "aot": True}
+    assert plug.register(trt=trt, trtp=trtp) == {"jit": True, "aot": True}  # idempotent
+    d = trtp.defs[plug.PLUGIN_ID]
+    assert set(d) == {"desc", "autotune", "impl", "aot_impl"}
+    p = SSMScanProblem(2, 100, 8, 64, 2, 64, "bfloat16")
+    ins, dts = _descs(trtp, p)
+    attrs = dict(chunk_size=256, dt_softplus=1, dt_min=0.0, dt_max=math.inf)
+
+    y, fs = d["desc"](*ins, **attrs)
+    assert y.shape_expr == _sym(p, "y") and y.dtype == "DataType.BF16"
+    assert fs.shape_expr == _sym(p, "final_state") and fs.dtype == trt.float32
+
+    combos = d["autotune"](*ins, outputs=(y, fs))
+    assert [c.io_types for c in combos] == plug.autotune_io_types() and {c.layouts for c in combos} == {"LINEAR"}
+
+    seen = {}
+    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s: seen.update(inputs=i, outputs=o, attrs=a, stream=s))
+    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=1234)
+    assert seen == dict(inputs=tuple(ins), outputs=("Y", "FS"), attrs=SSMScanAttrs(), stream=1234)
+
+    from tests.plugins.test_aot import META, fixture_cubin, fixture_spec
+    from m2export.plugins import aot
+
+    kernel = aot.build_aot_kernel(fixture_spec(), fixture_cubin(), META["symbol"], gpu_code="sm_90")
+    keys = []
+    monkeypatch.setattr(plug, "build_target", lambda: ("sm_90", (9, 0), (13, 4)))
+    monkeypatch.setattr(plug, "compile_checked_kernel", lambda *k: keys.append(k) or kernel)
+    pm = META["problem"]
+    q = SSMScanProblem(3, 50, pm["nheads"], pm["headdim"], pm["ngroups"], pm["d_state"], pm["dtype"])
+    ins, dts = _descs(trtp, q)
+    outs = (trtp.TensorDesc(_sym(q, "y"), dts["y"]), trtp.TensorDesc(_sym(q, "final_state"), dts["final_state"]))
+    name, ptx, params, extra = d["aot_impl"](*ins, **attrs, outputs=outs, tactic=0)
+    assert keys == [(q.nheads, q.headdim, q.ngroups, q.d_state, "bfloat16", SSMScanAttrs(), "sm_90", None)]
+    assert name == kernel.name and ptx == kernel.ptx
+    assert (params.grid_x, params.grid_y, params.grid_z) == (Expr("batch") * q.nheads, 1, q.headdim // META["block_p"])
+    assert (params.block_x, params.block_y, params.block_z) == kernel.block and params.shared_mem == 0
+    assert len(extra) == len(kernel.amap.extra_args)
+    named = dict(zip(kernel.amap.extra_args, (e.v for e in extra)))
+    assert named["x.shape0"] == Expr("batch") and named["x.shape1"] == Expr("seqlen")
+    assert named["final_state.stride0"] == Expr(q.nheads * q.headdim * q.d_state)
+
+    plug.configure_aot(ptx_isa=(9, 0))
+    try:
+        d["aot_impl"](*ins, **attrs, outputs=outs, tactic=0)
+        assert keys[-1][-1] == (9, 0)
+    finally:
+        plug.configure_aot(ptx_isa=None)
+
+
+def test_register_without_aot_support(fresh_registry):
+    trt, trtp = fake_tensorrt(aot=False)
+    assert plug.register(trt=trt, trtp=trtp) == {"jit": True, "aot": False}
+    assert "aot_impl" not in trtp.defs[plug.PLUGIN_ID]
+
+
+def test_register_refuses_old_tensorrt(fresh_registry):
+    trt, trtp = fake_tensorrt(version="10.6.0")
+    with pytest.raises(BackendUnavailable, match="TensorRT 10.6.0 is too old"):
+        plug.register(trt=trt, trtp=trtp)
+    assert plug._REGISTERED == {}
+
+
+# ----------------------------------------------------------------------------- GPU: JIT impl body
+def _gpu_ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cuda.tile  # noqa: F401
+    except ImportError as e:
+        return f"cuda.tile not importable: {e}"
+    return None
+
+
+_WHY = _gpu_ready()
+gpu = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+#: same bounds as tests/kernels/test_ssd.py (the JIT impl runs that kernel)
+Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("p", CASES)
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default_stream", "side_stream"])
+def test_jit_impl_body_vs_reference(p, side_stream):
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+
+    attrs = SSMScanAttrs(chunk_size=64, dt_min=0.0, dt_max=math.inf)
+    inp = make_inputs(p, seed=11, device="cpu")
+    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
+    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
+    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    plug.run_jit([FakeTensor(dev[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], attrs,
+                 stream.cuda_stream)
+    stream.synchronize()
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", contract.FLOAT_DTYPES)
+def test_torch_view_aliases_trt_memory(dtype):
+    base = torch.randn(3, 5, 7, device="cuda").to(TORCH_DTYPES[dtype])
+    t = base[:, 1:4]  # strided view: strides in elements like TensorRT reports them
+    v = plug.torch_view(FakeTensor(t))
+    assert v.dtype == t.dtype and v.shape == t.shape and v.stride() == t.stride()
+    assert v.data_ptr() == t.data_ptr()
+    assert torch.equal(v, t)
+    v.fill_(1)
+    assert torch.all(base[:, 1:4] == 1)
