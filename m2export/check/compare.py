@@ -453,15 +453,23 @@ def _rows(section, acc_results, labels, out_names, atol_d, rtol_d) -> list[Outpu
                 continue
             stats = [r for _, r in results if hasattr(r, "max_absdiff")]
             failed = [labels[k] if k < len(labels) else str(k) for k, r in results if not bool(r)]
-            note = "" if len(stats) == len(results) else "shape mismatch"
+            notes = [] if len(stats) == len(results) else ["shape mismatch"]
+            max_abs = _nanmax([s.max_absdiff for s in stats])
+            if any(not math.isfinite(s.max_absdiff) for s in stats):
+                notes.append("non-finite values (NaN/inf) in the runtime's output")
+                max_abs = math.nan
             rows.append(OutputRow(
-                section, runner, reference, name, len(results),
-                max((s.max_absdiff for s in stats), default=math.nan),
+                section, runner, reference, name, len(results), max_abs,
                 float(np.mean([s.mean_absdiff for s in stats])) if stats else math.nan,
-                max((s.max_reldiff for s in stats), default=math.nan),
+                _nanmax([s.max_reldiff for s in stats]),
                 float(np.mean([s.mean_reldiff for s in stats])) if stats else math.nan,
-                atol, rtol, not failed, failed, note))
+                atol, rtol, not failed, failed, "; ".join(notes)))
     return rows
+
+
+def _nanmax(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return max(xs) if xs else math.nan
 
 
 def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: int, seed: int, logits_atol: float,
@@ -630,9 +638,9 @@ def group_rows(rows: list[OutputRow]) -> list[dict[str, Any]]:
         name = rs[0].output if len(rs) == 1 else f"{grp}.* ({len(rs)} layers)"
         worst = [r for r in rs if not r.passed]
         out.append({"section": section, "runner": runner, "output": name,
-                    "max_abs": max((r.max_abs for r in rs), default=math.nan),
+                    "max_abs": math.nan if any(math.isnan(r.max_abs) for r in rs) else max(r.max_abs for r in rs),
                     "mean_abs": float(np.mean([r.mean_abs for r in rs])),
-                    "max_rel": max((r.max_rel for r in rs), default=math.nan),
+                    "max_rel": math.nan if any(math.isnan(r.max_rel) for r in rs) else max(r.max_rel for r in rs),
                     "mean_rel": float(np.mean([r.mean_rel for r in rs])),
                     "atol": max(r.atol for r in rs), "rtol": max(r.rtol for r in rs),
                     "passed": n_ok == len(rs),

@@ -1,0 +1,73 @@
+"""One tiny byte-level checkpoint and its export (both flavours), shared by tests/check and tests/cli.
+
+Made once per test session under pytest's base temp dir (both conftests call :func:`tiny_export`), so
+the ~10 s export is paid once. Sizes: d_model 64, 2 layers, vocab 256 (bytes), d_state 16, headdim 16
+(8 heads), ngroups 2, chunk_size 16: the default check sizes then cover 1 token, a partial chunk,
+one chunk, one chunk + 1 and two chunks + 3.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TINY = dict(d_model=64, n_layer=2, vocab_size=256, d_state=16, headdim=16, ngroups=2, chunk_size=16)
+
+
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from m2export.models.checkpoint import random_checkpoint
+
+    d = tmp_path_factory.getbasetemp() / "m2check_tiny_ck"
+    if not (d / "config.json").is_file():
+        random_checkpoint(d, seed=3, **TINY)
+    return d
+
+
+def tiny_export(tmp_path_factory) -> Path:
+    """OUTDIR of the tiny checkpoint exported with ssm_impl="both" (model.onnx plugin, model.std.onnx)."""
+    from m2export.exporter import export_model
+
+    d = tmp_path_factory.getbasetemp() / "m2check_tiny_export"
+    if not (d / "m2export.json").is_file():
+        export_model(tiny_checkpoint(tmp_path_factory), d, ssm_impl="both", force=True)
+    return d
+
+
+def copy_export(src: Path, dst: Path) -> Path:
+    """A private copy of an export to tamper with (the manifest's checkpoint path stays valid)."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("check_*"):
+        f.unlink()
+    return dst
+
+
+def set_ssm_scan_attribute(onnx_path: Path, name: str, value) -> int:
+    """Rewrite attribute ``name`` of every m2export::SSMScan node; returns how many nodes changed."""
+    import onnx
+
+    m = onnx.load(str(onnx_path))
+    n = 0
+    for node in m.graph.node:
+        if node.op_type == "SSMScan" and node.domain == "m2export":
+            for a in node.attribute:
+                if a.name == name:
+                    a.CopyFrom(onnx.helper.make_attribute(name, value))
+                    n += 1
+    onnx.save(m, str(onnx_path))
+    return n
+
+
+def scale_initializer(onnx_path: Path, name: str, factor: float) -> None:
+    """Multiply weight initializer ``name`` by ``factor`` in place."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(onnx_path))
+    for i, t in enumerate(m.graph.initializer):
+        if t.name == name:
+            arr = numpy_helper.to_array(t) * factor
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(arr.astype(arr.dtype), name))
+            break
+    else:
+        raise KeyError(f"{onnx_path.name}: no initializer {name!r}")
+    onnx.save(m, str(onnx_path))

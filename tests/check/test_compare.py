@@ -1,0 +1,115 @@
+"""run_check: passes on a correct export (both ORT flavours), fails on tampered graphs and names the outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from m2export.check.compare import REPORT_JSON, REPORT_MD, run_check
+from m2export.errors import BackendUnavailable, CheckpointError, ExportError
+from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
+from tests.check.exports import copy_export, scale_initializer, set_ssm_scan_attribute
+
+QUICK = dict(shapes=[(1, 5), (2, 17)], decode_steps=3)  # partial chunk and chunk + 1 (chunk_size 16)
+
+
+@pytest.fixture(scope="module")
+def passing_report(tiny_out, tmp_path_factory):
+    rep = tmp_path_factory.mktemp("rep")
+    return run_check(tiny_out, report_dir=rep), rep
+
+
+def test_check_passes_both_flavours(passing_report, tiny_out):
+    report, rep = passing_report
+    assert report.passed, report.failures()
+    names = [r["name"] for r in report.runners]
+    assert names == ["torch", "onnxrt:model.onnx+decode.onnx", "onnxrt:model.std.onnx+decode.std.onnx"]
+    outputs = ["logits", "present_conv_state.0", "present_ssm_state.0", "present_conv_state.1", "present_ssm_state.1"]
+    for section, iters in (("prefill", 5), ("sequence", 9)):  # default sizes; prefill + 8 decode steps
+        for runner in names[1:]:
+            rows = [r for r in report.rows if r.section == section and r.runner.split("+")[0] == runner.split("+")[0]]
+            assert [r.output for r in rows] == outputs
+            assert all(r.iterations == iters and r.passed and r.max_abs < 1e-4 for r in rows)
+    assert all(g["passed"] and g["agree"] + g["ties"] == g["total"] == 18 for g in report.greedy.values())
+    assert any("TensorRT" in s and "skipped" in s for s in report.skipped)
+    data = json.loads((rep / REPORT_JSON).read_text())
+    assert data["passed"] is True and len(data["rows"]) == 2 * 2 * len(outputs)
+    md = (rep / REPORT_MD).read_text()
+    assert md.startswith("# m2export check: PASSED") and "polygraphy run" in md
+    assert report.histogram is None and "matplotlib" in report.histogram_note or Path(report.histogram).is_file()
+
+
+def test_polygraphy_commands_run(passing_report):
+    """The printed `polygraphy run` commands are real: they run and compare the two ORT flavours."""
+    report, rep = passing_report
+    assert len(report.polygraphy_commands) == 2  # save model.onnx outputs, compare model.std.onnx against them
+    assert "--data-loader-script" in report.polygraphy_commands[0]
+    bindir = Path(sys.executable).parent
+    for cmd in report.polygraphy_commands:
+        r = subprocess.run(f"{bindir}/{cmd}", shell=True, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "PASSED" in r.stdout
+
+
+def test_tampered_ssm_scan_attribute_fails(tiny_out, tmp_path):
+    """dt_softplus=0 on the SSMScan nodes of model.onnx: that flavour fails, the untouched one passes."""
+    out = copy_export(tiny_out, tmp_path / "tampered")
+    assert set_ssm_scan_attribute(out / "model.onnx", "dt_softplus", 0) == 2
+    report = run_check(out, **QUICK)
+    assert not report.passed
+    bad = {(r.runner, r.output) for r in report.rows if not r.passed and r.section == "prefill"}
+    assert ("onnxrt:model.onnx", "present_ssm_state.0") in bad and ("onnxrt:model.onnx", "logits") in bad
+    assert not any(r.runner.startswith("onnxrt:model.std.onnx") for r in report.rows if not r.passed)
+    assert any("present_ssm_state.0" in f for f in report.failures())
+    md = (out / REPORT_MD).read_text()
+    assert md.startswith("# m2export check: FAILED") and "onnxrt:model.onnx: present_ssm_state.0" in md
+
+
+def test_tampered_weight_fails_only_downstream_outputs(tiny_out, tmp_path):
+    """dt_bias of layer 1 scaled in model.std.onnx: its ssm state and the logits fail; the conv states and
+    layer 0 (upstream of the change) pass, and the plugin flavour passes."""
+    out = copy_export(tiny_out, tmp_path / "tampered_w")
+    scale_initializer(out / "model.std.onnx", "model.backbone.layers.1.mixer.dt_bias", 1.5)
+    report = run_check(out, **QUICK)
+    bad = sorted({(r.runner, r.output) for r in report.rows if not r.passed and r.section == "prefill"})
+    assert bad == [("onnxrt:model.std.onnx", "logits"), ("onnxrt:model.std.onnx", "present_ssm_state.1")]
+    assert all(r.passed for r in report.rows if r.runner.startswith("onnxrt:model.onnx"))
+    assert all(r.passed for r in report.rows if r.output in ("present_conv_state.0", "present_ssm_state.0"))
+    assert "prefill onnxrt:model.std.onnx: logits" in " ".join(report.failures())
+
+
+def test_missing_reference_and_engine(tiny_out, tmp_path):
+    out = copy_export(tiny_out, tmp_path / "o")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        run_check(out, checkpoint=tmp_path / "nowhere", **QUICK)
+    m = read_manifest(out)
+    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit",
+                                 [{"input_ids": {"min": [1, 1], "opt": [2, 64], "max": [4, 256]}}], "fp32"))
+    write_manifest(out, m)
+    with pytest.raises(ExportError, match="model.plan: prefill TensorRT engine listed in m2export.json is missing"):
+        run_check(out, **QUICK)
+    (out / "model.plan").write_bytes(b"not an engine")
+    report = run_check(out, **QUICK)  # TensorRT absent here: skipped with a reason, ORT still checked
+    assert report.passed
+    assert any("skipped: TensorRT not installed" in s for s in report.skipped)
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
+        run_check(out, require_trt=True, **QUICK)
+    assert read_manifest(out).engines[0].file == "model.plan"
+    assert asdict(m.engines[0])["profiles"]
+
+
+def test_engine_profile_sizes_used(tiny_out, tmp_path):
+    """With engines recorded, the prefill sizes are the profile's min/opt/max."""
+    out = copy_export(tiny_out, tmp_path / "o")
+    m = read_manifest(out)
+    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit",
+                                 [{"input_ids": {"min": [1, 1], "opt": [2, 20], "max": [3, 40]}}], "fp32"))
+    write_manifest(out, m)
+    (out / "model.plan").write_bytes(b"x")
+    report = run_check(out, decode_steps=0)
+    assert report.shapes == [[1, 1], [2, 20], [3, 40]] and report.passed

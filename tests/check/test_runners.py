@@ -1,0 +1,88 @@
+"""TorchRunner (a Polygraphy BaseRunner over the PyTorch reference), the token data loader, tolerances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from m2export.check.compare import parse_tolerances
+from m2export.check.data import TokenDataLoader, default_shapes, parse_shapes, stdlib_corpus
+from m2export.check.runners import ModelFromCheckpoint, TorchRunner
+from m2export.errors import CheckpointError, M2ExportError
+from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.models.checkpoint import load_checkpoint
+
+
+def test_torch_runner_matches_model_and_names(tiny_ck):
+    ck = load_checkpoint(tiny_ck)
+    cfg = ck.config
+    loader = TokenDataLoader(cfg, "fp32", [(2, 19)], seed=1)
+    feed = next(iter(loader))
+    with TorchRunner(ModelFromCheckpoint(tiny_ck), role="prefill") as r:
+        meta = r.get_input_metadata(use_numpy_dtypes=False)
+        assert list(meta) == list(Mamba2OnnxConfig(cfg).inputs(decode=False))
+        out = r.infer(feed)
+    assert list(out) == list(Mamba2OnnxConfig(cfg).outputs(decode=False))
+    ref = ck.model(torch.from_numpy(feed["input_ids"]))
+    np.testing.assert_array_equal(out["logits"], ref.logits.detach().numpy())
+    np.testing.assert_array_equal(out["present_ssm_state.1"], ref.ssm_states[1].detach().numpy())
+    assert out["logits"].shape == (2, 19, cfg.vocab_size_padded)
+
+
+def test_torch_runner_decode_continues_prefill(tiny_ck):
+    """prefill(N) then decode(1) with the returned states == prefill(N + 1) (last position)."""
+    ck = load_checkpoint(tiny_ck)
+    feed = next(iter(TokenDataLoader(ck.config, "fp32", [(1, 9)], seed=2)))
+    with TorchRunner(ck, role="prefill") as pre, TorchRunner(ck, role="decode") as dec:
+        a = pre.infer({**feed, "input_ids": feed["input_ids"][:, :8]})
+        step = {"input_ids": feed["input_ids"][:, 8:]}
+        step.update({k.replace("present_", "past_"): v for k, v in a.items() if k != "logits"})
+        b = dec.infer(step)
+        full = pre.infer(feed)
+    np.testing.assert_allclose(b["logits"][:, -1], full["logits"][:, -1], atol=1e-5)
+
+
+def test_base_runner_checks_feed_dict(tiny_ck):
+    """Polygraphy's BaseRunner.infer checks names/dtypes against get_input_metadata_impl."""
+    from polygraphy.exception import PolygraphyException
+
+    ck = load_checkpoint(tiny_ck)
+    feed = next(iter(TokenDataLoader(ck.config, "fp32", [(1, 4)])))
+    feed["input_ids"] = feed["input_ids"].astype(np.int32)
+    with TorchRunner(ck) as r, pytest.raises(PolygraphyException, match="input_ids"):
+        r.infer(feed)
+
+
+def test_reference_hash_mismatch(tiny_ck):
+    with pytest.raises(CheckpointError, match="differs from the exported checkpoint"):
+        ModelFromCheckpoint(tiny_ck, expected_sha256="0" * 64)()
+
+
+def test_data_loader_real_tokens_deterministic(tiny_ck):
+    cfg = load_checkpoint(tiny_ck).config
+    shapes = default_shapes(cfg)
+    assert shapes == [(1, 1), (1, 7), (2, 16), (2, 17), (3, 35)]  # 1 token .. two chunks + 3 (chunk_size 16)
+    a = list(TokenDataLoader(cfg, "fp32", shapes, seed=5))
+    b = list(TokenDataLoader(cfg, "fp32", shapes, seed=5))
+    corpus = stdlib_corpus()
+    for fa, fb, (bs, s) in zip(a, b, shapes):
+        assert fa["input_ids"].shape == (bs, s) and fa["input_ids"].dtype == np.int64
+        np.testing.assert_array_equal(fa["input_ids"], fb["input_ids"])
+        assert bytes(fa["input_ids"][0].astype(np.uint8)) in corpus  # a real window of the corpus
+        assert not fa["past_ssm_state.0"].any() and fa["past_ssm_state.0"].dtype == np.float32
+        assert fa["past_conv_state.1"].shape == (bs, cfg.conv_dim, cfg.d_conv - 1)
+    assert b"def " in corpus and len(corpus) > 100_000
+
+
+def test_parse_shapes_and_tolerances():
+    assert parse_shapes("1x1, 2X64") == [(1, 1), (2, 64)]
+    with pytest.raises(M2ExportError, match="bad item '2x'"):
+        parse_shapes("1x1,2x")
+    names = ["logits", "present_conv_state.0", "present_ssm_state.0", "present_ssm_state.1"]
+    t = parse_tolerances(["1e-3", "logits:0.5", "present_ssm_state.*:2e-2"], {"": 1e-4}, names, "--atol")
+    assert t == {"": 1e-3, "logits": 0.5, "present_ssm_state.0": 2e-2, "present_ssm_state.1": 2e-2}
+    with pytest.raises(M2ExportError, match="no output named 'logit'"):
+        parse_tolerances(["logit:1"], {"": 1e-4}, names, "--atol")
+    with pytest.raises(M2ExportError, match="expected VALUE or NAME:VALUE"):
+        parse_tolerances(["logits:abc"], {"": 1e-4}, names, "--rtol")
