@@ -1,0 +1,76 @@
+"""``m2export build``: TensorRT engines from an export folder."""
+
+from __future__ import annotations
+
+HELP = "build TensorRT engines (model.plan, decode.plan) from an export folder"
+DESCRIPTION = """Build TensorRT engines from the ONNX graphs of an export folder with Polygraphy's TensorRT
+backend: one optimization profile per graph (batch and sequence length ranges below; the decode graph's
+sequence length is 1), a strongly typed network (precision = the ONNX dtypes), the m2export::SSMScan
+plugin registered first. Writes OUTDIR/model.plan and OUTDIR/decode.plan and records them (TensorRT
+version, GPU, profiles, plugin mode) in OUTDIR/m2export.json. Needs TensorRT >= 10.7 and an NVIDIA GPU;
+engines are specific to that GPU architecture and TensorRT version.
+
+plugin modes:
+  jit  the plugin runs the cuTile kernel from Python at inference time: the runtime needs Python, torch,
+       cuda-tile and 'import m2export.plugins' before deserializing (m2export check/generate do this)
+  aot  the cuTile kernel is compiled to PTX for this GPU and embedded in the engine: any TensorRT runtime
+       (trtexec, C++) runs it, no Python and no plugin library needed
+
+examples:
+  m2export build out/m2-130m
+  m2export build out/m2-130m --plugin aot --max-batch 16 --max-seq 4096
+  m2export build out/m2-130m/decode.onnx --opt-batch 8 --workspace 8G --opt-level 5
+"""
+
+
+def add_arguments(p):
+    p.add_argument("path", metavar="OUTDIR|MODEL.onnx", help="export folder, or one of its .onnx graphs")
+    p.add_argument("--plugin", choices=["jit", "aot"], default="jit", help="SSMScan plugin mode (default: jit)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="which graphs of OUTDIR to build (default: both)")
+    g = p.add_argument_group("Optimization profile")
+    for dim, (lo, opt, hi) in (("batch", (1, 1, 8)), ("seq", (1, 128, 2048))):
+        what = "batch size" if dim == "batch" else "sequence length (prefill graph)"
+        g.add_argument(f"--min-{dim}", type=int, default=lo, metavar="N", help=f"smallest {what} (default: {lo})")
+        g.add_argument(f"--opt-{dim}", type=int, default=opt, metavar="N", help=f"{what} TensorRT tunes for (default: {opt})")
+        g.add_argument(f"--max-{dim}", type=int, default=hi, metavar="N", help=f"largest {what} (default: {hi})")
+    g = p.add_argument_group("Builder")
+    g.add_argument("--workspace", help="workspace memory limit, e.g. 4G (default: TensorRT's, the device memory)")
+    g.add_argument("--opt-level", type=int, choices=range(6), metavar="0-5",
+                   help="builder optimization level (default: TensorRT's, 3)")
+    g.add_argument("--timing-cache", metavar="FILE",
+                   help="timing cache to reuse and update (default: OUTDIR/.timing.cache)")
+    g.add_argument("--no-timing-cache", action="store_true", help="build without a timing cache")
+    g.add_argument("--aot-ptx-isa", metavar="MAJOR.MINOR",
+                   help="rewrite the AOT kernel's PTX ISA header (for a driver older than cuda-tile's toolkit; "
+                        "only if 'm2export check' then passes)")
+
+
+def run(args) -> int:
+    import logging
+
+    from m2export.errors import M2ExportError
+    from m2export.trt.build import ShapeRange, build_engines, parse_size
+
+    isa = None
+    if args.aot_ptx_isa:
+        try:
+            major, minor = (int(v) for v in args.aot_ptx_isa.split("."))
+        except ValueError:
+            raise M2ExportError(f"--aot-ptx-isa: expected MAJOR.MINOR such as 9.0, got {args.aot_ptx_isa!r}") from None
+        isa = (major, minor)
+    cache = False if args.no_timing_cache else (args.timing_cache or True)
+    result = build_engines(
+        args.path, plugin=args.plugin,
+        batch=ShapeRange(args.min_batch, args.opt_batch, args.max_batch),
+        seq=ShapeRange(args.min_seq, args.opt_seq, args.max_seq),
+        roles=("prefill", "decode") if args.role == "both" else (args.role,),
+        workspace=parse_size(args.workspace) if args.workspace else None, opt_level=args.opt_level,
+        timing_cache=cache, aot_ptx_isa=isa)
+    log = logging.getLogger("m2export")
+    for e in result.engines:
+        log.info("%s: %s engine, TensorRT %s, %s (sm %s), plugin %s", e.file, e.role, e.tensorrt_version, e.gpu,
+                 e.compute_capability, e.plugin_mode)
+    if result.manifest_updated:
+        log.info("updated %s/m2export.json", result.outdir)
+    return 0

@@ -1,0 +1,332 @@
+"""Build TensorRT engines from an m2export output folder (``m2export build``).
+
+Pipeline per graph, with Polygraphy's TensorRT backend: :class:`~m2export.trt.loader.NetworkFromOnnxPathWithPlugin`
+(strongly typed network, SSMScan plugin in JIT or AOT mode) -> ``CreateConfig`` (one optimization profile,
+timing cache, workspace limit, builder optimization level) -> ``EngineBytesFromNetwork``. Engines are held
+in memory and written (``model.plan``, ``decode.plan``) only once every requested graph has built, then
+``m2export.json`` gains an :class:`~m2export.exporter.manifest.EngineEntry` per engine.
+
+Precision comes from the ONNX graph's dtypes, never from builder flags: TensorRT 10 networks are created
+``STRONGLY_TYPED`` (where FP16/BF16 builder flags are refused), TensorRT 11 networks are always strongly
+typed (the flags are gone). The engine therefore runs in the dtype the model was exported in.
+
+Everything before :func:`require_tensorrt` is plain Python (paths, profiles, precision), so a machine
+without TensorRT fails early with the install hint and writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export.exporter.configs import DECODE_FILE, MANIFEST_FILE, PREFILL_FILE
+from m2export.exporter.manifest import EngineEntry, Manifest, read_manifest, write_manifest
+from m2export.plugins.ssm_scan_trt import INSTALL_HINT, MIN_TENSORRT
+
+log = logging.getLogger(__name__)
+
+BATCH_SYMBOL = "batch_size"
+SEQ_SYMBOL = "sequence_length"
+TIMING_CACHE_FILE = ".timing.cache"
+_ONNX_FLOAT = {1: "fp32", 10: "fp16", 16: "bf16"}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """min <= opt <= max of one dynamic dimension."""
+
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self):
+        if not (1 <= self.min <= self.opt <= self.max):
+            raise M2ExportError(f"shape range: expected 1 <= min <= opt <= max, got min={self.min}, "
+                                f"opt={self.opt}, max={self.max}")
+
+
+@dataclass(frozen=True)
+class BuildTarget:
+    """One graph to build: ``role`` prefill|decode, ``onnx`` path, ``plan`` path to write."""
+
+    role: str
+    onnx: Path
+    plan: Path
+
+
+@dataclass
+class BuildResult:
+    outdir: Path
+    engines: list[EngineEntry] = field(default_factory=list)
+    manifest_updated: bool = False
+
+
+def plan_name(onnx_file: str | Path) -> str:
+    """model.onnx -> model.plan, decode.std.onnx -> decode.std.plan."""
+    name = Path(onnx_file).name
+    return (name[:-5] if name.endswith(".onnx") else name) + ".plan"
+
+
+def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode")) -> tuple[Path, Manifest | None,
+                                                                                          list[BuildTarget]]:
+    """What to build for ``path``: an OUTDIR (its manifest's primary graphs of ``roles``) or one ``.onnx``.
+
+    Raises:
+        ExportError: the path does not exist, is neither an OUTDIR nor an ONNX file, or a graph is missing.
+    """
+    p = Path(path)
+    if p.is_dir():
+        manifest = read_manifest(p)
+        targets = []
+        for role in roles:
+            g = manifest.graph(role)
+            onnx_path = p / g.file
+            if not onnx_path.is_file():
+                raise ExportError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing",
+                                  hint="re-export with 'm2export export ... --force'")
+            targets.append(BuildTarget(role, onnx_path, p / plan_name(g.file)))
+        return p, manifest, targets
+    if p.is_file() and p.suffix == ".onnx":
+        outdir = p.parent
+        manifest = read_manifest(outdir) if (outdir / MANIFEST_FILE).is_file() else None
+        role = None
+        if manifest is not None:
+            role = next((g.role for g in manifest.graphs if g.file == p.name), None)
+        if role is None:
+            role = "decode" if p.name.startswith(Path(DECODE_FILE).stem) else "prefill"
+        return outdir, manifest, [BuildTarget(role, p, outdir / plan_name(p.name))]
+    if not p.exists():
+        raise ExportError(f"{p}: no such file or directory",
+                          hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}/{DECODE_FILE}")
+    raise ExportError(f"{p}: expected an m2export output folder or an .onnx file")
+
+
+def onnx_inputs(onnx_path: str | Path) -> dict[str, list[int | str]]:
+    """Graph input name -> dims (int, or the symbol name of a dynamic dim); weights are not loaded."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    init = {i.name for i in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        dims = []
+        for d in vi.type.tensor_type.shape.dim:
+            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?"))
+        out[vi.name] = dims
+    return out
+
+
+def onnx_precision(onnx_path: str | Path) -> str:
+    """fp32 | fp16 | bf16: the most common float type of the graph's initializers (the weights)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    counts = Counter(_ONNX_FLOAT[i.data_type] for i in model.graph.initializer if i.data_type in _ONNX_FLOAT)
+    if not counts:
+        return "fp32"
+    # ignore the fp32 parameters every export keeps (A_log, D, dt_bias, norms) when a lower one is present
+    low = {k: v for k, v in counts.items() if k != "fp32"}
+    return max(low, key=low.get) if low else "fp32"
+
+
+def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRange,
+                  seq: ShapeRange) -> dict[str, dict[str, list[int]]]:
+    """One optimization profile: input name -> {"min","opt","max": shape}.
+
+    ``batch_size`` takes ``batch``; ``sequence_length`` takes ``seq`` (fixed to 1 in the decode graph);
+    fixed dims stay. Any other symbolic dim is an error (the exporter names only these two).
+    """
+    prof: dict[str, dict[str, list[int]]] = {}
+    for name, dims in inputs.items():
+        shapes: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
+        for d in dims:
+            if isinstance(d, int) and d > 0:
+                rng = ShapeRange(d, d, d)
+            elif d == BATCH_SYMBOL:
+                rng = batch
+            elif d == SEQ_SYMBOL:
+                rng = ShapeRange(1, 1, 1) if role == "decode" else seq
+            else:
+                raise ExportError(f"input {name!r} has dynamic dimension {d!r}; m2export build knows only "
+                                  f"{BATCH_SYMBOL!r} and {SEQ_SYMBOL!r}",
+                                  hint="export the graph with 'm2export export' (it names the dynamic axes)")
+            for k in shapes:
+                shapes[k].append(getattr(rng, k))
+        prof[name] = shapes
+    return prof
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4G``, ``512M``, ``1024K``, ``2GiB`` or a plain integer."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise M2ExportError(f"size: expected e.g. 4G, 512M or a number of bytes, got {text!r}")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def require_tensorrt():
+    """``import tensorrt``, or BackendUnavailable with the install hint."""
+    try:
+        import tensorrt as trt
+    except ImportError as e:
+        raise BackendUnavailable(f"TensorRT is not installed ({e})", hint=INSTALL_HINT) from None
+    from m2export.plugins.ssm_scan_trt import tensorrt_version
+
+    if tensorrt_version(trt) < MIN_TENSORRT:
+        raise BackendUnavailable(f"TensorRT {trt.__version__} is too old: m2export build needs >= "
+                                 f"{'.'.join(map(str, MIN_TENSORRT))}", hint=INSTALL_HINT)
+    return trt
+
+
+def require_gpu() -> tuple[str, str]:
+    """(GPU name, compute capability "9.0") of the build device, or BackendUnavailable."""
+    from m2export.plugins import _cuda
+
+    if _cuda.device_count() < 1:
+        raise BackendUnavailable("no CUDA GPU found: TensorRT builds engines on the GPU they are for",
+                                 hint="run m2export build on the target machine (check nvidia-smi)")
+    cc = _cuda.compute_capability()
+    return _cuda.device_name(), f"{cc[0]}.{cc[1]}"
+
+
+def _require_plugin(plugin: str) -> None:
+    from m2export import plugins
+
+    try:
+        got = plugins.register()
+    except BackendUnavailable:
+        raise
+    except Exception as e:
+        raise BackendUnavailable(f"the m2export::SSMScan TensorRT plugin could not be registered: "
+                                 f"{type(e).__name__}: {e}", hint="run with -v for the traceback") from e
+    if plugin == "aot" and not got.get("aot"):
+        import tensorrt as trt
+
+        raise BackendUnavailable(f"TensorRT {trt.__version__} has no AOT Python plugins (tensorrt.plugin.aot_impl)",
+                                 hint="use --plugin jit, or install a newer TensorRT")
+
+
+def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile: dict, workspace: int | None,
+                       opt_level: int | None, timing_cache: Path | None) -> bytes:
+    """Serialized engine of one graph (Polygraphy's CreateConfig + EngineBytesFromNetwork)."""
+    import tensorrt as trt
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
+
+    from m2export.trt.loader import NetworkFromOnnxPathWithPlugin
+
+    prof = Profile()
+    for name, s in profile.items():
+        prof.add(name, min=s["min"], opt=s["opt"], max=s["max"])
+    config = CreateConfig(
+        profiles=[prof],
+        load_timing_cache=str(timing_cache) if timing_cache is not None and timing_cache.is_file() else None,
+        builder_optimization_level=opt_level,
+        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: workspace} if workspace else None,
+    )
+    network = NetworkFromOnnxPathWithPlugin(target.onnx, plugin_mode=plugin_mode)
+    t0 = time.perf_counter()
+    engine = EngineBytesFromNetwork(network, config=config,
+                                    save_timing_cache=str(timing_cache) if timing_cache is not None else None)()
+    if engine is None:
+        raise ExportError(f"TensorRT failed to build an engine from {target.onnx}", hint="rerun with -v for its log")
+    log.info("built %s engine from %s in %.1fs (%.1f MB)", target.role, target.onnx.name,
+             time.perf_counter() - t0, len(engine) / 1e6)
+    return bytes(engine)
+
+
+def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = ShapeRange(1, 1, 8),
+                  seq: ShapeRange = ShapeRange(1, 128, 2048), roles: Sequence[str] = ("prefill", "decode"),
+                  workspace: int | None = None, opt_level: int | None = None,
+                  timing_cache: str | Path | None | bool = True,
+                  aot_ptx_isa: tuple[int, int] | None = None) -> BuildResult:
+    """Build TensorRT engines for the graphs of ``path`` (an OUTDIR or one ``.onnx`` file).
+
+    Args:
+        path: OUTDIR written by ``m2export export`` (its primary model.onnx/decode.onnx), or one .onnx.
+        plugin: "jit" (the plugin calls the cuTile kernel from Python at run time: the runtime needs
+            Python, torch, cuda.tile and ``import m2export.plugins``) or "aot" (the PTX is embedded in the
+            engine: any TensorRT runtime, trtexec and C++ included, runs it without Python).
+        batch, seq: the optimization profile of ``batch_size`` and ``sequence_length`` (seq is 1 in decode).
+        roles: which graphs of an OUTDIR to build.
+        workspace: builder workspace limit in bytes (None: TensorRT's default, the device memory).
+        opt_level: builder optimization level 0..5 (None: TensorRT's default, 3).
+        timing_cache: True (OUTDIR/.timing.cache, reused and updated), a path, or None/False (none).
+        aot_ptx_isa: explicit PTX ISA for the AOT kernel's header (see ``m2export build --aot-ptx-isa``).
+
+    Returns:
+        BuildResult: the written engines (also recorded in ``m2export.json`` when the folder has one).
+
+    Raises:
+        BackendUnavailable: no TensorRT (with the install command), no GPU, no plugin, no AOT support.
+        ExportError: bad path, unparsable graph (naming the failing node), engine build failure.
+    """
+    if plugin not in ("jit", "aot"):
+        raise M2ExportError(f"plugin: expected 'jit' or 'aot', got {plugin!r}")
+    if opt_level is not None and not 0 <= opt_level <= 5:
+        raise M2ExportError(f"opt_level: expected 0..5, got {opt_level}")
+    outdir, manifest, targets = resolve_targets(path, roles)
+    profiles = {t.role: graph_profile(onnx_inputs(t.onnx), t.role, batch, seq) for t in targets}
+    from m2export.trt.loader import count_ssm_scan_nodes
+
+    uses_plugin = {t.role: count_ssm_scan_nodes(t.onnx) > 0 for t in targets}
+    cache = (outdir / TIMING_CACHE_FILE if timing_cache is True
+             else Path(timing_cache) if timing_cache else None)
+
+    trt = require_tensorrt()
+    gpu, cc = require_gpu()
+    if any(uses_plugin.values()):
+        _require_plugin(plugin)
+        from m2export.plugins import ssm_scan_trt
+
+        ssm_scan_trt.configure_aot(ptx_isa=aot_ptx_isa)
+
+    built: list[tuple[BuildTarget, bytes, EngineEntry]] = []
+    for t in targets:
+        mode = plugin if uses_plugin[t.role] else None
+        engine = build_engine_bytes(t, plugin_mode=mode, profile=profiles[t.role], workspace=workspace,
+                                    opt_level=opt_level, timing_cache=cache)
+        precision = manifest.dtype if manifest is not None else onnx_precision(t.onnx)
+        built.append((t, engine, EngineEntry(
+            role=t.role, file=t.plan.name, onnx_file=t.onnx.name, tensorrt_version=str(trt.__version__), gpu=gpu,
+            compute_capability=cc, plugin_mode=mode or "none", profiles=[profiles[t.role]], precision=precision)))
+
+    result = BuildResult(outdir)
+    for t, engine, entry in built:
+        tmp = t.plan.with_name(t.plan.name + ".tmp")
+        tmp.write_bytes(engine)
+        os.replace(tmp, t.plan)
+        result.engines.append(entry)
+        log.info("wrote %s", t.plan)
+    if manifest is not None:
+        roles_built = {e.role for e in result.engines}
+        manifest.engines = [e for e in manifest.engines if e.role not in roles_built] + result.engines
+        write_manifest(outdir, manifest)
+        result.manifest_updated = True
+    return result
+
+
+def load_engine(plan: str | Path, *, register_plugin: bool = True) -> Any:
+    """Deserialize ``plan`` (registering the SSMScan plugin first, which JIT engines need)."""
+    trt = require_tensorrt()
+    if register_plugin:
+        from m2export import plugins
+
+        plugins.register()
+    from polygraphy.backend.trt import util as trt_util
+
+    runtime = trt.Runtime(trt_util.get_trt_logger())
+    engine = runtime.deserialize_cuda_engine(Path(plan).read_bytes())
+    if engine is None:
+        raise ExportError(f"{plan}: TensorRT could not deserialize the engine",
+                          hint="engines are specific to the TensorRT version and GPU they were built with")
+    return engine

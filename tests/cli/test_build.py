@@ -1,0 +1,287 @@
+"""``m2export build`` (m2export/cli/build.py, m2export/trt/).
+
+CPU: argument handling, optimization profiles, precision from ONNX dtypes, network flags for TensorRT 10
+and 11, parser-error messages, and -- where TensorRT is not installed -- exit code 4 with the install
+hint and nothing written.
+TensorRT (marked ``trt``; skipped with "TensorRT not installed"): build a tiny random model's engines
+in both plugin modes, run them, compare with PyTorch; an AOT engine runs in a process that never
+imports m2export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from m2export.cli.main import main
+from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export.exporter.manifest import GraphEntry, Manifest, read_manifest, write_manifest
+from m2export.trt import build as B
+from m2export.trt.loader import count_ssm_scan_nodes, format_parser_errors, network_flags
+
+try:
+    import tensorrt  # noqa: F401
+
+    HAVE_TRT = True
+except ImportError:
+    HAVE_TRT = False
+
+
+def _graph(path: Path, *, decode: bool, dtype=TensorProto.FLOAT, nodes: int = 1) -> None:
+    """A small ONNX graph with the exporter's input names and ``nodes`` SSMScan nodes (not runnable)."""
+    seq = 1 if decode else "sequence_length"
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", seq]),
+              helper.make_tensor_value_info("past_conv_state.0", dtype, ["batch_size", 192, 3]),
+              helper.make_tensor_value_info("past_ssm_state.0", TensorProto.FLOAT, ["batch_size", 4, 32, 32])]
+    outputs = [helper.make_tensor_value_info("logits", dtype, ["batch_size", seq, 256])]
+    body = [helper.make_node("SSMScan", [f"i{k}" for k in range(8)], [f"y{j}", f"s{j}"], domain="m2export",
+                             plugin_namespace="m2export", plugin_version="1", chunk_size=256, dt_softplus=1,
+                             dt_min=0.0, dt_max=float("inf")) for j in range(nodes)]
+    weights = [helper.make_tensor("w", dtype, [2, 2], [0.0] * 4), helper.make_tensor("A_log", TensorProto.FLOAT,
+                                                                                     [4], [0.0] * 4)]
+    g = helper.make_graph(body, "g", inputs, outputs, initializer=weights)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("m2export", 1)]),
+              str(path))
+
+
+def make_outdir(tmp: Path, dtype: str = "fp32") -> Path:
+    out = tmp / "out"
+    out.mkdir()
+    tp = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}[dtype]
+    _graph(out / "model.onnx", decode=False, dtype=tp, nodes=2)
+    _graph(out / "decode.onnx", decode=True, dtype=tp, nodes=2)
+    graphs = [GraphEntry(role=r, ssm_impl="plugin", file=f, inputs={}, outputs={})
+              for r, f in (("prefill", "model.onnx"), ("decode", "decode.onnx"))]
+    write_manifest(out, Manifest(source_checkpoint="ck", checkpoint_format="mamba_ssm", checkpoint_sha256="0",
+                                 config={}, dtype=dtype, opset=18, graphs=graphs, tool_versions={}))
+    return out
+
+
+def _listing(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- without TensorRT
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+@pytest.mark.parametrize("plugin", ["jit", "aot"])
+def test_build_without_tensorrt_exits_4_with_hint_and_writes_nothing(tmp_path, capsys, plugin):
+    out = make_outdir(tmp_path)
+    before = _listing(tmp_path)
+    rc = main(["build", str(out), "--plugin", plugin])
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    assert "error: TensorRT is not installed" in err
+    assert "hint: pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12" in err
+    assert "tensorrt-cu13" in err
+    assert _listing(tmp_path) == before  # no plan, no timing cache, manifest untouched
+    rc = main(["build", str(out / "decode.onnx")])
+    assert rc == 4 and _listing(tmp_path) == before
+
+
+def test_build_bad_paths(tmp_path, capsys):
+    assert main(["build", str(tmp_path / "missing")]) == 1
+    assert "no such file or directory" in capsys.readouterr().err
+    (tmp_path / "x.txt").write_text("")
+    assert main(["build", str(tmp_path / "x.txt")]) == 1
+    assert "expected an m2export output folder or an .onnx file" in capsys.readouterr().err
+    assert main(["build", str(tmp_path)]) == 1  # a folder without m2export.json
+    assert "m2export.json: missing" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- plain functions
+def test_resolve_targets(tmp_path):
+    out = make_outdir(tmp_path)
+    outdir, manifest, targets = B.resolve_targets(out)
+    assert outdir == out and manifest is not None
+    assert [(t.role, t.onnx.name, t.plan.name) for t in targets] == [("prefill", "model.onnx", "model.plan"),
+                                                                     ("decode", "decode.onnx", "decode.plan")]
+    _, _, (t,) = B.resolve_targets(out / "decode.onnx")
+    assert (t.role, t.plan) == ("decode", out / "decode.plan")
+    _, _, (t,) = B.resolve_targets(out, roles=("decode",))
+    assert t.role == "decode"
+    (out / "model.onnx").unlink()
+    with pytest.raises(ExportError, match="listed in m2export.json but missing"):
+        B.resolve_targets(out)
+    assert B.plan_name("decode.std.onnx") == "decode.std.plan"
+
+
+def test_graph_profiles(tmp_path):
+    out = make_outdir(tmp_path)
+    batch, seq = B.ShapeRange(1, 2, 8), B.ShapeRange(1, 64, 512)
+    pre = B.graph_profile(B.onnx_inputs(out / "model.onnx"), "prefill", batch, seq)
+    assert pre["input_ids"] == {"min": [1, 1], "opt": [2, 64], "max": [8, 512]}
+    assert pre["past_ssm_state.0"] == {"min": [1, 4, 32, 32], "opt": [2, 4, 32, 32], "max": [8, 4, 32, 32]}
+    dec = B.graph_profile(B.onnx_inputs(out / "decode.onnx"), "decode", batch, seq)
+    assert dec["input_ids"] == {"min": [1, 1], "opt": [2, 1], "max": [8, 1]}
+    # a decode graph that left sequence_length symbolic still gets 1
+    assert B.graph_profile({"input_ids": ["batch_size", "sequence_length"]}, "decode", batch, seq)["input_ids"][
+        "max"] == [8, 1]
+    with pytest.raises(ExportError, match="dynamic dimension 'n'"):
+        B.graph_profile({"x": ["batch_size", "n"]}, "prefill", batch, seq)
+    with pytest.raises(M2ExportError, match="min <= opt <= max"):
+        B.ShapeRange(4, 2, 8)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_precision_from_onnx_dtypes(tmp_path, dtype):
+    out = make_outdir(tmp_path, dtype)
+    assert B.onnx_precision(out / "model.onnx") == dtype
+    assert count_ssm_scan_nodes(out / "model.onnx") == 2
+
+
+def test_parse_size():
+    assert B.parse_size("4G") == 4 << 30 and B.parse_size("512M") == 512 << 20 and B.parse_size("2GiB") == 2 << 30
+    assert B.parse_size("1000") == 1000 and B.parse_size("1.5K") == 1536
+    with pytest.raises(M2ExportError, match="expected e.g. 4G"):
+        B.parse_size("lots")
+
+
+def _fake_trt(version: str, *, aot: bool = True):
+    names = dict(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=1, PREFER_AOT_PYTHON_PLUGINS=2)
+    if not aot:
+        names = dict(STRONGLY_TYPED=0)
+    return SimpleNamespace(__version__=version, NetworkDefinitionCreationFlag=SimpleNamespace(**names))
+
+
+def test_network_flags_tensorrt_10_and_11():
+    # TensorRT 10: strongly typed must be asked for (precision = ONNX dtypes, no FP16/BF16 builder flags)
+    assert network_flags(_fake_trt("10.13.0"), "jit") == (1 << 0) | (1 << 1)
+    assert network_flags(_fake_trt("10.13.0"), "aot") == (1 << 0) | (1 << 2)
+    assert network_flags(_fake_trt("10.13.0"), None) == 1 << 0
+    # TensorRT 11: always strongly typed, the deprecated flag is not passed
+    assert network_flags(_fake_trt("11.1.0"), "aot") == 1 << 2
+    # a TensorRT without AOT Python plugins
+    assert network_flags(_fake_trt("10.8.0", aot=False), "jit") == 1 << 0
+    with pytest.raises(BackendUnavailable, match="no AOT Python plugins"):
+        network_flags(_fake_trt("10.8.0", aot=False), "aot")
+
+
+def test_parser_errors_name_the_node():
+    class Err:
+        def __init__(self, node, name, op, desc):
+            self._n, self._name, self._op, self._d = node, name, op, desc
+
+        def node(self):
+            return self._n
+
+        def node_name(self):
+            return self._name
+
+        def node_operator(self):
+            return self._op
+
+        def desc(self):
+            return self._d
+
+    errs = [Err(17, "/layers.0/mixer/SSMScan", "SSMScan", "Plugin not found")]
+    parser = SimpleNamespace(num_errors=1, get_error=lambda i: errs[i])
+    msg = format_parser_errors(parser, "out/model.onnx")
+    assert msg == ("TensorRT cannot parse out/model.onnx: node '/layers.0/mixer/SSMScan' (op SSMScan): "
+                   "Plugin not found")
+
+
+# ----------------------------------------------------------------------------- with TensorRT
+trt_only = pytest.mark.skipif(not HAVE_TRT, reason="TensorRT not installed")
+TOL = {"fp32": 2e-3, "bf16": 6e-2}
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(tmp_path_factory):
+    """A random 2-layer Mamba-2 (headdim 32, d_state 32, 2 groups) exported in fp32 and bf16."""
+    from m2export.exporter.export import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    root = tmp_path_factory.mktemp("build")
+    ck = random_checkpoint(root / "ck", d_model=64, n_layer=2, vocab_size=256, d_state=32, headdim=32, ngroups=2,
+                           seed=1)
+    outs = {}
+    for dt in TOL:
+        export_model(ck, root / f"out-{dt}", dtype=dt, check=False)
+        outs[dt] = root / f"out-{dt}"
+    return ck, outs
+
+
+@pytest.mark.trt
+@trt_only
+@pytest.mark.parametrize("dtype", sorted(TOL))
+@pytest.mark.parametrize("plugin", ["jit", "aot"])
+def test_build_run_and_compare_with_pytorch(tiny_exports, plugin, dtype):
+    from polygraphy.comparator import Comparator
+
+    from m2export.check.data import zero_states
+    from m2export.check.runners import ModelFromCheckpoint, TorchRunner, trt_runner
+
+    ck, outs = tiny_exports
+    out = outs[dtype]
+    res = B.build_engines(out, plugin=plugin, batch=B.ShapeRange(1, 2, 4), seq=B.ShapeRange(1, 64, 256))
+    m = read_manifest(out)
+    assert {e.role: e.plugin_mode for e in m.engines} == {"prefill": plugin, "decode": plugin}
+    assert all((out / e.file).is_file() for e in res.engines) and (out / B.TIMING_CACHE_FILE).is_file()
+    assert {e.precision for e in m.engines} == {dtype}
+    cfg = m.model_config()
+    rng = np.random.default_rng(0)
+    feed = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 37)).astype(np.int64), **zero_states(cfg, 2, dtype)}
+    model = ModelFromCheckpoint(ck)
+    results = Comparator.run([TorchRunner(model, role="prefill", dtype=dtype), trt_runner(out / "model.plan")],
+                             data_loader=[feed])
+    (_, (ref,)), (_, (got,)) = results.items()
+    for name in ref:
+        err = np.abs(ref[name].astype(np.float64) - got[name].astype(np.float64)).max()
+        scale = max(1.0, np.abs(ref[name].astype(np.float64)).max())
+        assert err <= TOL[dtype] * scale, f"prefill {name}: max-abs {err:.3e}"
+    step = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 1)).astype(np.int64),
+            **{k.replace("present", "past"): v for k, v in ref.items() if k != "logits"}}
+    results = Comparator.run([TorchRunner(model, role="decode", dtype=dtype), trt_runner(out / "decode.plan")],
+                             data_loader=[step])
+    (_, (ref,)), (_, (got,)) = results.items()
+    for name in ref:
+        err = np.abs(ref[name].astype(np.float64) - got[name].astype(np.float64)).max()
+        assert err <= TOL[dtype] * max(1.0, np.abs(ref[name]).max()), f"decode {name}: max-abs {err:.3e}"
+
+
+@pytest.mark.trt
+@trt_only
+def test_aot_engine_runs_without_python_plugin(tiny_exports, tmp_path):
+    """An AOT engine deserializes and runs in a process that never imports m2export (trtexec's situation)."""
+    _, outs = tiny_exports
+    out = outs["fp32"]
+    B.build_engines(out, plugin="aot", roles=("prefill",), batch=B.ShapeRange(1, 1, 2), seq=B.ShapeRange(1, 8, 32))
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, tensorrt as trt
+        from polygraphy.backend.common import BytesFromPath
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+        assert "m2export" not in sys.modules
+        with TrtRunner(EngineFromBytes(BytesFromPath({str(out / 'model.plan')!r}))) as r:
+            feed = {{n: np.zeros([1 if d < 0 else d for d in m.shape], dtype=m.dtype)
+                    for n, m in r.get_input_metadata().items()}}
+            feed["input_ids"] = np.ones((1, 8), dtype=np.int64)
+            out = r.infer(feed)
+        assert "m2export" not in sys.modules and np.isfinite(out["logits"]).all()
+        print("ok", out["logits"].shape)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.trt
+@trt_only
+def test_build_json_records_engines(tiny_exports):
+    _, outs = tiny_exports
+    out = outs["fp32"]
+    B.build_engines(out, plugin="jit", batch=B.ShapeRange(1, 1, 2), seq=B.ShapeRange(1, 16, 64))
+    data = json.loads((out / "m2export.json").read_text())
+    e = {x["role"]: x for x in data["engines"]}
+    assert e["decode"]["profiles"][0]["input_ids"]["max"] == [2, 1]
+    assert e["prefill"]["profiles"][0]["input_ids"]["max"] == [2, 64]
+    assert e["prefill"]["tensorrt_version"] and e["prefill"]["gpu"] and e["prefill"]["compute_capability"]
