@@ -18,7 +18,15 @@ def tiny_out(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _quiet_polygraphy():
+def _quiet_and_single_threaded():
+    """Polygraphy's logger to errors only; torch on one thread for these tiny models (with other work on
+    the 2 cores, two torch threads make a 3 ms decode step take ~200 ms). Restored afterwards."""
+    import torch
+
     from m2export.check.console import quiet_polygraphy
 
     quiet_polygraphy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
