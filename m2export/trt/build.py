@@ -315,6 +315,29 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     return result
 
 
+def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1, seq: int = 128) -> str:
+    """A ``trtexec --loadEngine`` command running OUTDIR's ``role`` engine at (batch, seq).
+
+    Every dynamic input needs a shape (``input_ids`` and each layer's states share ``batch_size``).
+    Only AOT engines run in trtexec: a JIT engine calls back into Python, which trtexec does not have.
+    """
+    outdir = Path(outdir)
+    manifest = read_manifest(outdir)
+    engine = manifest.engine(role)
+    if engine is None:
+        raise ExportError(f"{outdir}: no {role} engine in {MANIFEST_FILE}", hint=f"run 'm2export build {outdir}'")
+    if engine.plugin_mode == "jit":
+        raise ExportError(f"{outdir / engine.file} was built with --plugin jit: trtexec cannot run it "
+                          "(the plugin calls back into Python)", hint=f"m2export build {outdir} --plugin aot")
+    g = next(g for g in manifest.graphs if g.file == engine.onnx_file)
+    shapes = []
+    for name, dims in onnx_inputs(outdir / g.file).items():
+        concrete = [batch if d == BATCH_SYMBOL else (1 if role == "decode" else seq) if d == SEQ_SYMBOL else d
+                    for d in dims]
+        shapes.append(f"{name}:{'x'.join(str(d) for d in concrete)}")
+    return f"trtexec --loadEngine={outdir / engine.file} --shapes={','.join(shapes)}"
+
+
 def load_engine(plan: str | Path, *, register_plugin: bool = True) -> Any:
     """Deserialize ``plan`` (registering the SSMScan plugin first, which JIT engines need)."""
     trt = require_tensorrt()

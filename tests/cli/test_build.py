@@ -146,6 +146,22 @@ def test_parse_size():
         B.parse_size("lots")
 
 
+def test_trtexec_command_for_aot_engines_only(tmp_path):
+    from m2export.exporter.manifest import EngineEntry
+
+    out = make_outdir(tmp_path)
+    m = read_manifest(out)
+    entry = dict(tensorrt_version="10.13.0", gpu="H200", compute_capability="9.0", profiles=[], precision="fp32")
+    m.engines = [EngineEntry(role="prefill", file="model.plan", onnx_file="model.onnx", plugin_mode="aot", **entry),
+                 EngineEntry(role="decode", file="decode.plan", onnx_file="decode.onnx", plugin_mode="jit", **entry)]
+    write_manifest(out, m)
+    cmd = B.trtexec_command(out, "prefill", batch=2, seq=64)
+    assert cmd == (f"trtexec --loadEngine={out / 'model.plan'} --shapes=input_ids:2x64,past_conv_state.0:2x192x3,"
+                   "past_ssm_state.0:2x4x32x32")
+    with pytest.raises(ExportError, match="trtexec cannot run it"):
+        B.trtexec_command(out, "decode")
+
+
 def _fake_trt(version: str, *, aot: bool = True):
     names = dict(STRONGLY_TYPED=0, PREFER_JIT_PYTHON_PLUGINS=1, PREFER_AOT_PYTHON_PLUGINS=2)
     if not aot:
@@ -195,15 +211,19 @@ trt_only = pytest.mark.skipif(not HAVE_TRT, reason="TensorRT not installed")
 TOL = {"fp32": 2e-3, "bf16": 6e-2}
 
 
+BUNDLED = Path(__file__).resolve().parents[2] / "samples" / "checkpoints" / "stdlib-byte-mamba2"
+
+
 @pytest.fixture(scope="module")
 def tiny_exports(tmp_path_factory):
-    """A random 2-layer Mamba-2 (headdim 32, d_state 32, 2 groups) exported in fp32 and bf16."""
+    """The bundled sample checkpoint (else a random 2-layer Mamba-2, headdim 32, d_state 32, 2 groups),
+    exported in fp32 and bf16."""
     from m2export.exporter.export import export_model
     from m2export.models.checkpoint import random_checkpoint
 
     root = tmp_path_factory.mktemp("build")
-    ck = random_checkpoint(root / "ck", d_model=64, n_layer=2, vocab_size=256, d_state=32, headdim=32, ngroups=2,
-                           seed=1)
+    ck = BUNDLED if BUNDLED.is_dir() else random_checkpoint(
+        root / "ck", d_model=64, n_layer=2, vocab_size=256, d_state=32, headdim=32, ngroups=2, seed=1)
     outs = {}
     for dt in TOL:
         export_model(ck, root / f"out-{dt}", dtype=dt, check=False)
