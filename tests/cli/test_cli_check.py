@@ -1,0 +1,89 @@
+"""`m2export check` through the CLI entry point: output, exit codes and error paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from m2export.cli.main import main
+from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
+from tests.check.exports import copy_export, set_ssm_scan_attribute
+
+QUICK = ["--shapes", "1x5,2x17", "--decode-steps", "2"]
+
+
+def test_check_pass(tiny_out, tmp_path, capsys):
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path), *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "skipped: TensorRT" in out or "TensorRT: skipped" in out
+    assert "onnxrt:model.onnx" in out and "onnxrt:model.std.onnx" in out and "present_ssm_state.* (2 layers)" in out
+    assert "polygraphy run" in out and "--data-loader-script" in out
+    assert out.strip().splitlines()[-1].startswith("PASSED | m2export check")
+    assert json.loads((tmp_path / "check_report.json").read_text())["passed"] is True
+
+
+def test_check_quiet_and_tolerance_override(tiny_out, tmp_path, capsys):
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path), "-q", "--atol", "1e-5", "logits:2e-4",
+               "--rtol", "present_ssm_state.*:1e-2", *QUICK])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and out.strip().startswith("PASSED") and len(out.strip().splitlines()) == 1
+    rep = json.loads((tmp_path / "check_report.json").read_text())
+    assert rep["atol"] == {"": 1e-5, "logits": 2e-4}
+    assert rep["rtol"]["present_ssm_state.1"] == 1e-2
+
+
+def test_check_tampered_exit_3(tiny_out, tmp_path, capsys):
+    out_dir = copy_export(tiny_out, tmp_path / "t")
+    set_ssm_scan_attribute(out_dir / "model.onnx", "dt_softplus", 0)
+    rc = main(["check", str(out_dir), "-q", *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == 3
+    assert out.strip().startswith("FAILED | m2export check")
+    first = err.strip().splitlines()[0]
+    assert first.startswith("error: accuracy check failed:") and "onnxrt:model.onnx: present_ssm_state.0" in first
+    assert "hint:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "file_not_dir", "no_manifest", "missing_graph", "bad_tol",
+                                  "missing_engine", "trt_required"])
+def test_check_errors(case, tiny_out, tmp_path, capsys):
+    args = ["check"]
+    code, msg = 1, None
+    if case == "missing_dir":
+        args.append(str(tmp_path / "nope"))
+        msg = "nope: not a directory"
+    elif case == "file_not_dir":
+        args.append(str(tiny_out / "model.onnx"))
+        msg = "model.onnx: not a directory"
+    elif case == "no_manifest":
+        args.append(str(tmp_path))
+        msg = "m2export.json: missing"
+    else:
+        d = copy_export(tiny_out, tmp_path / "o")
+        args.append(str(d))
+        if case == "missing_graph":
+            (d / "decode.std.onnx").unlink()
+            msg = "decode.std.onnx: onnx decode graph listed in m2export.json is missing"
+        elif case == "bad_tol":
+            args += ["--atol", "logitz:1"]
+            msg = "--atol 'logitz:1': no output named 'logitz'"
+        else:
+            m = read_manifest(d)
+            m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit", [],
+                                         "fp32"))
+            write_manifest(d, m)
+            if case == "missing_engine":
+                msg = "model.plan: prefill TensorRT engine listed in m2export.json is missing"
+            else:
+                (d / "model.plan").write_bytes(b"x")
+                args += ["--runtime", "trt"]
+                code, msg = 4, "TensorRT is not installed"
+    rc = main(args + QUICK)
+    err = capsys.readouterr().err
+    assert rc == code, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("error: ") and msg in lines[0], err
+    assert lines[1].startswith("hint: ") or case == "bad_tol"
+    assert "Traceback" not in err

@@ -1,0 +1,128 @@
+"""`m2export generate` and `m2export inspect` through the CLI entry point, and --help on every verb."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from m2export.cli.main import main
+from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
+from tests.check.exports import copy_export
+
+
+@pytest.mark.parametrize("verb", ["check", "generate", "inspect"])
+def test_help_has_examples(verb, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([verb, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "examples:" in out and f"m2export {verb} " in out and "exit codes:" in out
+    assert "--verbose" in out and "--quiet" in out
+
+
+def test_generate_ort_equals_torch(tiny_out, capsys):
+    texts = {}
+    for rt in ("ort", "torch"):
+        assert main(["generate", str(tiny_out), "--prompt", "import os\n", "--max-new-tokens", "16",
+                     "--runtime", rt, "--ids"]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("import os\n")
+        assert "tokens/s" in err and "greedy" in err
+        texts[rt] = out
+    assert texts["ort"] == texts["torch"]
+    assert len(texts["ort"].splitlines()[-1].split()) == 2 + 16  # "new ids:" + 16 ids
+
+
+def test_generate_checkpoint_default_torch_and_ids(tiny_ck, capsys):
+    assert main(["generate", str(tiny_ck), "--prompt-ids", "100,101,102", "--max-new-tokens", "3", "-q",
+                 "--temperature", "0.7", "--top-k", "5", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def") and err == ""
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "wrong_file", "ort_on_checkpoint", "missing_engine", "bad_ids"])
+def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
+    args, code, msg = ["generate"], 1, None
+    if case == "missing_dir":
+        args += [str(tmp_path / "nope"), "--prompt", "x"]
+        msg = "nope: no such file or directory"
+    elif case == "wrong_file":
+        args += [str(tiny_out / "model.onnx"), "--prompt", "x", "--runtime", "ort"]
+        msg = "model.onnx: not an m2export output folder"
+    elif case == "ort_on_checkpoint":
+        args += [str(tiny_ck), "--prompt", "x", "--runtime", "ort"]
+        msg = "not an m2export output folder (no m2export.json)"
+    elif case == "missing_engine":
+        args += [str(tiny_out), "--prompt", "x", "--runtime", "trt"]
+        msg = "no TensorRT engines (model.plan, decode.plan) in m2export.json"
+    else:
+        args += [str(tiny_out), "--prompt-ids", "1,x"]
+        msg = "--prompt-ids '1,x': expected comma-separated integers"
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == code and err.startswith("error: ") and msg in err.splitlines()[0], err
+    assert "Traceback" not in err
+
+
+def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys):
+    from m2export.check.runners import tensorrt_available
+
+    if tensorrt_available():
+        pytest.skip("TensorRT is installed here: the exit-4 path needs it absent")
+    d = copy_export(tiny_out, tmp_path / "o")
+    m = read_manifest(d)
+    for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
+        m.engines.append(EngineEntry(role, f, f.replace(".plan", ".onnx"), "10.9", "H200", "9.0", "jit", [], "fp32"))
+        (d / f).write_bytes(b"x")
+    write_manifest(d, m)
+    assert main(["generate", str(d), "--prompt", "x", "--runtime", "trt"]) == 4
+    assert capsys.readouterr().err.startswith("error: TensorRT is not installed")
+
+
+def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
+    assert main(["inspect", str(tiny_out)]) == 0
+    out = capsys.readouterr().out
+    assert "m2export output folder, dtype fp32, opset 18" in out
+    assert "model.std.onnx   prefill  ssm_impl=onnx" in out and "0 SSMScan" in out
+    assert "2 x chunk_size=16, dt_max=inf, dt_min=0.0, dt_softplus=1" in out
+    assert "past_ssm_state.0         float32  [batch_size, 8, 16, 16]" in out
+    assert "engines: none" in out
+
+    assert main(["inspect", str(tiny_out / "decode.onnx"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["opsets"] == {"ai.onnx": 18, "m2export": 1}
+    assert info["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch_size", 1]}
+    assert [n["attributes"]["dt_softplus"] for n in info["ssm_scan_nodes"]] == [1, 1]
+    assert info["functions"][0]["name"] == "SSMScan"
+
+    d = copy_export(tiny_out, tmp_path / "o")
+    m = read_manifest(d)
+    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "NVIDIA H200", "9.0", "jit",
+                                 [{"input_ids": {"min": [1, 1], "opt": [1, 64], "max": [4, 512]}}], "fp16"))
+    write_manifest(d, m)
+    (d / "model.plan").write_bytes(b"x")
+    assert main(["inspect", str(d / "model.plan")]) == 0
+    out = capsys.readouterr().out
+    assert "built from model.onnx (prefill), precision fp16" in out and "'max': [4, 512]" in out
+    from m2export.check.runners import tensorrt_available
+
+    if not tensorrt_available():
+        assert "TensorRT is needed to read the engine itself" in out
+
+
+@pytest.mark.parametrize("case", ["missing", "wrong_file", "not_outdir", "corrupt_onnx", "missing_engine"])
+def test_inspect_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
+    target, msg = {
+        "missing": (tmp_path / "nope", "nope: no such file or directory"),
+        "wrong_file": (tiny_out / "m2export.json", "not an ONNX graph (.onnx), a TensorRT engine (.plan) or an OUTDIR"),
+        "not_outdir": (tiny_ck, "not an m2export output folder (no m2export.json)"),
+        "corrupt_onnx": (tmp_path / "bad.onnx", "bad.onnx: not a readable ONNX model"),
+        "missing_engine": (tiny_out / "model.plan", "model.plan: no such file or directory"),
+    }[case]
+    if case == "corrupt_onnx":
+        target.write_bytes(b"garbage")
+    rc = main(["inspect", str(target)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and msg in err.splitlines()[0], err
+    assert "hint: " in err and "Traceback" not in err
