@@ -259,18 +259,19 @@ gpu = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
 STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
-AOT_CASES = [
-    pytest.param(SSMScanProblem(2, 100, 8, 64, 2, 64, "float32"), id="B2-L100-H8-P64-G2-N64-fp32"),
-    pytest.param(SSMScanProblem(1, 1, 4, 32, 1, 128, "float32"), id="L1-N128-fp32"),
-    pytest.param(SSMScanProblem(3, 257, 8, 64, 8, 128, "bfloat16"), id="L_k_chunk_plus_1-G8-bf16"),
-    pytest.param(SSMScanProblem(2, 64, 4, 128, 2, 64, "float16"), id="L_eq_chunk-P128-fp16"),
+AOT_CASES = [  # (problem, dt_limit): the limits reach the kernel as float32 bit patterns
+    pytest.param(SSMScanProblem(2, 100, 8, 64, 2, 64, "float32"), (1e-4, math.inf), id="B2-L100-H8-P64-G2-N64-fp32"),
+    pytest.param(SSMScanProblem(1, 1, 4, 32, 1, 128, "float32"), (0.0, math.inf), id="L1-N128-fp32"),
+    pytest.param(SSMScanProblem(3, 257, 8, 64, 8, 128, "bfloat16"), (1e-3, 0.2),
+                 id="L_k_chunk_plus_1-G8-bf16-dt_limit"),
+    pytest.param(SSMScanProblem(2, 64, 4, 128, 2, 64, "float16"), (0.0, math.inf), id="L_eq_chunk-P128-fp16"),
 ]
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("p", AOT_CASES)
-def test_aot_kernel_launched_like_tensorrt(p):
+@pytest.mark.parametrize("p, dt_limit", AOT_CASES)
+def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
     """Export -> PTX rewritten to TensorRT's order -> driver JIT -> cuLaunchKernel with TensorRT's slots."""
     import torch
 
@@ -279,7 +280,7 @@ def test_aot_kernel_launched_like_tensorrt(p):
     from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
 
     cc = _cuda.compute_capability(torch.cuda.current_device())
-    attrs = SSMScanAttrs(dt_min=1e-4, dt_max=math.inf)
+    attrs = SSMScanAttrs(dt_min=dt_limit[0], dt_max=dt_limit[1])
     k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc))
     inp = make_inputs(p, seed=7, device="cpu")
     ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
