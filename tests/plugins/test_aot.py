@@ -323,3 +323,23 @@ def _assemble(ptx: str, target: str) -> bytes:
         src.write_text(ptx)
         subprocess.run([ptxas, f"-arch={target}", str(src), "-o", str(dst)], check=True, capture_output=True)
         return dst.read_bytes()
+
+
+def test_no_cuda_driver_is_backend_unavailable(monkeypatch):
+    """Where libcuda is missing (this CPU machine), the driver helpers raise BackendUnavailable, not OSError."""
+    import ctypes
+
+    from m2export.plugins import _cuda
+
+    def no_lib(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(_cuda, "_LIB", None)
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    with pytest.raises(BackendUnavailable, match="no CUDA driver") as e:
+        _cuda.device_count()
+    assert "NVIDIA GPU" in e.value.hint
+    from m2export.trt.build import require_gpu
+
+    with pytest.raises(BackendUnavailable, match="no CUDA driver"):
+        require_gpu()
