@@ -150,7 +150,7 @@ class LoadedKernel:
                 holders.append(ctypes.c_int32(int(value)))
             else:
                 raise ValueError(f"argument kind {kind!r}: expected 'u64' or 'i32'")
-        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+        ptrs = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
         gx, gy, gz = (list(grid) + [1, 1])[:3]
         bx, by, bz = (list(block) + [1, 1])[:3]
         _check(_lib().cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, shared_mem, ctypes.c_void_p(stream),

@@ -343,3 +343,28 @@ def test_no_cuda_driver_is_backend_unavailable(monkeypatch):
 
     with pytest.raises(BackendUnavailable, match="no CUDA driver"):
         require_gpu()
+
+
+def test_launch_packs_arguments_like_tensorrt(monkeypatch):
+    """LoadedKernel.launch (used by the GPU test) passes u64 pointers and int32 extras by address, in slot order."""
+    import ctypes
+
+    from m2export.plugins import _cuda
+
+    seen = {}
+
+    class FakeLib:
+        def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            seen.update(grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream.value,
+                        args=[ctypes.c_uint64.from_address(params[0]).value,
+                              ctypes.c_int32.from_address(params[1]).value,
+                              ctypes.c_int32.from_address(params[2]).value,
+                              ctypes.c_uint64.from_address(params[3]).value])
+            return 0
+
+    monkeypatch.setattr(_cuda, "_LIB", FakeLib())
+    k = _cuda.LoadedKernel(ctypes.c_void_p(1), ctypes.c_void_p(2))
+    k.launch((6, 1, 2), (256,), [("u64", 0xDEADBEEF000), ("i32", -7), ("i32", aot.float32_bits(math.inf)),
+                                 ("u64", 0x10)], stream=99)
+    assert seen == dict(grid=(6, 1, 2), block=(256, 1, 1), smem=0, stream=99,
+                        args=[0xDEADBEEF000, -7, 0x7F800000, 0x10])
