@@ -228,6 +228,26 @@ def compile_checked_kernel(nheads: int, headdim: int, ngroups: int, d_state: int
 
 # ----------------------------------------------------------------------------- registration
 _REGISTERED: dict = {}
+#: exceptions raised inside the plugin functions since the last :func:`take_plugin_errors` (TensorRT only
+#: logs them and reports a generic build failure; ``m2export build`` re-raises the first one)
+_PLUGIN_ERRORS: list = []
+
+
+def take_plugin_errors() -> list:
+    """The exceptions the plugin functions raised under TensorRT since the last call (and forget them)."""
+    errs = list(_PLUGIN_ERRORS)
+    _PLUGIN_ERRORS.clear()
+    return errs
+
+
+def _recorded(what: str, fn: Callable, *args, **kwargs):
+    """Call ``fn``; an exception is logged with its message, recorded, and re-raised to TensorRT."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        _PLUGIN_ERRORS.append(e)
+        log.error("m2export::SSMScan %s failed: %s: %s", what, type(e).__name__, e)
+        raise
 
 
 def tensorrt_version(trt: Any) -> Tuple[int, ...]:
@@ -280,8 +300,8 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
                       D: trtp.Tensor, dt_bias: trtp.Tensor, initial_state: trtp.Tensor, chunk_size: int,
                       dt_softplus: int, dt_min: float, dt_max: float,
                       outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int) -> None:
-        run_jit((x, dt, A, B, C, D, dt_bias, initial_state), outputs,
-                attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream)
+        _recorded("JIT impl", run_jit, (x, dt, A, B, C, D, dt_bias, initial_state), outputs,
+                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream)
 
     for fn, extra in ((ssm_scan_desc, ()), (ssm_scan_impl, ("outputs", "stream"))):
         check_plugin_signature(_param_names(fn), extra=extra)
@@ -296,18 +316,22 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
                                          trtp.SymIntExprs]:
             descs = dict(zip(contract.INPUT_NAMES + contract.OUTPUT_NAMES,
                              (x, dt, A, B, C, D, dt_bias, initial_state, *outputs)))
-            gpu_code, _cc, _driver = build_target()
-            launch = aot_launch({k: v.shape_expr for k, v in descs.items()}, x.dtype,
-                                attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max),
-                                gpu_code=gpu_code, ptx_isa=_AOT_OPTIONS["ptx_isa"],
-                                compile_kernel=compile_checked_kernel)
+
+            def describe():
+                gpu_code, _cc, _driver = build_target()
+                return aot_launch({k: v.shape_expr for k, v in descs.items()}, x.dtype,
+                                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max),
+                                  gpu_code=gpu_code, ptx_isa=_AOT_OPTIONS["ptx_isa"],
+                                  compile_kernel=compile_checked_kernel)
+
+            launch = _recorded("AOT impl", describe)
             params = trtp.KernelLaunchParams()
             params.grid_x, params.grid_y, params.grid_z = launch["grid"]
             params.block_x, params.block_y, params.block_z = launch["block"]
             params.shared_mem = launch["shared_mem"]
             extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(v) for v in launch["extra_args"]])
-            log.debug("SSMScan AOT kernel %s for %s: grid %s, block %s, %d extra args", launch["name"], gpu_code,
-                      launch["grid"], launch["block"], len(launch["extra_args"]))
+            log.debug("SSMScan AOT kernel %s for %s: grid %s, block %s, %d extra args", launch["name"],
+                      launch["kernel"].gpu_code, launch["grid"], launch["block"], len(launch["extra_args"]))
             return launch["name"], launch["ptx"], params, extra
 
         check_plugin_signature(_param_names(ssm_scan_aot_impl), extra=("outputs", "tactic"))

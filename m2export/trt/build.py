@@ -174,6 +174,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
+def check_kernel_support(manifest: Manifest | None) -> None:
+    """The cuTile SSD kernel behind the plugin compiles for headdim and d_state in its supported set.
+
+    Checked before building (from the manifest's model config), so an unsupported model fails with a
+    plain message instead of an exception inside TensorRT's plugin callback.
+    """
+    if manifest is None or not manifest.config:
+        return
+    from m2export.kernels.ssd import SUPPORTED_DIMS
+
+    cfg = manifest.config
+    for name in ("headdim", "d_state"):
+        v = cfg.get(name)
+        if v is not None and int(v) not in SUPPORTED_DIMS:
+            raise BackendUnavailable(
+                f"the SSMScan plugin's cuTile kernel supports {name} in {SUPPORTED_DIMS}; this model has {name}={v}",
+                hint="build the plugin-free flavour: m2export export ... --ssm-impl both, then "
+                     "m2export build OUTDIR/model.std.onnx (and decode.std.onnx)")
+
+
 def require_tensorrt():
     """``import tensorrt``, or BackendUnavailable with the install hint."""
     try:
@@ -233,12 +253,27 @@ def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile:
         builder_optimization_level=opt_level,
         memory_pool_limits={trt.MemoryPoolType.WORKSPACE: workspace} if workspace else None,
     )
+    from polygraphy.exception import PolygraphyException
+
+    from m2export.plugins.ssm_scan_trt import take_plugin_errors
+
     network = NetworkFromOnnxPathWithPlugin(target.onnx, plugin_mode=plugin_mode)
     t0 = time.perf_counter()
-    engine = EngineBytesFromNetwork(network, config=config,
-                                    save_timing_cache=str(timing_cache) if timing_cache is not None else None)()
+    take_plugin_errors()
+    try:
+        engine = EngineBytesFromNetwork(network, config=config,
+                                        save_timing_cache=str(timing_cache) if timing_cache is not None else None)()
+    except PolygraphyException as e:
+        engine, failure = None, str(e)
+    else:
+        failure = "no engine returned"
     if engine is None:
-        raise ExportError(f"TensorRT failed to build an engine from {target.onnx}", hint="rerun with -v for its log")
+        errors = take_plugin_errors()
+        if errors and isinstance(errors[0], M2ExportError):
+            raise errors[0]
+        cause = f" (the SSMScan plugin raised {type(errors[0]).__name__}: {errors[0]})" if errors else ""
+        raise ExportError(f"TensorRT failed to build an engine from {target.onnx}: {failure}{cause}",
+                          hint="rerun with -v for TensorRT's log")
     log.info("built %s engine from %s in %.1fs (%.1f MB)", target.role, target.onnx.name,
              time.perf_counter() - t0, len(engine) / 1e6)
     return bytes(engine)
@@ -285,6 +320,7 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     trt = require_tensorrt()
     gpu, cc = require_gpu()
     if any(uses_plugin.values()):
+        check_kernel_support(manifest)
         _require_plugin(plugin)
         from m2export.plugins import ssm_scan_trt
 

@@ -139,6 +139,18 @@ def test_precision_from_onnx_dtypes(tmp_path, dtype):
     assert count_ssm_scan_nodes(out / "model.onnx") == 2
 
 
+def test_kernel_support_checked_before_building(tmp_path):
+    out = make_outdir(tmp_path)
+    m = read_manifest(out)
+    B.check_kernel_support(m)  # no config recorded: nothing to check
+    m.config = {"headdim": 64, "d_state": 128}
+    B.check_kernel_support(m)
+    m.config = {"headdim": 48, "d_state": 128}
+    with pytest.raises(BackendUnavailable, match="supports headdim in .* this model has headdim=48") as e:
+        B.check_kernel_support(m)
+    assert "model.std.onnx" in e.value.hint
+
+
 def test_parse_size():
     assert B.parse_size("4G") == 4 << 30 and B.parse_size("512M") == 512 << 20 and B.parse_size("2GiB") == 2 << 30
     assert B.parse_size("1000") == 1000 and B.parse_size("1.5K") == 1536

@@ -256,3 +256,26 @@ def test_torch_view_aliases_trt_memory(dtype):
     assert torch.equal(v, t)
     v.fill_(1)
     assert torch.all(base[:, 1:4] == 1)
+
+
+def test_plugin_errors_are_recorded_for_the_build(fresh_registry, monkeypatch):
+    """An exception inside a plugin function reaches TensorRT (which only logs it) and is kept for m2export build."""
+    from m2export.errors import ContractError
+
+    trt, trtp = fake_tensorrt()
+    plug.register(trt=trt, trtp=trtp)
+    d = trtp.defs[plug.PLUGIN_ID]
+    plug.take_plugin_errors()
+
+    def fail(*a):
+        raise ContractError("headdim: the cuTile SSD kernel supports headdim in (32, 64, 128, 256), got 48")
+
+    monkeypatch.setattr(plug, "build_target", lambda: ("sm_90", (9, 0), (13, 4)))
+    monkeypatch.setattr(plug, "compile_checked_kernel", fail)
+    p = SSMScanProblem(1, 8, 2, 48, 1, 32, "float32")
+    ins, dts = _descs(trtp, p)
+    outs = (trtp.TensorDesc(_sym(p, "y"), dts["y"]), trtp.TensorDesc(_sym(p, "final_state"), dts["final_state"]))
+    with pytest.raises(ContractError):
+        d["aot_impl"](*ins, chunk_size=256, dt_softplus=1, dt_min=0.0, dt_max=math.inf, outputs=outs, tactic=0)
+    errs = plug.take_plugin_errors()
+    assert len(errs) == 1 and "got 48" in str(errs[0]) and plug.take_plugin_errors() == []
