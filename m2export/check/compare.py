@@ -271,7 +271,9 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         for e in engines:
             _graph_path(outdir, e.file, f"{e.role} TensorRT engine")
         if not engines:
-            msg = "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')"
+            msg = ("TensorRT: skipped: TensorRT not installed (and no engines in this folder)"
+                   if not tensorrt_available() else
+                   "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')")
             if require_trt:
                 raise BackendUnavailable(f"{outdir}: no TensorRT engines to check",
                                          hint="build them with 'm2export build OUTDIR' on a machine with a GPU")
@@ -392,10 +394,14 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
             plen = prompt_len or min(max_seqlen, cfg.chunk_size // 2 + 5)
+            prof = _engine_shapes(manifest)
+            if prof and not prompt_len:  # keep the prompt inside the prefill engine's profile
+                plen = min(max(plen, min(s for _, s in prof)), max(s for _, s in prof))
             if decode_steps > 0 and all(r.decode is not None for r in rts):
                 advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
                 seq_results, greedy = _sequence(rts, cfg, dtype, corpus, plen, decode_steps, seed,
-                                                atol_d.get("logits", atol_d[""]), advance)
+                                                atol_d.get("logits", atol_d[""]), advance,
+                                                batch=_sequence_batch(manifest))
                 seq_acc = Comparator.compare_accuracy(seq_results, comparisons=comparisons,
                                                       compare_func=compare_func)
                 rows += _rows("sequence", seq_acc, ["prefill"] + [f"step {k + 1}" for k in range(decode_steps)],
@@ -472,8 +478,19 @@ def _nanmax(xs: list[float]) -> float:
     return max(xs) if xs else math.nan
 
 
+def _sequence_batch(manifest: Manifest) -> int:
+    """Batch of the sequence check: 2, or less where a TensorRT profile allows only 1."""
+    batch = 2
+    for e in manifest.engines:
+        for prof in e.profiles or []:
+            spec = prof.get("input_ids") if isinstance(prof, dict) else None
+            if isinstance(spec, dict) and isinstance(spec.get("max"), (list, tuple)) and spec["max"]:
+                batch = min(batch, int(spec["max"][0]))
+    return max(batch, 1)
+
+
 def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: int, seed: int, logits_atol: float,
-              advance) -> tuple[Any, dict[str, dict[str, Any]]]:
+              advance, batch: int = 2) -> tuple[Any, dict[str, dict[str, Any]]]:
     """Run prefill + ``steps`` decode steps per runtime; return (RunResults, greedy agreement per runtime).
 
     The reference runs first; its greedy token at each step is fed to every runtime.
@@ -483,7 +500,7 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
 
     n = cfg.n_layer
     rng = np.random.default_rng(seed + 1)
-    prompt = token_windows(byte_tokens(corpus, cfg.vocab_size), 2, plen, rng)
+    prompt = token_windows(byte_tokens(corpus, cfg.vocab_size), batch, plen, rng)
     from m2export.check.data import zero_states
 
     results = RunResults()

@@ -71,10 +71,10 @@ def test_tampered_ssm_scan_attribute_fails(tiny_out, tmp_path):
 
 
 def test_tampered_weight_fails_only_downstream_outputs(tiny_out, tmp_path):
-    """dt_bias of layer 1 scaled in model.std.onnx: its ssm state and the logits fail; the conv states and
-    layer 0 (upstream of the change) pass, and the plugin flavour passes."""
+    """conv1d weight of layer 1 scaled in model.std.onnx: layer 1's ssm state and the logits fail; the conv
+    states (the conv's raw inputs) and layer 0 (upstream of the change) pass, and the plugin flavour passes."""
     out = copy_export(tiny_out, tmp_path / "tampered_w")
-    scale_initializer(out / "model.std.onnx", "model.backbone.layers.1.mixer.dt_bias", 1.5)
+    scale_initializer(out / "model.std.onnx", "model.backbone.layers.1.mixer.conv1d.weight", 1.1)
     report = run_check(out, **QUICK)
     bad = sorted({(r.runner, r.output) for r in report.rows if not r.passed and r.section == "prefill"})
     assert bad == [("onnxrt:model.std.onnx", "logits"), ("onnxrt:model.std.onnx", "present_ssm_state.1")]
@@ -113,3 +113,20 @@ def test_engine_profile_sizes_used(tiny_out, tmp_path):
     (out / "model.plan").write_bytes(b"x")
     report = run_check(out, decode_steps=0)
     assert report.shapes == [[1, 1], [2, 20], [3, 40]] and report.passed
+
+
+def test_histogram_png(tmp_path):
+    """The optional PNG (matplotlib); without matplotlib the report says it was skipped and why."""
+    import numpy as np
+
+    from m2export.check.compare import _histogram
+
+    hist = {"onnxrt:model.onnx | logits": [np.array([1e-7, 2e-6, 0.0])]}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert _histogram(hist, tmp_path / "h.png") == (None, "skipped: matplotlib not installed "
+                                                              "(pip install 'm2export[plot]')")
+        return
+    path, note = _histogram(hist, tmp_path / "h.png")
+    assert note == "" and (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
