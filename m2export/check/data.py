@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from m2export.errors import M2ExportError
+from m2export.errors import BackendUnavailable, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.models.config import Mamba2Config
 
@@ -100,12 +100,13 @@ def np_dtype(dtype: str):
     """numpy dtype of an export dtype name.
 
     Raises:
-        M2ExportError: bf16 (numpy has no bfloat16; ONNX Runtime's CPU provider lacks most bf16 kernels).
+        BackendUnavailable: bf16 (numpy has no bfloat16, and ONNX Runtime's CPU provider has no bf16
+            MatMul/Conv kernels), exit code 4.
     """
     if dtype not in NP_DTYPES:
-        raise M2ExportError(f"dtype {dtype!r}: accuracy checks on the CPU need fp32 or fp16 graphs",
-                            hint="export with --dtype fp32 (or fp16) to check on the CPU; bf16 engines are "
-                                 "checked with TensorRT on a GPU")
+        raise BackendUnavailable(f"a {dtype} export cannot be run here: numpy and ONNX Runtime's CPU provider have "
+                                 "no bfloat16 support", hint="export with --dtype fp16 or fp32 to check or generate "
+                                                             "on the CPU")
     return NP_DTYPES[dtype]
 
 
