@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export.errors import ExportError, M2ExportError
 
 RUNTIMES = ("torch", "ort", "trt")
 

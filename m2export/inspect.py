@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from m2export.contract import OP_DOMAIN, OP_NAME
-from m2export.errors import ExportError, M2ExportError
+from m2export.errors import ExportError
 from m2export.exporter.configs import MANIFEST_FILE
 
 
@@ -277,4 +277,4 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-__all__ = ["describe", "describe_onnx", "describe_engine", "describe_outdir", "format_text", "M2ExportError"]
+__all__ = ["describe", "describe_onnx", "describe_engine", "describe_outdir", "format_text"]

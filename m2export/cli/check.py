@@ -84,9 +84,9 @@ def run(args) -> int:
         _print_report(report, report_dir, group_rows(report.rows), REPORT_JSON, REPORT_MD)
     elapsed = time.perf_counter() - t0
     if report.passed:
-        print(f"PASSED | m2export check {args.outdir} | {elapsed:.1f}s")
+        print(f"PASSED | m2export check {args.outdir} | {elapsed:.1f}s | exit 0")
         return 0
-    print(f"FAILED | m2export check {args.outdir} | {elapsed:.1f}s")
+    print(f"FAILED | m2export check {args.outdir} | {elapsed:.1f}s | exit 3")
     fails = report.failures()
     raise ToleranceError(f"accuracy check failed: {len(fails)} comparison(s) out of tolerance: " + "; ".join(fails[:4])
                          + (f"; ... (all in {report_dir}/{REPORT_MD})" if len(fails) > 4 else ""),
