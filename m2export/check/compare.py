@@ -569,14 +569,14 @@ def _copy(outputs) -> "OrderedDict[str, np.ndarray]":
 # ----------------------------------------------------------------------------------------------- histogram
 def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | None, str]:
     """PNG histogram of log10 abs errors per runtime and output group; (path, "") or (None, why not)."""
-    if not hist:
-        return None, "skipped: no comparisons"
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None, "skipped: matplotlib not installed (pip install 'm2export[plot]')"
+    if not hist:
+        return None, "skipped: no comparisons"
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, errs in sorted(hist.items()):
         e = np.concatenate(errs)
