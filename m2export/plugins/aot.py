@@ -287,6 +287,13 @@ def check_entry(entry: PtxEntry, amap: ArgumentMap, scalar_dtypes: Mapping[str, 
     32-bit integer (int32), per ``scalar_dtypes``.
     """
     args = amap.cutile_args
+    blobs = [entry.params[i] for i in range(len(entry.params)) if ".b8" in entry.params[i].split() or
+             re.search(r"\[\d+\]$", entry.params[i])]
+    if blobs:
+        raise InternalError(
+            f"kernel {entry.name}: {len(blobs)} parameter(s) are byte arrays ({blobs[0].split()[-1][-24:]}...), "
+            "i.e. TMA tensor-map descriptors the host encodes per launch; TensorRT's AOT launcher passes only "
+            "pointers and int32 extras -- export the AOT kernel without stride-divisibility facts (trt_signature)")
     if len(entry.params) != len(args):
         raise InternalError(
             f"kernel {entry.name}: the PTX entry declares {len(entry.params)} parameters but the kernel's "
@@ -374,13 +381,47 @@ class AotKernel:
     gpu_code: str
 
 
-def _export_cubin(spec: Any, gpu_code: str) -> tuple[bytes, str]:
+def trt_signature(spec: Any):
+    """The ``KernelSignature`` the AOT kernel is exported with: only what TensorRT's launcher can pass.
+
+    TensorRT's AOT launch hands the kernel device pointers and 32-bit integer extras, nothing else. So
+    every array is declared contiguous (last stride the constant 1), non-negative strides, 16-byte aligned
+    base (TensorRT's buffers are at least 256-byte aligned), and no stride-divisibility facts: with those
+    cuTile may choose TMA, whose 128-byte ``CUtensorMap`` parameters the host must encode per launch
+    (cuTile's own launcher does; TensorRT cannot). Scalars are fp32 or int32; ``ct.Constant`` parameters
+    take their compiled-in values. This is the plugin's side of the calling convention, on purpose not the
+    kernel module's ``AotSpec.signature()``, which may add facts that suit cuTile's own launcher.
+    """
+    import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+
+    dtypes = {"float32": ct.float32, "float16": ct.float16, "bfloat16": ct.bfloat16}
+    scalars = {"float32": ct.float32, "int32": ct.int32}
+    cons: list[Any] = []
+    for prm in spec.params:
+        if prm.kind == "array":
+            cons.append(ArrayConstraint(dtypes[prm.dtype], prm.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                                        alias_groups=tuple(getattr(prm, "alias", ()) or ()),
+                                        may_alias_internally=False,
+                                        stride_constant=(None,) * (prm.ndim - 1) + (1,), base_addr_divisible_by=16))
+        elif prm.kind == "scalar":
+            if prm.dtype not in scalars:
+                raise InternalError(f"AOT scalar {prm.name} of dtype {prm.dtype}: TensorRT passes 32-bit extras only")
+            cons.append(ScalarConstraint(scalars[prm.dtype]))
+        else:
+            cons.append(prm.value)
+    return KernelSignature(cons, CallingConvention.cutile_python_v1())
+
+
+def _export_cubin(spec: Any, gpu_code: str) -> tuple[bytes, None]:
+    from cuda.tile.compilation import export_kernel
+
     buf = io.BytesIO()
-    symbol = spec.export(buf, gpu_code=gpu_code)
-    return buf.getvalue(), symbol
+    export_kernel(spec.kernel, [trt_signature(spec)], buf, gpu_code=gpu_code, output_format="cubin")
+    return buf.getvalue(), None  # the entry symbol is read from the PTX (one entry per export)
 
 
-def build_aot_kernel(spec: Any, cubin: bytes, symbol: str, *, gpu_code: str,
+def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: str,
                      ptx_isa: tuple[int, int] | None = None) -> AotKernel:
     """Turn an exported cubin of ``spec`` (an ``AotSpec``) into an :class:`AotKernel`.
 
@@ -389,7 +430,7 @@ def build_aot_kernel(spec: Any, cubin: bytes, symbol: str, *, gpu_code: str,
     """
     ptx = ptx_from_cubin(cubin)
     entry = parse_entry(ptx)
-    if entry.name != symbol:
+    if symbol is not None and entry.name != symbol:
         raise InternalError(f"exported entry {entry.name!r} is not the requested symbol {symbol!r}")
     amap = argument_map(spec.flat_args())
     scalars = {p.name: (p.dtype, p.value) for p in spec.params if p.kind == "scalar"}
@@ -436,4 +477,4 @@ def static_size(value: Any, what: str) -> int:
 __all__ = ["ArgumentMap", "AotKernel", "PTX_SECTION", "PtxEntry", "argument_map", "build_aot_kernel",
            "check_entry", "check_target", "compile_aot_kernel", "cubin_sections", "extra_arg_values",
            "float32_bits", "gpu_code_for", "scalar_arg", "parse_entry", "ptx_from_cubin", "ptx_target", "ptx_version",
-           "reorder_entry_params", "required_threads", "set_ptx_version", "static_size"]
+           "reorder_entry_params", "required_threads", "set_ptx_version", "static_size", "trt_signature"]

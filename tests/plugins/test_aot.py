@@ -162,6 +162,16 @@ def test_entry_matches_the_kernel_description():
         aot.check_entry(entry, amap, wrong)
 
 
+def test_tensor_map_parameters_are_refused():
+    """A kernel taking TMA descriptors (128-byte .b8 params) cannot be launched by TensorRT: clear error."""
+    ptx = aot.ptx_from_cubin(fixture_cubin())
+    entry = aot.parse_entry(ptx)
+    tma = entry.params + (f".param .align 64 .b8 {entry.name}_param_{len(entry.params)}[128]",)
+    fake = aot.PtxEntry(entry.name, tma, entry.span)
+    with pytest.raises(InternalError, match="TMA tensor-map descriptors"):
+        aot.check_entry(fake, aot.argument_map(META["flat_args"]), {})
+
+
 def test_reorder_rebinds_parameters_by_name():
     ptx = aot.ptx_from_cubin(fixture_cubin())
     entry = aot.parse_entry(ptx)
