@@ -580,7 +580,12 @@ def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | Non
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, errs in sorted(hist.items()):
         e = np.concatenate(errs)
-        ax.hist(np.log10(np.maximum(e, 1e-12)), bins=80, histtype="step", label=label)
+        finite = np.isfinite(e)
+        if not finite.any():
+            continue
+        bad = int((~finite).sum())
+        ax.hist(np.log10(np.maximum(e[finite], 1e-12)), bins=80, histtype="step",
+                label=label + (f" ({bad} non-finite not shown)" if bad else ""))
     ax.set_xlabel("log10 |runtime - torch| over all prefill-section elements (exact matches at -12)")
     ax.set_ylabel("elements")
     ax.legend(fontsize=7)
