@@ -21,7 +21,8 @@ Writes OUTDIR/check_report.json (every output of every runtime), check_report.md
 'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed).
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
-1 OUTDIR, a graph, an engine or the reference checkpoint is missing; 4 --runtime trt without TensorRT.
+1 OUTDIR, a graph, an engine or the reference checkpoint is missing (or its hash differs from the
+export's); 4 --runtime trt without TensorRT or engines, or a bf16 export (no bf16 on ONNX Runtime's CPU).
 
 examples:
   m2export check /tmp/m2-130m
@@ -46,12 +47,12 @@ def add_arguments(p):
     g.add_argument("--shapes", metavar="BxS,...",
                    help="prefill batch x seqlen sizes, e.g. 1x1,2x64 (default: engine profile min/opt/max, else "
                         "1 token, a partial chunk, one chunk, one chunk + 1, two chunks + 3)")
-    g.add_argument("--max-seq-len", type=int, default=512, help="cap on the default sizes (default: %(default)s)")
-    g.add_argument("--decode-steps", type=int, default=8,
+    g.add_argument("--max-seq-len", type=int, default=512, metavar="N", help="cap on the default sizes (default: %(default)s)")
+    g.add_argument("--decode-steps", type=int, default=8, metavar="N",
                    help="decode steps in the sequence check; 0 skips it (default: %(default)s)")
-    g.add_argument("--prompt-len", type=int, default=None, help="prompt length of the sequence check "
+    g.add_argument("--prompt-len", type=int, default=None, metavar="N", help="prompt length of the sequence check "
                    "(default: chunk_size // 2 + 5)")
-    g.add_argument("--seed", type=int, default=0, help="where the windows are cut from the corpus")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="where the windows are cut from the corpus")
     g = p.add_argument_group("Tolerances")
     g.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance(s)")
     g.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance(s)")

@@ -13,7 +13,8 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
-exit codes: 0 ok; 1 missing folder/graph/engine or bad prompt; 4 --runtime trt without TensorRT.
+exit codes: 0 ok; 1 missing folder/graph/engine, a checkpoint given to ort/trt, or a bad prompt;
+4 --runtime trt without TensorRT, or ort on a bf16 export (no bf16 on ONNX Runtime's CPU).
 
 examples:
   m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200
@@ -29,7 +30,7 @@ def add_arguments(p):
     g.add_argument("source", metavar="SOURCE", help="export OUTDIR (or a checkpoint, with --runtime torch)")
     g = p.add_argument_group("Prompt")
     x = g.add_mutually_exclusive_group(required=True)
-    x.add_argument("--prompt", help="prompt text")
+    x.add_argument("--prompt", metavar="TEXT", help="prompt text")
     x.add_argument("--prompt-ids", metavar="ID,ID,...", help="prompt as comma-separated token ids")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
     g = p.add_argument_group("Runtime")
@@ -38,10 +39,10 @@ def add_arguments(p):
     g.add_argument("--ssm-impl", choices=["plugin", "onnx"], default=None,
                    help="ort: which graph flavour (default: the primary model.onnx/decode.onnx)")
     g = p.add_argument_group("Decoding")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k largest logits; 0 = all")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k largest logits; 0 = all")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
     g.add_argument("--ids", action="store_true", help="also print the new token ids")
 
 
