@@ -121,7 +121,9 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
         return out
     import tensorrt as trt
 
-    import m2export.plugins  # noqa: F401  (registers the SSMScan plugin before deserialising)
+    from m2export import plugins
+
+    plugins.register()  # the SSMScan plugin must be registered before deserialising
 
     logger = trt.Logger(trt.Logger.ERROR)
     engine = trt.Runtime(logger).deserialize_cuda_engine(p.read_bytes())

@@ -150,18 +150,20 @@ def tensorrt_available() -> bool:
 def trt_runner(engine_path: str | Path, *, name: str | None = None):
     """Polygraphy ``TrtRunner`` on ``EngineFromBytes(BytesFromPath(engine_path))``.
 
-    Imports ``m2export.plugins`` first so the m2export::SSMScan plugin is registered before the engine
-    is deserialised.
+    Registers the m2export::SSMScan plugin first (``m2export.plugins.register()``), so the engine can be
+    deserialised.
 
     Raises:
-        BackendUnavailable: ``tensorrt`` is not installed (exit code 4).
+        BackendUnavailable: ``tensorrt`` is not installed or the plugin cannot be registered (exit code 4).
     """
     if not tensorrt_available():
         raise BackendUnavailable("TensorRT is not installed",
                                  hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt (needs a GPU)")
-    import m2export.plugins  # noqa: F401  (registers the SSMScan plugin)
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
+    from m2export import plugins
+
+    plugins.register()  # the SSMScan plugin must be registered before the engine is deserialised
     p = Path(engine_path)
     return TrtRunner(EngineFromBytes(BytesFromPath(str(p))), name=name or f"trt:{p.name}")
