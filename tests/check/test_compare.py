@@ -130,3 +130,29 @@ def test_histogram_png(tmp_path):
         return
     path, note = _histogram(hist, tmp_path / "h.png")
     assert note == "" and (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
+    """Wiring only, no TensorRT anywhere: with engines in the manifest and TensorRT 'available', check adds
+    a trt runtime for model.plan + decode.plan to both sections. The stand-in runner is ONNX Runtime on the
+    matching .onnx file, renamed; it proves the plumbing, not any TensorRT result."""
+    import m2export.check.compare as cmp
+    from m2export.check.runners import onnxrt_runner
+
+    out = copy_export(tiny_out, tmp_path / "o")
+    m = read_manifest(out)
+    prof = {"input_ids": {"min": [1, 1], "opt": [2, 16], "max": [2, 33]}}
+    for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
+        m.engines.append(EngineEntry(role, f, f.replace(".plan", ".onnx"), "10.9", "H200", "9.0", "jit", [prof],
+                                     "fp32"))
+        (out / f).write_bytes(b"stand-in")
+    write_manifest(out, m)
+    monkeypatch.setattr(cmp, "tensorrt_available", lambda: True)
+    monkeypatch.setattr(cmp, "trt_runner", lambda p, name=None: onnxrt_runner(
+        Path(p).with_suffix(".onnx"), name=f"trt:{Path(p).name}"))
+    report = run_check(out, runtimes=("trt",), decode_steps=2)
+    assert [r["name"] for r in report.runners] == ["torch", "trt:model.plan+decode.plan"]
+    assert report.shapes == [[1, 1], [2, 16], [2, 33]]  # the profile's min/opt/max
+    assert {r.section for r in report.rows} == {"prefill", "sequence"} and report.passed
+    assert report.polygraphy_commands[-1].startswith("polygraphy run") and "--model-type engine --trt" in \
+        report.polygraphy_commands[-1]
