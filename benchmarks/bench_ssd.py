@@ -104,13 +104,13 @@ def load_mamba():
     return mamba_chunk_scan_combined, ""
 
 
-def time_fn(fn, *, graph: bool) -> float:
+def time_fn(fn, *, graph: bool, rep: int = 300, warmup: int = 50) -> float:
     from triton.testing import do_bench
 
     fn()
     torch.cuda.synchronize()
     if not graph:
-        return do_bench(fn, warmup=50, rep=300, return_mode="median")
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -120,7 +120,7 @@ def time_fn(fn, *, graph: bool) -> float:
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
-    return do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+    return do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -129,7 +129,8 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def cutile_variants(spec: str):
-    """'auto' or comma list of chunk:block_p:nseg (nseg 'a' = heuristic, 'aN' = N blocks per SM)."""
+    """'auto' (choose_config's defaults) or comma list of chunk:block_p:nseg[:occupancy[:state_t[:split_upd]]]
+    (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy: no hint; state_t/split_upd 0 or 1)."""
     from m2export.kernels.ssd.cutile import choose_config
 
     out = []
@@ -137,8 +138,8 @@ def cutile_variants(spec: str):
         if item == "auto":
             out.append(("cutile", None))
             continue
-        q, bp, ns = item.split(":")
-        out.append((f"cutile[{item}]", (int(q), int(bp), ns)))
+        q, bp, ns, occ, st, su = (item.split(":") + ["", "", ""])[:6]
+        out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, st == "1", su == "1")))
     return out, choose_config
 
 
@@ -148,6 +149,9 @@ def main(argv=None):
     ap.add_argument("--variants", default="auto", help="cuTile configs: auto, or chunk:block_p:nseg,...")
     ap.add_argument("--no-mamba", action="store_true")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--eager-only", action="store_true", help="skip CUDA-graph timing (config sweeps)")
+    ap.add_argument("--rep", type=int, default=300, help="do_bench repetition time, ms")
+    ap.add_argument("--warmup-only", action="store_true", help="compile every variant once and exit")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"),
                     help="markdown file the table is appended to ('' for none)")
     args = ap.parse_args(argv)
@@ -179,12 +183,12 @@ def main(argv=None):
             if v is None:
                 cfg = choose_config(prob, sm_count=sm)
             else:
-                q, bp, ns = v
+                q, bp, ns, occ, st, su = v
+                kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su)
                 if ns.startswith("a"):
-                    cfg = choose_config(prob, sm_count=sm, chunk=q, block_p=bp,
-                                        blocks_per_sm=int(ns[1:] or 2))
+                    cfg = choose_config(prob, blocks_per_sm=int(ns[1:] or 8), **kw)
                 else:
-                    cfg = choose_config(prob, sm_count=sm, chunk=q, block_p=bp, nseg=int(ns))
+                    cfg = choose_config(prob, nseg=int(ns), **kw)
             y = torch.empty_like(inp["x"])
             fs = torch.empty(b, h, p, n, dtype=torch.float32, device="cuda")
 
@@ -192,7 +196,7 @@ def main(argv=None):
                 return ssm_scan_cutile(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
                                        None, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
                                        final_state_out=fs, config=cfg)
-            impls.append((f"{label} q{cfg.chunk} p{cfg.block_p} s{cfg.nseg}", run_ct))
+            impls.append((f"{label} s{cfg.nseg}", run_ct))
         if mamba is not None:
             def run_mamba():
                 return mamba(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=256, D=inp["D"],
@@ -208,6 +212,9 @@ def main(argv=None):
             try:
                 out = fn()
                 torch.cuda.synchronize()
+                if args.warmup_only:
+                    print(f"  {name} {label}: compiled", flush=True)
+                    continue
                 yv, fsv = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
                 if ref_out is None:
                     ref_out = ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
@@ -215,9 +222,10 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 err_y = rel_err(ref_out[0], yv)
                 err_s = rel_err(ref_out[1], fsv) if fsv is not None else float("nan")
-                t_e = time_fn(fn, graph=False)
+                t_e = time_fn(fn, graph=False, rep=args.rep, warmup=min(50, args.rep))
                 try:
-                    t_g = time_fn(fn, graph=True)
+                    t_g = (time_fn(fn, graph=True, rep=args.rep, warmup=min(50, args.rep)) if not args.eager_only
+                           else float("nan"))
                 except Exception as e:  # noqa: BLE001
                     print(f"  graph capture failed for {label}: {e!r}", flush=True)
                     t_g = float("nan")

@@ -40,6 +40,7 @@ def step_bytes(b, h, p, g, n, s=2):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--block-p", default="auto", help="comma list of headdim tiles to time (auto = heuristic)")
     args = ap.parse_args(argv)
     import triton
     import cuda.tile as ct
@@ -60,12 +61,24 @@ def main(argv=None):
         ref = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="torch")
         got = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="cutile")
         err = ((got.y.float() - ref.y.float()).norm() / ref.y.float().norm()).item()
-        for label, fn in (("cutile", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y, state_out=state)),
-                          ("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch"))):
+        from m2export.contract import validate
+        from m2export.kernels.ssd_step.cutile import ssm_step_cutile
+
+        prob = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, bias, state)
+        impls = []
+        for bp in args.block_p.split(","):
+            if bp == "auto":
+                impls.append(("cutile", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y, state_out=state)))
+            else:
+                impls.append((f"cutile[block_p={bp}]", lambda bp=int(bp): ssm_step_cutile(
+                    x, dt, A, B, C, D, bias, state, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf),
+                    out=y, state_out=state, block_p=bp)))
+        impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch")))
+        for label, fn in impls:
             te, tg = time_fn(fn, graph=False), time_fn(fn, graph=True)
             gbs = step_bytes(b, h, p, g, n) / (tg * 1e-3) / 1e9
             lines.append(f"| {name} (P{p} N{n}) | {label} | {te:.4f} | {tg:.4f} | {gbs:.0f} | {gbs / HBM * 1e11:.1f} | "
-                         f"{err if label == 'cutile' else 0:.1e} |")
+                         (f"{err:.1e} |" if label == 'cutile' else "- |"))
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

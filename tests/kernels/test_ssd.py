@@ -100,10 +100,10 @@ LENGTH_CASES = [
 @pytest.mark.parametrize("plan", ["auto", "fused"])
 @pytest.mark.parametrize("case", LENGTH_CASES, ids=[c[0] for c in LENGTH_CASES])
 def test_lengths(case, plan):
-    from m2export.kernels.ssd.cutile import ScanConfig
+    from m2export.kernels.ssd.cutile import aot_config
 
     p = SSMScanProblem(*case[1], dtype="bfloat16")
-    cfg = ScanConfig(chunk=64, block_p=64, nseg=1, chunks_per_seg=0) if plan == "fused" else None
+    cfg = aot_config(p) if plan == "fused" else None  # "fused": the single-launch kernel the AOT plugin uses
     _run_and_check(p, seed=hash(case[0]) % 1000 + (plan == "fused"), config=cfg)
 
 
@@ -145,6 +145,16 @@ def test_dims_fp32():
 
 @pytest.mark.gpu
 @gpu
+def test_aot_fused_fp32_fp16():
+    from m2export.kernels.ssd.cutile import aot_config
+
+    for dtype in ("float32", "float16"):
+        p = SSMScanProblem(2, 150, 8, 64, 2, 64, dtype=dtype)
+        _run_and_check(p, seed=44, config=aot_config(p))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dt_limit(dtype):
     _run_and_check(SSMScanProblem(2, 150, 8, 64, 2, 64, dtype=dtype), seed=7, dt_limit=(0.05, 0.3), dt_scale=2.0)
@@ -170,13 +180,26 @@ def test_optional_inputs_absent():
 @gpu
 @pytest.mark.parametrize("nseg", [2, 3, 7])
 def test_split_plan(nseg):
-    from m2export.kernels.ssd.cutile import ScanConfig
+    from m2export.kernels.ssd.cutile import choose_config
 
     p = SSMScanProblem(2, 700, 8, 64, 2, 128, dtype="bfloat16")
-    nchunks = -(-700 // 64)
-    cps = -(-nchunks // nseg)
-    _run_and_check(p, seed=20 + nseg, config=ScanConfig(chunk=64, block_p=64, nseg=-(-nchunks // cps),
-                                                        chunks_per_seg=cps))
+    cfg = choose_config(p, nseg=nseg)
+    assert cfg.nseg == nseg
+    _run_and_check(p, seed=20 + nseg, config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["state_pn", "state_np_split"])
+def test_state_layouts(layout):
+    """Both on-chip state layouts/update orders (benchmark variants), fused and split plans."""
+    from m2export.kernels.ssd.cutile import choose_config
+
+    p = SSMScanProblem(2, 300, 8, 64, 2, 64, dtype="bfloat16")
+    flag = layout == "state_np_split"
+    for nseg in (1, 3):
+        _run_and_check(p, seed=40 + nseg, config=choose_config(p, nseg=nseg, state_t=flag, split_upd=flag,
+                                                                occupancy=0))
 
 
 @pytest.mark.gpu

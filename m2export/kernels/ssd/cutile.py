@@ -52,6 +52,7 @@ SUPPORTED_DIMS = (32, 64, 128, 256)
 """headdim and d_state the kernels compile for (powers of two; tiles must be)."""
 
 _ZERO = ct.PaddingMode.ZERO
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # ----------------------------------------------------------------------------- tile helpers
@@ -81,16 +82,29 @@ def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt
     return ct.where(t < seqlen, v, 0.0)
 
 
-def _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE_MMA):
-    """state (P, N) fp32 -> exp(cs_last) * state + x_c^T @ (B_c * delta * exp(cs_last - cs))."""
+def _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE_MMA, STATE_T: ConstBool,
+                           SPLIT_UPD: ConstBool):
+    """state -> exp(cs_last) * state + x_c^T @ (B_c * delta * exp(cs_last - cs)).
+
+    state is (P, N) fp32, or (N, P) when STATE_T. With SPLIT_UPD the chunk's own contribution is
+    a separate product added afterwards, so the only work that waits on the previous state is
+    one fused multiply-add (shorter dependency chain between chunks).
+    """
     w = delta * ct.exp(cs_last - cs)  # (Q,), exponent <= 0
     bw = (B_c.astype(ct.float32) * w[:, None]).astype(DTYPE_MMA)
-    return ct.mma(x_c.transpose(), bw, state * ct.exp(cs_last))
+    decay = ct.exp(cs_last)
+    if STATE_T:
+        if SPLIT_UPD:
+            return state * decay + ct.mma(bw.transpose(), x_c, ct.full(state.shape, 0.0, dtype=ct.float32))
+        return ct.mma(bw.transpose(), x_c, state * decay)
+    if SPLIT_UPD:
+        return state * decay + ct.mma(x_c.transpose(), bw, ct.full(state.shape, 0.0, dtype=ct.float32))
+    return ct.mma(x_c.transpose(), bw, state * decay)
 
 
 def _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
-                    HAS_D: ConstBool, DT_SOFTPLUS: ConstBool):
+                    HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state."""
     DTYPE = x.dtype
     idx = ct.arange(CHUNK, dtype=ct.int32)
@@ -111,28 +125,70 @@ def _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h
         decay = ct.where(causal, ct.exp(ct.minimum(seg, 0.0)), 0.0)
         m = (cb * decay * delta[None, :]).astype(DTYPE)
         acc = ct.mma(m, x_c, ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
-        # inter-chunk: (C * exp(cs)) @ state^T
-        c_dec = (C_c.astype(ct.float32) * ct.exp(cs)[:, None]).astype(DTYPE)
-        acc = ct.mma(c_dec, state.transpose().astype(DTYPE), acc)
         if HAS_D:
             acc = acc + d_h * x_c.astype(ct.float32)
+        # inter-chunk: (C * exp(cs)) @ state^T
+        c_dec = (C_c.astype(ct.float32) * ct.exp(cs)[:, None]).astype(DTYPE)
+        if STATE_T:
+            acc = ct.mma(c_dec, state.astype(DTYPE), acc)
+        else:
+            acc = ct.mma(c_dec, state.transpose().astype(DTYPE), acc)
         ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
-        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE)
+        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE, STATE_T, SPLIT_UPD)
     return state
 
 
-def _ct_load_initial(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, HAS_INIT: ConstBool):
-    if HAS_INIT:
-        return ct.load(initial_state, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE)
-                       ).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
+def _ct_zero_state(BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+    if STATE_T:
+        return ct.full((D_STATE, BLOCK_P), 0.0, dtype=ct.float32)
     return ct.full((BLOCK_P, D_STATE), 0.0, dtype=ct.float32)
+
+
+def _ct_load_state(arr, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+    """Rows [pt*BLOCK_P, ...) of arr[b, h] ((headdim, d_state) fp32) in the on-chip layout."""
+    if STATE_T:
+        return ct.load(arr, index=(b, h, 0, pt), shape=(1, 1, D_STATE, BLOCK_P), order=(0, 1, 3, 2)
+                       ).reshape((D_STATE, BLOCK_P)).astype(ct.float32)
+    return ct.load(arr, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE)
+                   ).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
+
+
+def _ct_store_state(arr, b, h, pt, state, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+    if STATE_T:
+        ct.store(arr, index=(b, h, 0, pt), tile=state.reshape((1, 1, D_STATE, BLOCK_P)), order=(0, 1, 3, 2))
+    else:
+        ct.store(arr, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+
+
+def _ct_load_seg_state(arr, b, h, s, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+    if STATE_T:
+        return ct.load(arr, index=(b, h, s, 0, pt), shape=(1, 1, 1, D_STATE, BLOCK_P), order=(0, 1, 2, 4, 3)
+                       ).reshape((D_STATE, BLOCK_P))
+    return ct.load(arr, index=(b, h, s, pt, 0), shape=(1, 1, 1, BLOCK_P, D_STATE)).reshape((BLOCK_P, D_STATE))
+
+
+def _ct_store_seg_state(arr, b, h, s, pt, state, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+    if STATE_T:
+        ct.store(arr, index=(b, h, s, 0, pt), tile=state.reshape((1, 1, 1, D_STATE, BLOCK_P)),
+                 order=(0, 1, 2, 4, 3))
+    else:
+        ct.store(arr, index=(b, h, s, pt, 0), tile=state.reshape((1, 1, 1, BLOCK_P, D_STATE)))
+
+
+def _ct_initial_state(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, HAS_INIT: ConstBool,
+                      STATE_T: ConstBool):
+    if HAS_INIT:
+        return _ct_load_state(initial_state, b, h, pt, BLOCK_P, D_STATE, STATE_T)
+    return _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
 
 
 # ----------------------------------------------------------------------------- kernels
 @ct.kernel
 def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
-                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                      HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool):
+                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
+                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
+                     STATE_T: ConstBool, SPLIT_UPD: ConstBool):
     """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim // BLOCK_P).
 
     Block (bh, 0, pt) owns batch bh // nheads, head bh % nheads, headdim rows
@@ -148,17 +204,19 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     h = bh % nheads
     g = h // heads_per_group
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_load_initial(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT)
+    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
     state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, 0, nchunks, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS)
-    ct.store(final_state, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD)
+    _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
 @ct.kernel
 def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
-                             CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool):
+                             CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
+                             HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool,
+                             SPLIT_UPD: ConstBool):
     """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
@@ -178,7 +236,7 @@ def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
-    state = ct.full((BLOCK_P, D_STATE), 0.0, dtype=ct.float32)
+    state = _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
     logdecay = ct.full((1,), 0.0, dtype=ct.float32)
     for c in range(c_begin, c_end):
         delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
@@ -188,16 +246,18 @@ def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
                       padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
         B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
                       padding_mode=_ZERO).reshape((CHUNK, D_STATE))
-        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, x.dtype)
+        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, x.dtype, STATE_T, SPLIT_UPD)
         logdecay = logdecay + cs_last
-    ct.store(seg_state, index=(b, h, s, pt, 0), tile=state.reshape((1, 1, 1, BLOCK_P, D_STATE)))
+    _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, STATE_T)
     ct.store(seg_logdecay, index=(b, h, s), tile=logdecay.reshape((1, 1, 1)))
 
 
 @ct.kernel
 def ssd_scan_kernel(x, dt, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
                     dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
-                    CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool):
+                    CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
+                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
+                     STATE_T: ConstBool, SPLIT_UPD: ConstBool):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim // BLOCK_P).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
@@ -214,19 +274,18 @@ def ssd_scan_kernel(x, dt, A, B, C, D, dt_bias, initial_state, seg_state, seg_lo
     h = bh % nheads
     g = h // heads_per_group
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_load_initial(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT)
+    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     for sp in range(s):
         ld = ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,))
-        st = ct.load(seg_state, index=(b, h, sp, pt, 0), shape=(1, 1, 1, BLOCK_P, D_STATE)
-                     ).reshape((BLOCK_P, D_STATE))
-        state = state * ct.exp(ld)[:, None] + st
+        st = _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
+        state = state * ct.exp(ld) + st
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
     state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS)
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD)
     if s == nseg - 1:
-        ct.store(final_state, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+        _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
 # ----------------------------------------------------------------------------- launch configuration
@@ -246,10 +305,26 @@ class ScanConfig:
     block_p: int
     nseg: int
     chunks_per_seg: int
+    occupancy: int | None = None  # cuTile compiler hint: blocks per SM (None: compiler default)
+    state_t: bool = False  # keep the state on chip as (d_state, headdim) instead of (headdim, d_state)
+    split_upd: bool = False  # add each chunk's state contribution after its own product
 
     @property
     def plan(self) -> str:
         return "fused" if self.nseg == 1 else "split"
+
+
+_HINTED: dict[tuple[Any, int | None], Any] = {}
+
+
+def _hinted(kernel, occupancy: int | None):
+    """``kernel`` re-hinted for ``occupancy`` (one kernel object, hence one JIT cache, per hint)."""
+    if occupancy is None:
+        return kernel
+    key = (kernel, occupancy)
+    if key not in _HINTED:
+        _HINTED[key] = kernel.replace_hints(occupancy=occupancy)
+    return _HINTED[key]
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
@@ -257,16 +332,33 @@ def _default_block_p(headdim: int, d_state: int) -> int:
     return max(16, min(headdim, 8192 // d_state))
 
 
-def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
-                  block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int = 2) -> ScanConfig:
-    """Pick chunk, headdim tile and segment count for ``problem``.
+# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, sweep of 2026-11-30 09:46 UTC): chunk 64,
+# state kept as (d_state, headdim) with the chunk contribution added after its own product,
+# occupancy hint 2, and enough sequence segments for ~8 blocks per SM.
+DEFAULT_CHUNK = 64
+DEFAULT_OCCUPANCY = 2
+DEFAULT_BLOCKS_PER_SM = 8
+DEFAULT_STATE_T = True
+DEFAULT_SPLIT_UPD = True
 
-    Heuristic: chunk 64; block_p from the register budget of the state; split the sequence into
-    segments until about ``blocks_per_sm * sm_count`` blocks run (never shorter than one chunk).
-    Explicit ``chunk``/``block_p``/``nseg`` override (used by the benchmark's sweeps).
+
+def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
+                  block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int | None = None,
+                  occupancy: int | None = None, state_t: bool | None = None,
+                  split_upd: bool | None = None) -> ScanConfig:
+    """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
+
+    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; split the
+    sequence into segments until about ``blocks_per_sm * sm_count`` blocks exist (never shorter
+    than one chunk; nseg == 1 is the single-launch plan). Any argument given overrides its default
+    (the benchmark's sweeps); ``occupancy=0`` means no hint (the compiler's choice).
     """
-    chunk = chunk or 64
+    chunk = chunk or DEFAULT_CHUNK
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
+    blocks_per_sm = blocks_per_sm or DEFAULT_BLOCKS_PER_SM
+    occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
+    state_t = DEFAULT_STATE_T if state_t is None else state_t
+    split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
     nchunks = max(1, -(-problem.seqlen // chunk))
     base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
     if nseg is None:
@@ -274,7 +366,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment
-    return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps)
+    return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
+                      state_t=state_t, split_upd=split_upd)
 
 
 def _stream_handle(stream, device: torch.device) -> int:
@@ -296,7 +389,8 @@ def _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_mi
             initial_state if initial_state is not None else final_state, y, final_state,
             float(dt_min), float(dt_max), int(heads_per_group),
             cfg.chunk, cfg.block_p, d_state,
-            D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus))
+            D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
+            bool(cfg.state_t), bool(cfg.split_upd))
 
 
 def _fused_grid(batch: int, nheads: int, headdim: int, block_p: int) -> tuple[int, int, int]:
@@ -309,7 +403,7 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
     d_state = B.shape[3]
     npt = headdim // cfg.block_p
     if cfg.nseg == 1:
-        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p), ssd_fused_kernel,
+        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p), _hinted(ssd_fused_kernel, cfg.occupancy),
                   _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max,
                               cfg=cfg, heads_per_group=heads_per_group, dt_softplus=dt_softplus))
         return
@@ -317,15 +411,17 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
     seg_state = torch.empty(batch, nheads, cfg.nseg - 1, headdim, d_state, dtype=torch.float32, device=x.device)
     seg_logdecay = torch.empty(batch, nheads, cfg.nseg - 1, dtype=torch.float32, device=x.device)
     bias = dt_bias if dt_bias is not None else A
-    ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt), ssd_segment_state_kernel,
+    ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt), _hinted(ssd_segment_state_kernel, cfg.occupancy),
               (x, dt, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max), int(heads_per_group),
-               cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None, bool(dt_softplus)))
-    ct.launch(stream, (batch * nheads, cfg.nseg, npt), ssd_scan_kernel,
+               cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None, bool(dt_softplus),
+               bool(cfg.state_t), bool(cfg.split_upd)))
+    ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy),
               (x, dt, A, B, C, D if D is not None else A, bias,
                initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,
                float(dt_min), float(dt_max), int(heads_per_group), cfg.chunks_per_seg,
                cfg.chunk, cfg.block_p, d_state,
-               D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus)))
+               D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
+               bool(cfg.state_t), bool(cfg.split_upd)))
 
 
 def _check_out(name: str, t: torch.Tensor, shape, dtype, device) -> torch.Tensor:
@@ -442,9 +538,13 @@ class AotSpec:
         cons = []
         for prm in self.params:
             if prm.kind == "array":
+                # strides in elements: the last is 1 (contiguous); the others are multiples of
+                # 16 bytes for every tensor whose inner extent is headdim or d_state (>= 32)
+                inner16 = prm.name not in ("dt", "A", "D", "dt_bias")
                 cons.append(ArrayConstraint(dts[prm.dtype], prm.ndim, index_dtype=index_dtype or ct.int32,
                                             stride_lower_bound_incl=0, alias_groups=prm.alias, may_alias_internally=False,
                                             stride_constant=(None,) * (prm.ndim - 1) + (1,),
+                                            stride_divisible_by=(16 // _ITEMSIZE[prm.dtype] if inner16 else 1,) * (prm.ndim - 1) + (1,),
                                             base_addr_divisible_by=16))
             elif prm.kind == "scalar":
                 cons.append(ScalarConstraint(ct.int32 if prm.dtype == "int32" else ct.float32))
@@ -474,6 +574,13 @@ class AotSpec:
         return out
 
 
+def aot_config(problem: SSMScanProblem) -> ScanConfig:
+    """The single-launch configuration the AOT plugin compiles (nseg 1, the measured defaults)."""
+    return ScanConfig(chunk=DEFAULT_CHUNK, block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
+                      chunks_per_seg=0, occupancy=DEFAULT_OCCUPANCY, state_t=DEFAULT_STATE_T,
+                      split_upd=DEFAULT_SPLIT_UPD)
+
+
 def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True, has_dt_bias: bool = True,
              has_initial_state: bool = True, config: ScanConfig | None = None) -> AotSpec:
     """Describe the single-launch kernel for ``problem``'s headdim/d_state/ngroups/dtype.
@@ -483,8 +590,7 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True
     and initial_state are always present (``has_*`` default True).
     """
     check_supported(problem)
-    cfg = config or ScanConfig(chunk=64, block_p=_default_block_p(problem.headdim, problem.d_state),
-                               nseg=1, chunks_per_seg=0)
+    cfg = config or aot_config(problem)
     dt_name = problem.dtype
     arr = lambda name, nd, dt=dt_name: AotParam(name, "array", dt, nd)  # noqa: E731
     params = (
@@ -501,9 +607,11 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True
         AotParam("HAS_DT_BIAS", "constant", value=bool(has_dt_bias)),
         AotParam("HAS_INIT", "constant", value=bool(has_initial_state)),
         AotParam("DT_SOFTPLUS", "constant", value=bool(attrs.dt_softplus)),
+        AotParam("STATE_T", "constant", value=bool(cfg.state_t)),
+        AotParam("SPLIT_UPD", "constant", value=bool(cfg.split_upd)),
     )
     bp = cfg.block_p
-    return AotSpec(kernel=ssd_fused_kernel, params=params,
+    return AotSpec(kernel=_hinted(ssd_fused_kernel, cfg.occupancy), params=params,
                    grid=lambda batch, nheads, headdim: _fused_grid(batch, nheads, headdim, bp),
                    block=None, config=cfg, problem=problem, attrs=attrs)
 

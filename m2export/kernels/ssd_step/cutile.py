@@ -33,7 +33,8 @@ ConstBool = ct.Constant[bool]
 @ct.kernel
 def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min: float, dt_max: float,
                     heads_per_group: int,
-                    BLOCK_P: ConstInt, D_STATE: ConstInt,                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_STATE: ConstBool, DT_SOFTPLUS: ConstBool):
+                    BLOCK_P: ConstInt, D_STATE: ConstInt,
+                    HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_STATE: ConstBool, DT_SOFTPLUS: ConstBool):
     """One decode step. Grid: (batch*nheads, headdim // BLOCK_P, 1).
 
     Block (bh, pt) owns batch bh // nheads, head bh % nheads and headdim rows
