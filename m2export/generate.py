@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -179,7 +179,7 @@ def sample_next(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.r
 
 def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "ort", max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, ssm_impl: str | None = None,
-             session: _Session | None = None) -> GenerationResult:
+             session: _Session | None = None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
     """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with one runtime (batch 1).
 
     Args:
@@ -190,6 +190,8 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         top_k: sample only among the k largest logits (0: all).
         seed: sampling seed.
         ssm_impl: graph flavour for "ort" ("plugin" | "onnx"; default the primary model.onnx).
+        session: runners from :func:`open_runtime` to reuse (``source``/``runtime``/``ssm_impl`` then unused).
+        on_token: called with each new token id as soon as it is chosen (for streaming output).
 
     Returns:
         GenerationResult (new token ids, prefill and decode times).
@@ -222,6 +224,8 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         while len(new) < max_new_tokens:
             logits = np.asarray(out["logits"])[0, -1, :cfg.vocab_size]
             new.append(sample_next(logits, temperature=temperature, top_k=top_k, rng=rng))
+            if on_token is not None:
+                on_token(new[-1])
             if len(new) == max_new_tokens:
                 break
             feed = OrderedDict(input_ids=np.asarray([[new[-1]]], dtype=np.int64))

@@ -145,6 +145,7 @@ class CheckReport:
     histogram: str | None = None
     histogram_note: str = ""
     corpus: str = "Python stdlib sources"
+    versions: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -175,7 +176,7 @@ class CheckReport:
     def to_markdown(self) -> str:
         lines = [f"# m2export check: {'PASSED' if self.passed else 'FAILED'}", "",
                  f"- output folder: `{self.outdir}` (dtype {self.dtype})",
-                 f"- reference: `{self.reference}` (PyTorch fp32, scan m2export.kernels.ssd.naive.ssm_scan_chunked)",
+                 f"- reference: `{self.reference}` ({self.runners[0]['detail'] if self.runners else ''})",
                  "- runtimes: " + ", ".join(f"`{r['name']}` ({r['detail']})" for r in self.runners)]
         lines += [f"- {s}" for s in self.skipped]
         lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
@@ -201,6 +202,8 @@ class CheckReport:
             lines += ["", f"![error histogram]({Path(self.histogram).name})"]
         elif self.histogram_note:
             lines += ["", f"Error histogram: {self.histogram_note}"]
+        if self.versions:
+            lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items())]
         if self.polygraphy_commands:
             lines += ["", "## Reproduce with Polygraphy's CLI", "",
                       "Polygraphy cannot load the PyTorch reference; these commands compare the exported runtimes "
@@ -375,7 +378,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if len(rts) < 2:
         raise M2ExportError(f"{outdir}: nothing to compare with the reference (runtimes={list(runtimes)})",
                             hint="keep 'onnxrt' in --runtime")
-    reference()  # load now: a bad checkpoint fails before any runtime starts
+    scan = reference().model.mixers[0].scan_fn  # load now: a bad checkpoint fails before any runtime starts
+    rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
     comparisons = [(i, 0) for i in range(1, len(rts))]
     hist: dict[str, list[np.ndarray]] = {}
     prog = progress or (lambda desc, total: (lambda: None))
@@ -418,7 +422,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         runners=[{"name": r.name, "detail": r.detail} for r in rts], skipped=skipped,
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
-        corpus=str(text) if text else "Python stdlib sources")
+        corpus=str(text) if text else "Python stdlib sources", versions=_versions())
     script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed)
     report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
     report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
@@ -428,6 +432,18 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
 
 HIST_SAMPLES = 100_000  # per output and iteration: the histogram needs a sample, not every logit
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("m2export", "polygraphy", "onnxruntime", "onnx", "torch", "numpy", "tensorrt"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
 
 
 def _tap(stream, advance, hist):

@@ -47,13 +47,14 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    import codecs
     import sys
     from pathlib import Path
 
     from m2export.check.console import quiet_polygraphy
     from m2export.errors import M2ExportError
     from m2export.exporter.configs import MANIFEST_FILE
-    from m2export.generate import choose_tokenizer, generate, open_runtime
+    from m2export.generate import ByteTokenizer, choose_tokenizer, generate, open_runtime
 
     quiet_polygraphy(args.verbose)
     src = Path(args.source)
@@ -70,9 +71,20 @@ def run(args) -> int:
     else:
         tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
         ids = tok.encode(args.prompt)
+    on_token = None
+    if isinstance(tok, ByteTokenizer):  # stream bytes as they come, decoding UTF-8 incrementally
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(dec.decode(bytes(ids)))
+        sys.stdout.flush()
+
+        def on_token(t: int) -> None:
+            sys.stdout.write(dec.decode(bytes([t])))
+            sys.stdout.flush()
     res = generate(src, ids, runtime=runtime, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, session=session)
-    if tok is not None:
+                   top_k=args.top_k, seed=args.seed, session=session, on_token=on_token)
+    if on_token is not None:
+        sys.stdout.write(dec.decode(b"", final=True) + "\n")
+    elif tok is not None:
         sys.stdout.write(tok.decode(res.prompt_ids + res.new_ids) + "\n")
     else:
         sys.stdout.write(" ".join(str(i) for i in res.new_ids) + "\n")
