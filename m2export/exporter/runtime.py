@@ -4,8 +4,10 @@ Used by the exporter's tests, ``m2export check``/``generate`` and the benchmarks
 manifest only (graph names, dtypes and shapes come from m2export.json), never on a torch model.
 
 bfloat16: ONNX Runtime's CPU execution provider has no bfloat16 kernels for the ops these graphs use
-(MatMul, Conv, ...), so a bf16 export cannot be run on CPU; :func:`ort_session` raises
-:class:`~m2export.errors.BackendUnavailable` saying so instead of failing deep inside ORT.
+(ORT 1.32: "Could not find an implementation for MatMul(13)"), so a bf16 export cannot be run on CPU;
+:func:`ort_session` raises :class:`~m2export.errors.BackendUnavailable` saying so instead of failing deep
+inside ORT. ``providers=["onnx.reference"]`` runs any export (bf16 included) with ONNX's Python reference
+evaluator instead: slow, for tiny models and tests.
 """
 
 from __future__ import annotations
@@ -19,7 +21,37 @@ import numpy as np
 from m2export.errors import BackendUnavailable
 from m2export.exporter.manifest import Manifest, read_manifest
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+REFERENCE_PROVIDER = "onnx.reference"
+
+
+def _np_dtypes() -> dict[str, Any]:
+    out = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+    try:
+        import ml_dtypes  # a dependency of onnx
+
+        out["bfloat16"] = ml_dtypes.bfloat16
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+NP_DTYPES = _np_dtypes()
+
+
+class ReferenceSession:
+    """``onnx.reference.ReferenceEvaluator`` behind the ``InferenceSession.run(names, feeds)`` interface."""
+
+    def __init__(self, path: str | os.PathLike):
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        model = onnx.load(str(path))
+        self._outputs = [o.name for o in model.graph.output]
+        self._ev = ReferenceEvaluator(model)
+
+    def run(self, names, feeds):
+        outs = dict(zip(self._outputs, self._ev.run(None, feeds)))
+        return [outs[n] for n in (names or self._outputs)]
 
 
 def ort_session(path: str | os.PathLike, *, providers: Sequence[str] | None = None, threads: int | None = None,
@@ -27,14 +59,18 @@ def ort_session(path: str | os.PathLike, *, providers: Sequence[str] | None = No
     """An ``onnxruntime.InferenceSession`` (CPU by default) for an exported graph file.
 
     ``dtype`` (the export's fp32|fp16|bf16, if known) lets bf16-on-CPU fail early with a clear error.
+    ``providers=["onnx.reference"]``: a :class:`ReferenceSession` (ONNX's Python reference evaluator).
     """
+    providers = list(providers or ["CPUExecutionProvider"])
+    if providers == [REFERENCE_PROVIDER]:
+        return ReferenceSession(path)
     import onnxruntime as ort
 
-    providers = list(providers or ["CPUExecutionProvider"])
     if dtype == "bf16" and providers == ["CPUExecutionProvider"]:
         raise BackendUnavailable(
             f"{Path(path).name}: a bf16 export does not run on ONNX Runtime's CPUExecutionProvider (no bfloat16 "
-            "MatMul/Conv kernels)", hint="run bf16 graphs with TensorRT or ORT's CUDA provider, or export --dtype fp16")
+            "MatMul/Conv kernels)", hint="run bf16 graphs with TensorRT or ORT's CUDA provider, with "
+            f"providers=['{REFERENCE_PROVIDER}'] (slow, tiny models), or export --dtype fp16")
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads

@@ -8,6 +8,7 @@ evaluator, since ORT CPU has no bf16 kernels) vs the bf16 PyTorch model 3e-2.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -184,31 +185,24 @@ def test_fp16_export(export_fp16_both, tiny_g2, impl):
 
 def test_bf16_export(export_bf16_both, tiny_g2):
     """bf16 graphs: typed bf16 with fp32 ssm states; ORT CPU refuses clearly; the ONNX reference evaluator runs them."""
-    from onnx.reference import ReferenceEvaluator
-
     from m2export.errors import BackendUnavailable
 
     m = read_manifest(export_bf16_both)
     with pytest.raises(BackendUnavailable, match="bf16 export does not run on ONNX Runtime's CPUExecutionProvider"):
         OrtModel(export_bf16_both)
-    import ml_dtypes
-
     m16 = _model(tiny_g2, torch.bfloat16)
     ids = _ids(2, 2 * CHUNK + 1, seed=3)
     with torch.no_grad():
         ref = m16(ids)
-    for g in (m.graph("prefill", "plugin"), m.graph("prefill", "onnx")):
-        model = onnx.load(export_bf16_both / g.file)
+    for impl in IMPLS:
+        model = onnx.load(export_bf16_both / m.graph("prefill", impl).file)
         types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
         assert types["logits"] == onnx.TensorProto.BFLOAT16 and types["past_conv_state.0"] == onnx.TensorProto.BFLOAT16
         assert types["past_ssm_state.0"] == types["present_ssm_state.1"] == onnx.TensorProto.FLOAT
-        feeds = {"input_ids": ids.numpy()}
-        for name, spec in g.inputs.items():
-            if name != "input_ids":
-                shape = [2 if isinstance(d, str) else d for d in spec["shape"]]
-                feeds[name] = np.zeros(shape, np.float32 if spec["dtype"] == "float32" else ml_dtypes.bfloat16)
-        outs = dict(zip(g.outputs, ReferenceEvaluator(model).run(None, feeds)))
-        _compare(f"bf16 {g.ssm_impl}", ref, outs, 3e-2)
+        om = OrtModel(export_bf16_both, impl, providers=["onnx.reference"])
+        _compare(f"bf16 {impl}", ref, om.run(ids.numpy()), 3e-2)
+    toks = ort_generate_greedy(export_bf16_both, ids[:1, :9], 4, providers=["onnx.reference"])
+    assert toks.shape == (1, 4)
 
 
 # ------------------------------------------------------------------ failures and errors
@@ -235,6 +229,21 @@ def test_failed_export_leaves_nothing(tiny_g2, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="injected"):
         ex.export_model(tiny_g2, out, force=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+def test_unsupported_config_field(tiny_g2, tmp_path, capsys):
+    import json
+
+    from m2export.cli.main import main
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_g2, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["ssm_cfg"]["D_has_hdim"] = True
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["export", str(ck), "-o", str(tmp_path / "out")]) == 1
+    assert "D_has_hdim" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 def test_existing_outdir_without_force(tiny_g2, tmp_path):
