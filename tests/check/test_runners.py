@@ -62,7 +62,7 @@ def test_reference_hash_mismatch(tiny_ck):
 def test_data_loader_real_tokens_deterministic(tiny_ck):
     cfg = load_checkpoint(tiny_ck).config
     shapes = default_shapes(cfg)
-    assert shapes == [(1, 1), (1, 7), (2, 16), (2, 17), (3, 35)]  # 1 token .. two chunks + 3 (chunk_size 16)
+    assert shapes == [(1, 1), (3, 7), (1, 16), (2, 17), (1, 35)]  # 1 token .. two chunks + 3 (chunk_size 16)
     a = list(TokenDataLoader(cfg, "fp32", shapes, seed=5))
     b = list(TokenDataLoader(cfg, "fp32", shapes, seed=5))
     corpus = stdlib_corpus()
