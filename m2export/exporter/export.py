@@ -156,6 +156,11 @@ def _inline(model) -> None:
     common.InlinePass()(model)
     model.functions.clear()
     _optimize(model)  # folds the (now constant) attribute values and shape arithmetic of the body
+    # the body's dtype-polymorphic CastLike(y, x) becomes a plain Cast now that x's dtype is known
+    for node in list(model.graph):
+        if node.op_type == "CastLike" and node.domain == "" and node.inputs[1].dtype is not None:
+            new = ir.node("Cast", [node.inputs[0]], {"to": node.inputs[1].dtype})
+            ir.convenience.replace_nodes_and_values(model.graph, node, [node], [new], node.outputs, new.outputs)
     model.opset_imports.pop(contract.OP_DOMAIN, None)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain == contract.OP_DOMAIN:
