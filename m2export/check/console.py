@@ -35,3 +35,18 @@ def quiet_polygraphy(verbose: int = 0) -> None:
 
     G_LOGGER.colors = False
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose > 1 else G_LOGGER.ERROR
+
+
+def write_stdout(text: str) -> None:
+    """Print ``text``; a closed pipe (``m2export inspect ... | head``) ends the output quietly.
+
+    Python's documented recipe: point stdout at devnull so the interpreter's final flush does not raise.
+    """
+    import os
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())

@@ -31,8 +31,9 @@ def add_arguments(p):
 def run(args) -> int:
     import json
 
+    from m2export.check.console import write_stdout
     from m2export.inspect import describe, format_text
 
     info = describe(args.path)
-    print(json.dumps(info, indent=2, default=str) if args.json else format_text(info))
+    write_stdout((json.dumps(info, indent=2, default=str) if args.json else format_text(info)) + "\n")
     return 0
