@@ -105,7 +105,7 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
     """What the manifest records about the engine, plus its IO and profiles when TensorRT is installed."""
     from dataclasses import asdict
 
-    from m2export.check.runners import tensorrt_available
+    from m2export.check.runners import tensorrt_unavailable_reason
 
     p = Path(path)
     out: dict[str, Any] = {"kind": "engine", "path": str(p), "bytes": p.stat().st_size}
@@ -116,8 +116,9 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
         out["manifest_note"] = f"no {MANIFEST_FILE} next to the engine"
     elif entry is None:
         out["manifest_note"] = f"{MANIFEST_FILE} does not list {p.name} (built outside 'm2export build'?)"
-    if not tensorrt_available():
-        out["tensorrt"] = "not installed: TensorRT is needed to read the engine itself (IO tensors, profiles)"
+    why = tensorrt_unavailable_reason()
+    if why:
+        out["tensorrt"] = f"{why}: TensorRT (and a GPU) are needed to read the engine itself (IO tensors, profiles)"
         return out
     import tensorrt as trt
 

@@ -44,7 +44,7 @@ def test_main_job_export_build_check_generate(tmp_path, capsys):
     if tensorrt_available():
         assert rc == 0, err
     else:  # CPU-only machine: says so, no engines written, the rest of the job still runs
-        assert rc == 4 and err.startswith("error: TensorRT is not installed"), err
+        assert rc == 4 and err.startswith("error: ") and ("TensorRT" in err or "GPU" in err), err
         assert not list(out.glob("*.plan"))
 
     assert main(["check", str(out)]) == 0

@@ -32,7 +32,7 @@ import numpy as np
 
 from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, np_dtype, read_corpus, token_windows,
                                  zero_states)
-from m2export.check.runners import (ModelFromCheckpoint, TorchRunner, onnxrt_runner, tensorrt_available,
+from m2export.check.runners import (ModelFromCheckpoint, TorchRunner, onnxrt_runner, tensorrt_unavailable_reason,
                                     trt_runner)
 from m2export.errors import BackendUnavailable, CheckpointError, ExportError, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
@@ -275,20 +275,21 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         engines = [e for e in (pre_e, dec_e) if e is not None]
         for e in engines:
             _graph_path(outdir, e.file, f"{e.role} TensorRT engine")
+        why = tensorrt_unavailable_reason()
         if not engines:
-            msg = ("TensorRT: skipped: TensorRT not installed (and no engines in this folder)"
-                   if not tensorrt_available() else
+            msg = (f"TensorRT: skipped: {why} (and no engines in this folder)" if why else
                    "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')")
             if require_trt:
                 raise BackendUnavailable(f"{outdir}: no TensorRT engines to check",
                                          hint="build them with 'm2export build OUTDIR' on a machine with a GPU")
             skipped.append(msg)
-        elif not tensorrt_available():
+        elif why:
             if require_trt:
-                raise BackendUnavailable("TensorRT is not installed; cannot check the engines",
-                                         hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt")
-            skipped.append(f"TensorRT: skipped: TensorRT not installed ({', '.join(e.file for e in engines)} "
-                           "not checked)")
+                raise BackendUnavailable(
+                    "TensorRT is not installed; cannot check the engines" if why == "TensorRT not installed"
+                    else f"cannot check the TensorRT engines here: {why}",
+                    hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt, on a machine with a GPU")
+            skipped.append(f"TensorRT: skipped: {why} ({', '.join(e.file for e in engines)} not checked)")
         elif pre_e is None:
             skipped.append("TensorRT: skipped: no prefill engine (model.plan)")
         else:

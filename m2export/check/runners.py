@@ -142,9 +142,24 @@ def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
     return OnnxrtRunner(SessionFromOnnx(str(p), providers=["cpu"]), name=name or f"onnxrt:{p.name}")
 
 
+def tensorrt_unavailable_reason() -> str | None:
+    """Why TensorRT engines cannot run here ("TensorRT not installed", "no CUDA GPU", ...), or None."""
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT not installed"
+    try:
+        import tensorrt  # noqa: F401
+    except Exception as e:  # a broken install raises OSError/ImportError from its shared libraries
+        return f"TensorRT does not import ({type(e).__name__}: {e})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return None
+
+
 def tensorrt_available() -> bool:
-    """True when the ``tensorrt`` Python package is importable (says nothing about a GPU)."""
-    return importlib.util.find_spec("tensorrt") is not None
+    """True when TensorRT imports and a CUDA GPU is visible."""
+    return tensorrt_unavailable_reason() is None
 
 
 def trt_runner(engine_path: str | Path, *, name: str | None = None):
@@ -156,9 +171,13 @@ def trt_runner(engine_path: str | Path, *, name: str | None = None):
     Raises:
         BackendUnavailable: ``tensorrt`` is not installed or the plugin cannot be registered (exit code 4).
     """
-    if not tensorrt_available():
+    why = tensorrt_unavailable_reason()
+    if why == "TensorRT not installed":
         raise BackendUnavailable("TensorRT is not installed",
                                  hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt (needs a GPU)")
+    if why:
+        raise BackendUnavailable(f"TensorRT engines cannot run here: {why}",
+                                 hint="run on a machine with an NVIDIA GPU and a working TensorRT install")
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 

@@ -147,7 +147,7 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
                                      "fp32"))
         (out / f).write_bytes(b"stand-in")
     write_manifest(out, m)
-    monkeypatch.setattr(cmp, "tensorrt_available", lambda: True)
+    monkeypatch.setattr(cmp, "tensorrt_unavailable_reason", lambda: None)
     monkeypatch.setattr(cmp, "trt_runner", lambda p, name=None: onnxrt_runner(
         Path(p).with_suffix(".onnx"), name=f"trt:{Path(p).name}"))
     report = run_check(out, runtimes=("trt",), decode_steps=2)

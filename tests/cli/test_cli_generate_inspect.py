@@ -108,7 +108,7 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     from m2export.check.runners import tensorrt_available
 
     if not tensorrt_available():
-        assert "TensorRT is needed to read the engine itself" in out
+        assert "TensorRT not installed: TensorRT (and a GPU) are needed to read the engine itself" in out
 
 
 @pytest.mark.parametrize("case", ["missing", "wrong_file", "not_outdir", "corrupt_onnx", "missing_engine"])
