@@ -148,7 +148,13 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     sd = _read_tensors(files)
     if fmt == "hf":
         sd = {_HF_RENAME.get(k, k): v for k, v in sd.items()}
-    model = Mamba2LMHeadModel(cfg)
+    target = dtype or torch.float32
+    prev_default = torch.get_default_dtype()
+    torch.set_default_dtype(target)  # build in the target dtype: no fp32 copy of a large model (2.7B: 10.8 GB)
+    try:
+        model = Mamba2LMHeadModel(cfg)
+    finally:
+        torch.set_default_dtype(prev_default)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
@@ -168,7 +174,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   "from config.json")
         if not sd[k].is_floating_point():
             raise CheckpointError(f"{where}: tensor {k!r} has dtype {sd[k].dtype}, expected a float dtype")
-    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    model.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=False)
     model.eval()
     if dtype is not None:
         model.to(dtype)
