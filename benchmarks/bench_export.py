@@ -46,6 +46,23 @@ def _child_export(ck: str, out: str, dtype: str) -> None:
     print(json.dumps({"wall_s": wall, "peak_rss_bytes": rss}))
 
 
+def _random_checkpoint(ck: Path, preset: str, dtype) -> None:
+    """random_checkpoint(preset=...) built directly in ``dtype`` (no fp32 copy: a 2.7B fp16 model stays ~5 GB)."""
+    import torch
+
+    from m2export.models.checkpoint import save_checkpoint
+    from m2export.models.config import PRESETS, Mamba2Config
+    from m2export.models.mamba2 import Mamba2LMHeadModel, init_weights_
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**PRESETS[preset])), seed=0)
+    finally:
+        torch.set_default_dtype(prev)
+    save_checkpoint(model, ck)
+
+
 def _timeit(fn, reps: int) -> tuple[float, float]:
     fn()  # warm-up
     ts = []
@@ -125,7 +142,6 @@ def main(argv=None) -> int:
         _child_export(*args.child_export)
         return 0
 
-    from m2export.models.checkpoint import random_checkpoint
     from m2export.models.config import PRESETS, Mamba2Config
 
     import torch
@@ -139,7 +155,7 @@ def main(argv=None) -> int:
         tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
         t = time.perf_counter()
         if not (ck / "config.json").is_file():
-            random_checkpoint(ck, preset=preset, dtype=tdt)
+            _random_checkpoint(ck, preset, tdt)
         print(f"[{preset}] checkpoint {time.perf_counter() - t:.0f}s", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--child-export", str(ck), str(out), args.dtype],
                               capture_output=True, text=True)
