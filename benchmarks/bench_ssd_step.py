@@ -77,8 +77,9 @@ def main(argv=None):
         for label, fn in impls:
             te, tg = time_fn(fn, graph=False), time_fn(fn, graph=True)
             gbs = step_bytes(b, h, p, g, n) / (tg * 1e-3) / 1e9
+            err_cell = f"{err:.1e} |" if label == "cutile" else "- |"
             lines.append(f"| {name} (P{p} N{n}) | {label} | {te:.4f} | {tg:.4f} | {gbs:.0f} | {gbs / HBM * 1e11:.1f} | "
-                         (f"{err:.1e} |" if label == 'cutile' else "- |"))
+                         + err_cell)
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

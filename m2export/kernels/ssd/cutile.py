@@ -30,6 +30,14 @@ Two launch plans share the same tile helpers:
   (grid (batch*nheads, nseg, headdim tiles)) folds the earlier segments' states into the
   segment's entry state on chip and runs the full chunk loop. x and B are read twice, C once,
   y written once.
+
+Variants (compile-time flags, all tested): ``STATE_T`` keeps the state as (d_state, headdim) so
+the inter-chunk product needs no transpose of the state; ``SPLIT_UPD`` adds each chunk's state
+contribution after its own product, so only one multiply-add waits on the previous state. Both
+on, chunk 64 and the occupancy hint 2 are the measured defaults (benchmarks/NOTES_ssd.md).
+Precision: tensor-core products take operands in the input dtype (fp32 inputs: the compiler's
+fp32/TF32 MMA) with fp32 accumulation; the intra-chunk weights and the state enter the products
+rounded to the input dtype, as in mamba_ssm; segment sums, exponentials and the state are fp32.
 """
 
 from __future__ import annotations
@@ -332,9 +340,10 @@ def _default_block_p(headdim: int, d_state: int) -> int:
     return max(16, min(headdim, 8192 // d_state))
 
 
-# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, sweep of 2026-11-30 09:46 UTC): chunk 64,
-# state kept as (d_state, headdim) with the chunk contribution added after its own product,
-# occupancy hint 2, and enough sequence segments for ~8 blocks per SM.
+# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, runs of 2026-11-30 09:46 and 09:57 UTC):
+# chunk 64, state kept as (d_state, headdim) with the chunk contribution added after its own
+# product, occupancy hint 2, and -- unless one wave of blocks is already about full -- enough
+# sequence segments for ~8 blocks per SM.
 DEFAULT_CHUNK = 64
 DEFAULT_OCCUPANCY = 2
 DEFAULT_BLOCKS_PER_SM = 8
@@ -348,10 +357,12 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   split_upd: bool | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
-    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; split the
-    sequence into segments until about ``blocks_per_sm * sm_count`` blocks exist (never shorter
-    than one chunk; nseg == 1 is the single-launch plan). Any argument given overrides its default
-    (the benchmark's sweeps); ``occupancy=0`` means no hint (the compiler's choice).
+    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state. When the
+    (batch, head, p-tile) blocks fill between half and all of one wave (occupancy * SMs), use the
+    single-launch plan (measured best on shapes a and c); otherwise split the sequence into
+    segments until about ``blocks_per_sm * sm_count`` blocks exist (best on b and d; a segment is
+    never shorter than one chunk). Any argument given overrides its default (the benchmark's
+    sweeps); ``occupancy=0`` means no hint (the compiler's choice).
     """
     chunk = chunk or DEFAULT_CHUNK
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
@@ -362,7 +373,11 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nchunks = max(1, -(-problem.seqlen // chunk))
     base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
     if nseg is None:
-        nseg = max(1, -(-(blocks_per_sm * sm_count) // base))
+        slots = (occupancy or 1) * sm_count
+        if slots // 2 <= base <= slots:
+            nseg = 1  # one full wave of (b, h, p-tile) blocks: the single-launch plan wins
+        else:
+            nseg = max(1, -(-(blocks_per_sm * sm_count) // base))
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment
@@ -370,16 +385,15 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                       state_t=state_t, split_upd=split_upd)
 
 
-def _stream_handle(stream, device: torch.device) -> int:
-    """Raw cudaStream_t of ``stream``: None (current stream of device), a torch.cuda.Stream, or an int."""
+def _torch_stream(stream, device: torch.device) -> torch.cuda.Stream:
+    """The launch stream as a torch stream: None -> current stream of device; an int -> ExternalStream."""
     if stream is None:
-        return int(torch.cuda.current_stream(device).cuda_stream)
+        return torch.cuda.current_stream(device)
     if isinstance(stream, int):
-        return stream
-    handle = getattr(stream, "cuda_stream", None)
-    if handle is None:
+        return torch.cuda.ExternalStream(stream, device=device)
+    if getattr(stream, "cuda_stream", None) is None:
         raise TypeError(f"stream: expected None, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream)}")
-    return int(handle)
+    return stream
 
 
 def _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max, *,
@@ -440,32 +454,34 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
     """cuTile SSMScan on validated arguments (see :func:`m2export.kernels.ssd.ssm_scan`).
 
     Inputs are made contiguous (a copy when they are not); ``out``/``final_state_out`` must be
-    contiguous and are written in full. ``config`` overrides :func:`choose_config`.
+    contiguous and are written in full. ``config`` overrides :func:`choose_config`. All work is
+    queued on ``stream``; inputs produced on another stream must be ordered by the caller.
     """
     dev = x.device
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    D = D.contiguous() if D is not None else None
-    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    initial_state = initial_state.contiguous() if initial_state is not None else None
-    p = problem
-    y = (_check_out("out", out, x.shape, x.dtype, dev) if out is not None
-         else torch.empty_like(x))
-    fs_shape = (p.batch, p.nheads, p.headdim, p.d_state)
-    final_state = (_check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
-                   if final_state_out is not None else torch.empty(fs_shape, dtype=torch.float32, device=dev))
-    if p.batch == 0:
-        return SSMScanOutput(y, final_state)
-    sh = _stream_handle(stream, dev)
-    if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)
-        with torch.cuda.stream(torch.cuda.ExternalStream(sh, device=dev)):
+    launch_stream = _torch_stream(stream, dev)
+    # everything below (contiguous copies, output and scratch allocation, the launches) is ordered
+    # on the launch stream, so the caching allocator ties scratch memory to it
+    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+        D = D.contiguous() if D is not None else None
+        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+        initial_state = initial_state.contiguous() if initial_state is not None else None
+        p = problem
+        y = (_check_out("out", out, x.shape, x.dtype, dev) if out is not None
+             else torch.empty_like(x))
+        fs_shape = (p.batch, p.nheads, p.headdim, p.d_state)
+        final_state = (_check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
+                       if final_state_out is not None else torch.empty(fs_shape, dtype=torch.float32, device=dev))
+        if p.batch == 0:
+            return SSMScanOutput(y, final_state)
+        if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)
             final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
-        return SSMScanOutput(y, final_state)
-    if config is None:
-        config = choose_config(p, sm_count=_sm_count(dev))
-    with torch.cuda.device(dev):
+            return SSMScanOutput(y, final_state)
+        if config is None:
+            config = choose_config(p, sm_count=_sm_count(dev))
         _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, cfg=config,
                 heads_per_group=p.heads_per_group, dt_softplus=dt_softplus,
-                dt_min=dt_limit[0], dt_max=dt_limit[1], stream=sh)
+                dt_min=dt_limit[0], dt_max=dt_limit[1], stream=int(launch_stream.cuda_stream))
     return SSMScanOutput(y, final_state)
 
 

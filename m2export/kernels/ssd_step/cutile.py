@@ -23,7 +23,7 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
-from m2export.kernels.ssd.cutile import AotParam, _check_out, _sm_count, _stream_handle, check_supported
+from m2export.kernels.ssd.cutile import AotParam, _check_out, _sm_count, _torch_stream, check_supported
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -92,23 +92,24 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
                     block_p: int | None = None) -> SSMScanOutput:
     """cuTile decode step on validated arguments (see :func:`m2export.kernels.ssd_step.ssm_step`)."""
     dev = x.device
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    D = D.contiguous() if D is not None else None
-    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    p = problem
-    st_shape = (p.batch, p.nheads, p.headdim, p.d_state)
-    if ssm_state is not None and not ssm_state.is_contiguous():
-        if state_out is ssm_state:
-            raise_contract("ssm_state", "in-place update needs a contiguous ssm_state")
-        ssm_state = ssm_state.contiguous()
-    y = _check_out("out", out, x.shape, x.dtype, dev) if out is not None else torch.empty_like(x)
-    new_state = (_check_out("state_out", state_out, st_shape, torch.float32, dev) if state_out is not None
-                 else torch.empty(st_shape, dtype=torch.float32, device=dev))
-    if p.batch == 0:
-        return SSMScanOutput(y, new_state)
-    bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
-    with torch.cuda.device(dev):
-        ct.launch(_stream_handle(stream, dev), (p.batch * p.nheads, p.headdim // bp, 1), ssd_step_kernel,
+    launch_stream = _torch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+        D = D.contiguous() if D is not None else None
+        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+        p = problem
+        st_shape = (p.batch, p.nheads, p.headdim, p.d_state)
+        if ssm_state is not None and not ssm_state.is_contiguous():
+            if state_out is ssm_state:
+                raise_contract("ssm_state", "in-place update needs a contiguous ssm_state")
+            ssm_state = ssm_state.contiguous()
+        y = _check_out("out", out, x.shape, x.dtype, dev) if out is not None else torch.empty_like(x)
+        new_state = (_check_out("state_out", state_out, st_shape, torch.float32, dev) if state_out is not None
+                     else torch.empty(st_shape, dtype=torch.float32, device=dev))
+        if p.batch == 0:
+            return SSMScanOutput(y, new_state)
+        bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
+        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1), ssd_step_kernel,
                   _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
                              block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
     return SSMScanOutput(y, new_state)
