@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, np_dtype, read_corpus, token_windows,
+from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
                                  zero_states)
-from m2export.check.runners import (ModelFromCheckpoint, TorchRunner, onnxrt_runner, tensorrt_unavailable_reason,
-                                    trt_runner)
+from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
+                                    tensorrt_unavailable_reason, trt_runner)
 from m2export.errors import BackendUnavailable, CheckpointError, ExportError, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.exporter.manifest import Manifest, read_manifest
@@ -47,7 +47,8 @@ DATA_LOADER_SCRIPT = "check_data_loader.py"
 REFERENCE = "torch"
 #: default rtol per export dtype (atol comes from Mamba2OnnxConfig.ATOL)
 DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
-RUNTIMES = ("onnxrt", "trt")
+RUNTIMES = ("onnxrt", "trt")  # the defaults; "onnx-reference" on request, and instead of onnxrt for bf16
+ALL_RUNTIMES = ("onnxrt", "onnx-reference", "trt")
 
 
 # ----------------------------------------------------------------------------------------------- tolerances
@@ -205,6 +206,9 @@ class CheckReport:
             lines += ["", f"Error histogram: {self.histogram_note}"]
         if self.versions:
             lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items())]
+        if not self.polygraphy_commands and self.dtype == "bf16":
+            lines += ["", "No `polygraphy run` equivalent for a bf16 export: Polygraphy's CLI runs ONNX graphs with "
+                      "ONNX Runtime, which has no bf16 kernels on the CPU."]
         if self.polygraphy_commands:
             lines += ["", "## Reproduce with Polygraphy's CLI", "",
                       "Polygraphy cannot load the PyTorch reference; these commands compare the exported runtimes "
@@ -257,8 +261,15 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
     out = [_Runtime(REFERENCE, "PyTorch fp32 reference", TorchRunner(reference, role="prefill", dtype=dtype),
                     TorchRunner(reference, role="decode", dtype=dtype))]
     skipped: list[str] = []
-    if "onnxrt" in runtimes:
-        primary = manifest.graph("prefill").ssm_impl
+    onnx_runtimes = [r for r in ("onnxrt", "onnx-reference") if r in runtimes]
+    if dtype == "bf16" and "onnxrt" in onnx_runtimes:
+        skipped.append("ONNX Runtime: skipped: bf16 export (ORT's CPU provider has no bfloat16 MatMul/Conv "
+                       "kernels); its graphs are checked with ONNX's reference evaluator (onnx-reference) instead")
+        onnx_runtimes = ["onnx-reference"]
+    primary = manifest.graph("prefill").ssm_impl
+    for rt_name in onnx_runtimes:
+        make = onnxrt_runner if rt_name == "onnxrt" else OnnxReferenceRunner
+        what = "ONNX Runtime CPU" if rt_name == "onnxrt" else "onnx.reference.ReferenceEvaluator"
         for impl in [primary] + [i for i in manifest.ssm_impls() if i != primary]:
             g = manifest.graph("prefill", impl)
             pre = _graph_path(outdir, g.file, f"{impl} prefill graph")
@@ -268,8 +279,9 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
                 dg = None
             dec = _graph_path(outdir, dg.file, f"{impl} decode graph") if dg else None
             files = pre.name + (f"+{dec.name}" if dec else "")
-            out.append(_Runtime(f"onnxrt:{files}", f"ONNX Runtime CPU, ssm_impl={impl}",
-                                onnxrt_runner(pre), onnxrt_runner(dec) if dec else None))
+            out.append(_Runtime(f"{rt_name}:{files}", f"{what}, ssm_impl={impl}",
+                                make(pre, name=f"{rt_name}:{pre.name}"),
+                                make(dec, name=f"{rt_name}:{dec.name}") if dec else None))
     if "trt" in runtimes:
         pre_e, dec_e = manifest.engine("prefill"), manifest.engine("decode")
         engines = [e for e in (pre_e, dec_e) if e is not None]
@@ -335,7 +347,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         decode_steps: decode-graph steps in the sequence section (0 skips the section).
         prompt_len: prompt length of the sequence section (default chunk_size // 2 + 5).
         text: corpus file (default: the Python stdlib sources).
-        runtimes: subset of ("onnxrt", "trt").
+        runtimes: subset of ("onnxrt", "onnx-reference", "trt"); a bf16 export swaps onnxrt for onnx-reference.
         require_trt: fail with BackendUnavailable instead of skipping TensorRT.
         report_dir: where the reports go (default ``outdir``).
         progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
@@ -357,7 +369,6 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     manifest = read_manifest(outdir)
     cfg = manifest.model_config()
     dtype = manifest.dtype
-    np_dtype(dtype)
     report_dir = Path(report_dir) if report_dir else outdir
     report_dir.mkdir(parents=True, exist_ok=True)
 
@@ -675,7 +686,12 @@ def _tol_args(flag: str, tol: dict[str, float]) -> list[str]:
 def polygraphy_commands(outdir: Path, manifest: Manifest, script: Path, atol: dict[str, float],
                         rtol: dict[str, float], report_dir: Path) -> list[str]:
     """Equivalent ``polygraphy run`` commands: save the primary ONNX graph's ORT outputs, then compare
-    the other flavour and/or the TensorRT engine against them with the same tolerances."""
+    the other flavour and/or the TensorRT engine against them with the same tolerances.
+
+    None for bf16 exports: Polygraphy's CLI runs ONNX graphs with ONNX Runtime, which has no bf16 kernels
+    on the CPU, and the data-loader script's feeds carry bf16 values as float32."""
+    if manifest.dtype == "bf16":  # Polygraphy's CLI would run the graphs with ORT, which has no bf16 kernels
+        return []
     q = shlex.quote
     primary = outdir / manifest.graph("prefill").file
     saved = report_dir / "polygraphy_onnxrt_outputs.json"

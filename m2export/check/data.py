@@ -84,8 +84,9 @@ def token_windows(tokens: np.ndarray, batch: int, seqlen: int, rng: np.random.Ge
 
 
 def zero_states(cfg: Mamba2Config, batch: int, dtype: str) -> "OrderedDict[str, np.ndarray]":
-    """``past_conv_state.{i}`` (model dtype) and ``past_ssm_state.{i}`` (fp32) zeros: a fresh sequence."""
-    conv_dt = np_dtype(dtype)
+    """``past_conv_state.{i}`` (model dtype, see :func:`feed_dtype`) and ``past_ssm_state.{i}`` (fp32) zeros:
+    a fresh sequence."""
+    conv_dt = feed_dtype(dtype)
     oc = Mamba2OnnxConfig(cfg)
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     for name, shape in oc.inputs(decode=False).items():
@@ -94,6 +95,15 @@ def zero_states(cfg: Mamba2Config, batch: int, dtype: str) -> "OrderedDict[str, 
         concrete = tuple(batch if d == "batch_size" else d for d in shape)
         out[name] = np.zeros(concrete, dtype=np.float32 if "ssm_state" in name else conv_dt)
     return out
+
+
+def feed_dtype(dtype: str):
+    """numpy dtype of the model-dtype tensors in feed dicts and runner outputs.
+
+    fp32/fp16 as themselves; bf16 values travel as float32 (Polygraphy has no numpy bfloat16): runners
+    of bf16 graphs cast at their boundary (see :class:`m2export.check.runners.OnnxReferenceRunner`).
+    """
+    return {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[dtype]
 
 
 def np_dtype(dtype: str):
@@ -152,7 +162,7 @@ class TokenDataLoader:
 
     Args:
         cfg: the model configuration (state shapes, vocabulary size).
-        dtype: export dtype ("fp32" | "fp16"): dtype of ``past_conv_state.{i}``.
+        dtype: export dtype ("fp32" | "fp16" | "bf16"): dtype of ``past_conv_state.{i}`` (:func:`feed_dtype`).
         shapes: (batch, seqlen) per feed dict.
         corpus: text bytes to cut windows from (default :func:`stdlib_corpus`).
         seed: window offsets; the same seed gives the same feeds.
@@ -165,7 +175,7 @@ class TokenDataLoader:
                  corpus: bytes | None = None, seed: int = 0):
         self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
         self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
-        np_dtype(dtype)  # fail early on bf16
+        feed_dtype(dtype)  # KeyError-free check of the dtype name
 
     def __len__(self) -> int:
         return len(self.shapes)

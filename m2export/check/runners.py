@@ -7,6 +7,8 @@
   ``BaseRunner``'s metadata checks, so we subclass ``BaseRunner`` and fill in only the ``*_impl``.
 * ONNX Runtime: Polygraphy's ``OnnxrtRunner`` on a ``SessionFromOnnx`` (CPU provider), one per
   graph flavour present in OUTDIR (:func:`onnxrt_runner`).
+* ONNX's reference evaluator: :class:`OnnxReferenceRunner`, for bf16 exports (no bf16 on ORT's CPU
+  provider) or on request; slow, complete.
 * TensorRT: Polygraphy's ``TrtRunner`` on ``EngineFromBytes`` (:func:`trt_runner`), only where
   ``tensorrt`` imports; ``m2export.plugins`` is imported first so the SSMScan plugin is registered.
 
@@ -26,7 +28,7 @@ from polygraphy import util as pg_util
 from polygraphy.backend.base import BaseLoader, BaseRunner
 from polygraphy.common import TensorMetadata
 
-from m2export.check.data import np_dtype
+from m2export.check.data import feed_dtype
 from m2export.errors import BackendUnavailable, CheckpointError
 from m2export.exporter.configs import Mamba2OnnxConfig
 
@@ -87,7 +89,7 @@ class TorchRunner(BaseRunner):
             raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
         self._model = model
         self.role, self.dtype = role, dtype
-        self._io_dtype = np_dtype(dtype)
+        self._io_dtype = feed_dtype(dtype)
 
     def activate_impl(self):
         import torch
@@ -121,14 +123,70 @@ class TorchRunner(BaseRunner):
             fn = self.model.step if self.role == "decode" else self.model.forward
             out = fn(ids, conv, ssm)
         self.inference_time = time.perf_counter() - start
-        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=out.logits.float().numpy().astype(self._io_dtype))
+        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(out.logits))
         for i in range(n):
-            res[f"present_conv_state.{i}"] = out.conv_states[i].float().numpy().astype(self._io_dtype)
+            res[f"present_conv_state.{i}"] = self._model_dtype(out.conv_states[i])
             res[f"present_ssm_state.{i}"] = out.ssm_states[i].float().numpy().astype(np.float32)
         return res
 
+    def _model_dtype(self, t) -> np.ndarray:
+        """An fp32 result rounded to the export dtype, as a numpy array of :func:`feed_dtype`: what a graph
+        computing exactly in that dtype would return (bf16 rounded, then carried as float32)."""
+        if self.dtype == "bf16":
+            t = t.to(self._torch.bfloat16)
+        return t.float().numpy().astype(self._io_dtype)
+
     def deactivate_impl(self):
         del self.model, self.cfg, self._torch
+
+
+class OnnxReferenceRunner(BaseRunner):
+    """Runs an exported graph with ONNX's Python reference evaluator (``onnx.reference.ReferenceEvaluator``).
+
+    Slow but complete: it runs every dtype, bf16 included, where ONNX Runtime's CPU provider has no bf16
+    kernels. bf16 tensors cross the runner's boundary as float32 (Polygraphy has no numpy bfloat16): inputs
+    are cast to the graph's bfloat16 (``ml_dtypes``), bfloat16 outputs are returned as float32 (exact).
+
+    Args:
+        onnx_path: the graph (model-local functions such as SSMScan's are evaluated too).
+        name: runner name in reports (default "onnx-reference:<file>").
+    """
+
+    def __init__(self, onnx_path: str | Path, *, name: str | None = None):
+        p = Path(onnx_path)
+        super().__init__(name=name or f"onnx-reference:{p.name}", prefix="onnx-reference-runner")
+        self.path = p
+
+    def activate_impl(self):
+        import onnx
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+
+        model = onnx.load(str(self.path))
+        self._graph_dtypes = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+                              for v in model.graph.input}
+        self._dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                      for v in model.graph.input}
+        self._outputs = [o.name for o in model.graph.output]
+        self.evaluator = ReferenceEvaluator(model)
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for name, dt in self._graph_dtypes.items():
+            meta.add(name, dtype=np.float32 if dt.name == "bfloat16" else dt, shape=self._dims[name])
+        return meta
+
+    def infer_impl(self, feed_dict):
+        feed = {k: np.asarray(v).astype(self._graph_dtypes[k]) for k, v in feed_dict.items()}
+        start = time.perf_counter()
+        with np.errstate(all="ignore"):  # overflow to inf/NaN shows up in the comparison, named, not as warnings
+            outs = self.evaluator.run(None, feed)
+        self.inference_time = time.perf_counter() - start
+        return OrderedDict((n, np.ascontiguousarray(o, dtype=np.float32 if o.dtype.name == "bfloat16" else o.dtype))
+                           for n, o in zip(self._outputs, outs))
+
+    def deactivate_impl(self):
+        del self.evaluator, self._graph_dtypes, self._dims, self._outputs
 
 
 def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):

@@ -22,7 +22,10 @@ Writes OUTDIR/check_report.json (every output of every runtime), check_report.md
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine or the reference checkpoint is missing (or its hash differs from the
-export's); 4 --runtime trt without TensorRT or engines, or a bf16 export (no bf16 on ONNX Runtime's CPU).
+export's); 4 --runtime trt without TensorRT or engines.
+
+bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels, so their graphs are run with ONNX's
+reference evaluator (onnx-reference) instead, and the reference's outputs are rounded to bf16.
 
 examples:
   m2export check /tmp/m2-130m
@@ -39,9 +42,10 @@ def add_arguments(p):
     g = p.add_argument_group("Reference and runtimes")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="reference checkpoint (default: the one recorded in m2export.json; hashes must match)")
-    g.add_argument("--runtime", dest="runtimes", action="append", choices=["onnxrt", "trt"],
+    g.add_argument("--runtime", dest="runtimes", action="append", choices=["onnxrt", "onnx-reference", "trt"],
                    help="runtime(s) to compare with the reference (repeatable; default: onnxrt, and trt when "
-                        "engines and TensorRT exist; naming trt makes its absence an error)")
+                        "engines and TensorRT exist; naming trt makes its absence an error). onnx-reference: "
+                        "ONNX's Python reference evaluator (slow; used instead of onnxrt for bf16 exports)")
     g = p.add_argument_group("Inputs")
     g.add_argument("--text", metavar="FILE", help="corpus for the token sequences (default: Python stdlib sources)")
     g.add_argument("--shapes", metavar="BxS,...",

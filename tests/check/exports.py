@@ -33,6 +33,16 @@ def tiny_export(tmp_path_factory) -> Path:
     return d
 
 
+def tiny_export_bf16(tmp_path_factory) -> Path:
+    """The tiny checkpoint exported in bf16 (both flavours): ONNX Runtime's CPU provider cannot run it."""
+    from m2export.exporter import export_model
+
+    d = tmp_path_factory.getbasetemp() / "m2check_tiny_export_bf16"
+    if not (d / "m2export.json").is_file():
+        export_model(tiny_checkpoint(tmp_path_factory), d, ssm_impl="both", dtype="bf16", force=True)
+    return d
+
+
 def copy_export(src: Path, dst: Path) -> Path:
     """A private copy of an export to tamper with (the manifest's checkpoint path stays valid)."""
     shutil.copytree(src, dst)

@@ -156,3 +156,20 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     assert {r.section for r in report.rows} == {"prefill", "sequence"} and report.passed
     assert report.polygraphy_commands[-1].startswith("polygraphy run") and "--model-type engine --trt" in \
         report.polygraphy_commands[-1]
+
+
+def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):
+    """bf16: ORT's CPU provider has no bf16 kernels, so both flavours run in ONNX's reference evaluator,
+    against the fp32 reference rounded to bf16; a tampered bf16 graph still fails."""
+    report = run_check(tiny_out_bf16, report_dir=tmp_path / "rep", **QUICK)
+    assert report.passed, report.failures()
+    assert [r["name"] for r in report.runners][1:] == ["onnx-reference:model.onnx+decode.onnx",
+                                                       "onnx-reference:model.std.onnx+decode.std.onnx"]
+    assert any(s.startswith("ONNX Runtime: skipped: bf16 export") for s in report.skipped)
+    assert report.atol[""] == 0.1 and report.polygraphy_commands == []
+    logits = next(r for r in report.rows if r.output == "logits" and r.section == "prefill")
+    assert 0 < logits.max_abs < 0.05  # bf16 rounding, well inside atol 0.1
+    out = copy_export(tiny_out_bf16, tmp_path / "t")
+    set_ssm_scan_attribute(out / "model.onnx", "dt_softplus", 0)
+    bad = run_check(out, **QUICK)
+    assert not bad.passed and any("onnx-reference:model.onnx: present_ssm_state.0" in f for f in bad.failures())
