@@ -56,3 +56,22 @@ def test_export_cubin():
     buf = io.BytesIO()
     symbol = spec.export(buf, gpu_code="sm_90")
     assert buf.getvalue()[:4] == b"\x7fELF" and symbol.startswith("ssd_fused_kernel")
+
+
+@pytest.mark.skipif(shutil.which("tileiras") is None, reason="tileiras (cuTile compiler) not on PATH")
+@pytest.mark.parametrize("which", ["prefill", "step"])
+def test_entry_params_match_flat_args(which):
+    """The .entry of the PTX embedded in the exported cubin has exactly flat_args() parameters:
+    a u64 pointer per array followed by u32 extents and strides, then the scalars."""
+    if which == "prefill":
+        from m2export.kernels.ssd.cutile import aot_spec
+    else:
+        from m2export.kernels.ssd_step.cutile import aot_spec
+    spec = aot_spec(SSMScanProblem(2, 1, 8, 64, 2, 128, "bfloat16"), SSMScanAttrs())
+    k = spec.compile(gpu_code="sm_90")
+    flat = spec.flat_args()
+    assert k.ptx is not None and k.symbol in k.ptx
+    assert len(k.param_types) == len(flat)
+    want = ["u64" if f.endswith(".ptr") else ("f32" if f in ("dt_min", "dt_max") else "u32") for f in flat]
+    assert list(k.param_types) == want
+    assert k.threads and k.threads % 32 == 0

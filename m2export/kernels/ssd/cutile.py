@@ -518,24 +518,33 @@ class AotSpec:
     """Everything the TensorRT AOT plugin needs to export and launch the single-launch SSD kernel.
 
     Attributes:
-        kernel: the ``@ct.kernel`` object (:func:`ssd_fused_kernel`).
+        kernel: the ``@ct.kernel`` object (:func:`ssd_fused_kernel`, re-hinted for ``config.occupancy``).
         params: the kernel's Python parameters in order (see :class:`AotParam`).
         grid: ``grid(batch, nheads, headdim) -> (gx, gy, gz)``.
-        block: threads per block, or None: cuTile picks it at compile time; read it from the
-            exported cubin (``cuFuncGetAttribute(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)`` or the
-            ``.reqntid`` / EIATTR_REQNTID of the entry).
+        block: None here; cuTile picks the block size at compile time: :meth:`compile` returns it
+            (``AotKernel.threads``, the entry's ``.reqntid``; 256 for bf16 headdim 64 d_state 128).
         config: the :class:`ScanConfig` compiled in (nseg is always 1 here).
 
-    Flattening (calling convention ``cutile_python_v1``, verified on an sm_90 cubin exported on
-    the CPU, see tests/kernels/test_ssd_aot.py): every array parameter becomes
-    ``(pointer: u64, shape[0..ndim): i32, stride[0..ndim): i32)`` -- ``1 + 2*ndim`` consecutive
-    entry parameters, strides in elements; a runtime scalar becomes one parameter of its dtype
-    (``dt_min``, ``dt_max``: f32); ``ct.Constant`` parameters are compiled in and take no slot.
-    So the entry takes, in order: x (9), dt (7), A (3), B (9), C (9), D (3), dt_bias (3),
-    initial_state (9), y (9), final_state (9), dt_min, dt_max: 72 parameters.
-    The plugin passes the 10 device pointers (inputs then outputs) and, as extra SymInt32
+    Use: ``spec.compile(gpu_code="sm_90")`` (or ``export_kernel(spec.kernel, [spec.signature()], f,
+    gpu_code=..., output_format="cubin")``) -> cubin, symbol, threads; launch it on grid
+    ``spec.grid(batch, nheads, headdim)`` with the parameters of :meth:`flat_args`. Only headdim,
+    d_state, the dtype, the presence flags and dt_softplus are compiled in: batch, seqlen, ngroups
+    and dt_limit are runtime values, so one export serves every batch and sequence length.
+
+    Flattening (calling convention ``cutile_python_v1``; verified on CPU-exported sm_90 cubins:
+    cuobjdump's EIATTR_KPARAM_INFO and the ``.entry`` of the PTX embedded in the cubin, see
+    tests/kernels/test_ssd_aot.py): every array parameter becomes ``1 + 2*ndim`` consecutive entry
+    parameters -- base pointer (u64), extents shape[0..ndim) (u32), strides stride[0..ndim) (u32,
+    in elements, not bytes; all are passed even where the signature fixes them); a runtime
+    scalar is one 4-byte parameter (``dt_min``, ``dt_max``: f32; ``heads_per_group``: u32);
+    ``ct.Constant`` parameters are compiled in and take no slot. So the entry takes, in order:
+    x (9), dt (7), A (3), B (9), C (9), D (3), dt_bias (3), initial_state (9), y (9),
+    final_state (9), dt_min, dt_max, heads_per_group: 73 parameters, 0x14c bytes of parameter
+    space. The plugin passes the 10 device pointers (inputs then outputs) and, as extra SymInt32
     arguments, the extents and strides of each tensor (contiguous, row-major) plus the two
-    floats' bit patterns -- :meth:`flat_args` lists them symbolically.
+    floats' bit patterns and heads_per_group -- :meth:`flat_args` lists them symbolically. The
+    signature promises: arrays 16-byte aligned, last stride 1, other strides multiples of 16
+    bytes for x/B/C/y/states (true for the supported headdim/d_state), no aliasing.
     """
 
     kernel: Any
@@ -577,6 +586,14 @@ class AotSpec:
         export_kernel(self.kernel, [sig], output_file, gpu_code=gpu_code, output_format="cubin")
         return sig.symbol
 
+    def compile(self, *, gpu_code: str = "sm_90") -> "AotKernel":
+        """Export and read back what the plugin needs: cubin, its embedded PTX, entry symbol, block size."""
+        import io
+
+        buf = io.BytesIO()
+        symbol = self.export(buf, gpu_code=gpu_code)
+        return AotKernel.from_cubin(buf.getvalue(), symbol)
+
     def flat_args(self) -> list[str]:
         """Symbolic entry parameters in order, e.g. ``['x.ptr', 'x.shape0', ..., 'x.stride3', ...]``."""
         out = []
@@ -588,6 +605,51 @@ class AotSpec:
             elif prm.kind == "scalar":
                 out.append(prm.name)
         return out
+
+
+@dataclass(frozen=True)
+class AotKernel:
+    """A compiled kernel as the TensorRT plugin consumes it.
+
+    cubin: the sm_XX binary from ``export_kernel``. ptx: the PTX tileiras generated, which the
+    cubin carries in its ``.nv_debug_ptx_txt`` section (ISA 9.4, ``.target sm_90a`` with CUDA
+    13.4: a driver or ptxas older than CUDA 13.4 cannot compile it, so prefer the cubin).
+    symbol: the ``.entry`` name. threads: the entry's ``.reqntid`` (block size, x only; y = z = 1).
+    param_types: PTX types of the entry parameters in order (``u64`` pointers, ``u32`` extents
+    and strides, ``f32``/``u32`` scalars).
+    """
+
+    cubin: bytes
+    ptx: str | None
+    symbol: str
+    threads: int | None
+    param_types: tuple[str, ...]
+
+    @classmethod
+    def from_cubin(cls, cubin: bytes, symbol: str) -> "AotKernel":
+        import re
+        import struct
+
+        ptx = None
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+        def header(i):  # (name, type, flags, addr, offset, size, ...)
+            return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+
+        names_off = header(shstrndx)[4]
+        for i in range(shnum):
+            h = header(i)
+            start = names_off + h[0]
+            if cubin[start:cubin.index(b"\0", start)] == b".nv_debug_ptx_txt":
+                ptx = cubin[h[4]:h[4] + h[5]].replace(b"\0", b"\n").decode()
+        threads, types = None, ()
+        if ptx is not None:
+            entry = ptx[ptx.find(".entry"):]
+            types = tuple(re.findall(r"\.param\s+\.(u64|u32|s32|b32|f32|b64)", entry[:entry.find(")")]))
+            m = re.search(r"\.reqntid\s+(\d+)", ptx)
+            threads = int(m.group(1)) if m else None
+        return cls(cubin=cubin, ptx=ptx, symbol=symbol, threads=threads, param_types=types)
 
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:

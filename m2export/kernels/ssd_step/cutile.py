@@ -153,6 +153,11 @@ class StepAotSpec:
         export_kernel(self.kernel, [sig], output_file, gpu_code=gpu_code, output_format="cubin")
         return sig.symbol
 
+    def compile(self, *, gpu_code: str = "sm_90"):
+        from m2export.kernels.ssd.cutile import AotSpec
+
+        return AotSpec.compile(self, gpu_code=gpu_code)
+
     def flat_args(self) -> list[str]:
         from m2export.kernels.ssd.cutile import AotSpec
 
