@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from m2export.errors import ExportError, M2ExportError
+from m2export.errors import BackendUnavailable, ExportError, M2ExportError
 
-RUNTIMES = ("torch", "ort", "trt")
+RUNTIMES = ("torch", "ort", "onnx-reference", "trt")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -94,7 +94,8 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
         ExportError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
         BackendUnavailable: trt without TensorRT (exit 4).
     """
-    from m2export.check.runners import ModelFromCheckpoint, TorchRunner, onnxrt_runner, trt_runner
+    from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
+                                        trt_runner)
     from m2export.exporter.configs import MANIFEST_FILE
     from m2export.exporter.manifest import read_manifest
 
@@ -121,9 +122,12 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
                                "--runtime torch")
     m = read_manifest(src)
     cfg = m.model_config()
-    if runtime == "ort":
-        from m2export.check.data import np_dtype
-        np_dtype(m.dtype)
+    if runtime in ("ort", "onnx-reference"):
+        if runtime == "ort" and m.dtype == "bf16":
+            raise BackendUnavailable("a bf16 export cannot run on ONNX Runtime's CPU provider (no bfloat16 "
+                                     "MatMul/Conv kernels)",
+                                     hint="use --runtime onnx-reference (ONNX's reference evaluator, slow), trt on a "
+                                          "GPU, or export --dtype fp16")
         files = []
         for role in ("prefill", "decode"):
             f = src / m.graph(role, ssm_impl).file
@@ -131,6 +135,9 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
                 raise ExportError(f"{f}: graph listed in {MANIFEST_FILE} is missing",
                                   hint="re-export with 'm2export export CHECKPOINT -o OUTDIR --force'")
             files.append(f)
+        if runtime == "onnx-reference":
+            return _Session(runtime, f"onnx-reference ({files[0].name} + {files[1].name})",
+                            OnnxReferenceRunner(files[0]), OnnxReferenceRunner(files[1]), cfg, m.dtype)
         return _Session("ort", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
                         onnxrt_runner(files[1]), cfg, m.dtype)
     engines = [m.engine("prefill"), m.engine("decode")]
@@ -185,7 +192,7 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
     Args:
         source: export OUTDIR (any runtime) or checkpoint (``runtime="torch"``).
         prompt_ids: at least one token id < vocab_size.
-        runtime: "torch" | "ort" | "trt".
+        runtime: "torch" | "ort" | "onnx-reference" (ONNX's reference evaluator: any dtype, slow) | "trt".
         temperature: 0 (default) is greedy; > 0 samples from softmax(logits / temperature).
         top_k: sample only among the k largest logits (0: all).
         seed: sampling seed.

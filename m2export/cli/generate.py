@@ -14,7 +14,8 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
 exit codes: 0 ok; 1 missing folder/graph/engine, a checkpoint given to ort/trt, or a bad prompt;
-4 --runtime trt without TensorRT, or ort on a bf16 export (no bf16 on ONNX Runtime's CPU).
+4 --runtime trt without TensorRT, or ort on a bf16 export (no bf16 on ONNX Runtime's CPU: use
+--runtime onnx-reference).
 
 examples:
   m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200
@@ -34,8 +35,9 @@ def add_arguments(p):
     x.add_argument("--prompt-ids", metavar="ID,ID,...", help="prompt as comma-separated token ids")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
     g = p.add_argument_group("Runtime")
-    g.add_argument("--runtime", choices=["torch", "ort", "trt"], default=None,
-                   help="default: ort for an OUTDIR, torch for a checkpoint")
+    g.add_argument("--runtime", choices=["torch", "ort", "onnx-reference", "trt"], default=None,
+                   help="default: ort for an OUTDIR, torch for a checkpoint; onnx-reference runs the graphs in "
+                        "ONNX's reference evaluator (any dtype, bf16 included; slow)")
     g.add_argument("--ssm-impl", choices=["plugin", "onnx"], default=None,
                    help="ort: which graph flavour (default: the primary model.onnx/decode.onnx)")
     g = p.add_argument_group("Decoding")

@@ -86,3 +86,11 @@ def test_errors(tiny_out, tiny_ck, tmp_path):
 
         with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
             trt_runner(tmp_path / "model.plan")
+
+
+def test_bf16_generate(tiny_out_bf16):
+    """bf16: ORT refuses (exit-4 error, with the alternative); ONNX's reference evaluator runs it."""
+    with pytest.raises(BackendUnavailable, match="bf16 export cannot run on ONNX Runtime"):
+        open_runtime(tiny_out_bf16, "ort")
+    res = generate(tiny_out_bf16, PROMPT, runtime="onnx-reference", max_new_tokens=6)
+    assert len(res.new_ids) == 6 and all(0 <= t < 256 for t in res.new_ids)
