@@ -1,15 +1,16 @@
 """``m2export check``: compare an export against the PyTorch reference with Polygraphy.
 
 Two sections, both compared with ``Comparator.compare_accuracy`` and one ``SimpleCompareFunc``
-(what ``CompareFunc.simple`` builds; per-output atol/rtol with ``""`` as the default key,
-``check_error_stat="elemwise"``: an element fails when its abs error > atol *and* its rel error > rtol):
+(what ``CompareFunc.simple`` builds; Polygraphy 0.53 deprecates the factory in favour of the class):
+per-output atol/rtol with ``""`` as the default key, ``check_error_stat="elemwise"``: an element fails
+when its abs error > atol *and* its rel error > rtol.
 
 * ``prefill``: ``Comparator.run`` over :class:`~m2export.check.data.TokenDataLoader` feeds (real byte
   tokens, zero past states, several batch/seqlen sizes) through the prefill graph of every runtime.
 * ``sequence``: prefill a prompt, then ``decode_steps`` decode-graph steps, each runtime feeding its own
   ``present_*`` states back as ``past_*``; the reference's greedy token is fed to all runtimes so every
   step compares like with like, and each runtime's own greedy choice must agree with the reference's
-  wherever the reference's top-2 logit margin exceeds the logits tolerance.
+  wherever the reference's top-2 logit margin exceeds twice the logits atol (closer is a numerical tie).
 
 Every comparison is (runtime, reference): Polygraphy's relative error divides by the second output.
 """
