@@ -74,4 +74,5 @@ def test_entry_params_match_flat_args(which):
     assert len(k.param_types) == len(flat)
     want = ["u64" if f.endswith(".ptr") else ("f32" if f in ("dt_min", "dt_max") else "u32") for f in flat]
     assert list(k.param_types) == want
+    assert k.hidden_params == 0  # no tensor-map slots the plugin would have to fill
     assert k.threads and k.threads % 32 == 0

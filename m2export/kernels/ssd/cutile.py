@@ -543,8 +543,9 @@ class AotSpec:
     space. The plugin passes the 10 device pointers (inputs then outputs) and, as extra SymInt32
     arguments, the extents and strides of each tensor (contiguous, row-major) plus the two
     floats' bit patterns and heads_per_group -- :meth:`flat_args` lists them symbolically. The
-    signature promises: arrays 16-byte aligned, last stride 1, other strides multiples of 16
-    bytes for x/B/C/y/states (true for the supported headdim/d_state), no aliasing.
+    signature promises: arrays 16-byte aligned, last stride 1, no aliasing (see :meth:`signature`
+    for ``tma``: its default False keeps the entry free of hidden tensor-map parameters). The
+    JIT path (ct.launch) derives stride divisibility from the actual tensors and may use TMA.
     """
 
     kernel: Any
@@ -555,8 +556,16 @@ class AotSpec:
     problem: SSMScanProblem
     attrs: SSMScanAttrs
 
-    def signature(self, *, index_dtype=None):
-        """:class:`cuda.tile.compilation.KernelSignature` for ``export_kernel`` (contiguous arrays)."""
+    def signature(self, *, index_dtype=None, tma: bool = False):
+        """:class:`cuda.tile.compilation.KernelSignature` for ``export_kernel`` (contiguous arrays).
+
+        ``tma=False`` (default) promises nothing about strides beyond the last one being 1. With
+        ``tma=True`` the strides of x/B/C/y/states are declared multiples of 16 bytes, which lets
+        tileiras use the Hopper bulk tensor copy (TMA) -- and then the entry gains one hidden
+        128-byte ``.param`` per TMA-loaded array (a CUtensorMap the cuTile launcher encodes on the
+        host), which a plain cuLaunchKernel with :meth:`flat_args` does not fill. Keep False for
+        the TensorRT plugin unless it encodes those tensor maps itself.
+        """
         from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
         dts = {"float32": ct.float32, "float16": ct.float16, "bfloat16": ct.bfloat16}
@@ -565,7 +574,7 @@ class AotSpec:
             if prm.kind == "array":
                 # strides in elements: the last is 1 (contiguous); the others are multiples of
                 # 16 bytes for every tensor whose inner extent is headdim or d_state (>= 32)
-                inner16 = prm.name not in ("dt", "A", "D", "dt_bias")
+                inner16 = tma and prm.name not in ("dt", "A", "D", "dt_bias")
                 cons.append(ArrayConstraint(dts[prm.dtype], prm.ndim, index_dtype=index_dtype or ct.int32,
                                             stride_lower_bound_incl=0, alias_groups=prm.alias, may_alias_internally=False,
                                             stride_constant=(None,) * (prm.ndim - 1) + (1,),
@@ -624,6 +633,7 @@ class AotKernel:
     symbol: str
     threads: int | None
     param_types: tuple[str, ...]
+    hidden_params: int = 0  # ".hidden .param .b8 [128]" tensor-map slots (0 unless exported with tma=True)
 
     @classmethod
     def from_cubin(cls, cubin: bytes, symbol: str) -> "AotKernel":
@@ -646,10 +656,14 @@ class AotKernel:
         threads, types = None, ()
         if ptx is not None:
             entry = ptx[ptx.find(".entry"):]
-            types = tuple(re.findall(r"\.param\s+\.(u64|u32|s32|b32|f32|b64)", entry[:entry.find(")")]))
+            plist = entry[:entry.find(")")]
+            types = tuple(re.findall(r"\.param\s+\.(u64|u32|s32|b32|f32|b64)\s", plist))
+            hidden = len(re.findall(r"\.hidden\s+\.param", plist))
             m = re.search(r"\.reqntid\s+(\d+)", ptx)
             threads = int(m.group(1)) if m else None
-        return cls(cubin=cubin, ptx=ptx, symbol=symbol, threads=threads, param_types=types)
+        else:
+            hidden = 0
+        return cls(cubin=cubin, ptx=ptx, symbol=symbol, threads=threads, param_types=types, hidden_params=hidden)
 
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:
