@@ -161,6 +161,7 @@ def ssm_scan_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *
     SSMScanAttrs(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_min=dt_limit[0], dt_max=dt_limit[1])
     p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
     f32 = torch.float32
+    chunk_size = min(chunk_size, max(1, p.seqlen))  # evaluation order only: never pad past one sequence
     delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # (b, l, h)
     nchunks = max(1, -(-p.seqlen // chunk_size))
     pad = nchunks * chunk_size - p.seqlen
