@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -46,8 +45,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from m2export.contract import SSMScanProblem  # noqa: E402
-from m2export.kernels.ssd import ssm_scan  # noqa: E402
 from m2export.kernels.ssd.naive import ssm_scan_chunked  # noqa: E402
 
 SHAPES = {  # name: (batch, seqlen, nheads, headdim, ngroups, d_state)
@@ -177,7 +174,6 @@ def main(argv=None):
         b, l, h, p, g, n = dims
         inp = make_inputs(dims, seed=hash(name) % 1000)
         prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"])
-        ref = None
         impls = []
         for label, v in variants:
             if v is None:
@@ -240,7 +236,7 @@ def main(argv=None):
             print(f"  {name} {label:45s} eager {t_e:8.3f} ms  graph {t_g:8.3f} ms  {row['tflops']:6.1f} TFLOP/s "
                   f"{row['gbs']:7.0f} GB/s  {row['pct']:5.1f}% of floor  rel-err y {err_y:.2e} state {err_s:.2e}",
                   flush=True)
-        del inp, ref_out
+        ref_out = None
         torch.cuda.empty_cache()
 
     lines = [f"### SSMScan forward, {head}", "",

@@ -44,7 +44,7 @@ def _has_cutile() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
-        import cuda.tile  # noqa: F401
+        import cuda.tile  # noqa: F401  (availability check)
     except ImportError as e:
         return False, f"cuda.tile not importable: {e}"
     return True, ""

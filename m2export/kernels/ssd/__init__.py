@@ -29,7 +29,7 @@ def _require_cutile(tensors) -> None:
     if not torch.cuda.is_available():
         raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
     try:
-        import cuda.tile  # noqa: F401
+        import cuda.tile  # noqa: F401  (availability check)
     except ImportError as e:
         raise BackendUnavailable(f'backend="cutile": cuda.tile cannot be imported ({e})', hint=INSTALL_HINT) from e
     for name, t in tensors.items():

@@ -42,8 +42,7 @@ rounded to the input dtype, as in mamba_ssm; segment sums, exponentials and the 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
