@@ -35,8 +35,8 @@ Variants (compile-time flags, all tested): ``STATE_T`` keeps the state as (d_sta
 the inter-chunk product needs no transpose of the state; ``SPLIT_UPD`` adds each chunk's state
 contribution after its own product, so only one multiply-add waits on the previous state. Both
 on, chunk 64 and the occupancy hint 2 are the measured defaults (benchmarks/NOTES_ssd.md).
-Precision: tensor-core products take operands in the input dtype (fp32 inputs: the compiler's
-fp32/TF32 MMA) with fp32 accumulation; the intra-chunk weights and the state enter the products
+Precision: matrix products take operands in the input dtype with fp32 accumulation (bf16/fp16:
+wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights and the state enter the products
 rounded to the input dtype, as in mamba_ssm; segment sums, exponentials and the state are fp32.
 """
 
