@@ -378,3 +378,50 @@ def test_launch_packs_arguments_like_tensorrt(monkeypatch):
                                  ("u64", 0x10)], stream=99)
     assert seen == dict(grid=(6, 1, 2), block=(256, 1, 1), smem=0, stream=99,
                         args=[0xDEADBEEF000, -7, 0x7F800000, 0x10])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("p, dt_limit", [AOT_CASES[0], AOT_CASES[2]])
+@pytest.mark.parametrize("isa", ["tileiras", "driver"], ids=["isa_as_emitted", "isa_rewritten_to_driver"])
+def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
+    """TensorRT's own path: the driver JIT-compiles the embedded PTX. Either the build-time check refuses
+    the PTX (BackendUnavailable naming the ISA/driver: no engine is built) or the kernel the driver compiled
+    reproduces the oracle -- never an engine that loads and computes garbage. ``isa_rewritten_to_driver``
+    is ``--aot-ptx-isa`` set to the driver's own ISA (CUDA 13.x drivers: 9.x)."""
+    import torch
+
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+    from m2export.plugins import _cuda
+    from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+
+    driver = _cuda.driver_version()
+    if isa == "driver" and driver[0] != 13:
+        pytest.skip(f"the PTX ISA of CUDA {driver[0]}.{driver[1]} drivers is not derived here")
+    cc = _cuda.compute_capability(torch.cuda.current_device())
+    attrs = SSMScanAttrs(dt_min=dt_limit[0], dt_max=dt_limit[1])
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc),
+                               (9, driver[1]) if isa == "driver" else None)
+    torch.zeros(1, device="cuda")  # a current context for the driver calls
+    try:
+        aot.check_target(k.ptx, cc=cc, driver=driver, load=_cuda.try_load_module)
+    except BackendUnavailable as e:
+        print(f"\n{p} ISA {aot.ptx_version(k.ptx)}: refused at build time: {e}")
+        assert f"CUDA {driver[0]}.{driver[1]}" in str(e) and "--plugin jit" in e.hint
+        return
+    inp = make_inputs(p, seed=5, device="cpu")
+    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
+    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
+    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    kern = _cuda.load_kernel(k.ptx.encode(), k.name)
+    extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)
+    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block,
+                [("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
+                + [("u64", t.data_ptr()) for t in (y, fs)], stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    kern.unload()
+    print(f"\n{p} ISA {aot.ptx_version(k.ptx)}: driver JIT (CUDA {driver[0]}.{driver[1]}) accepted it")
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
