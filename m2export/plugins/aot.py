@@ -355,8 +355,8 @@ def check_target(ptx: str, *, cc: tuple[int, int], driver: tuple[int, int],
             f"{kernel} AOT kernel: the CUDA driver (CUDA {driver[0]}.{driver[1]}) cannot JIT PTX ISA "
             f"{isa[0]}.{isa[1]} emitted by cuda-tile's tileiras; an engine embedding it would build and then "
             "fail or compute garbage when TensorRT loads the kernel",
-            hint="update the NVIDIA driver to one supporting that PTX ISA, or build with --plugin jit; "
-                 "--aot-ptx-isa MAJOR.MINOR rewrites the ISA header (only if 'm2export check' then passes)")
+            hint="update the NVIDIA driver to one supporting that PTX ISA (or install a cuda-tile whose tileiras "
+                 "is not newer than the driver), or build with --plugin jit")
     raise BackendUnavailable(
         f"{kernel} AOT kernel: the CUDA driver (CUDA {driver[0]}.{driver[1]}) rejects the PTX "
         f"(ISA {isa[0]}.{isa[1]}, target {target}) with {result_name(rc)}",
