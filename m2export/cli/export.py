@@ -16,6 +16,8 @@ and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float3
 --ssm-impl plugin (default): one m2export::SSMScan node per layer carrying plugin_namespace/plugin_version
   (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
   (ONNX Runtime runs it as is). --ssm-impl onnx: standard ONNX ops only (no custom domain, no CumSum).
+--dtype bf16 graphs do not run in ONNX Runtime's CPU provider (it has no bf16 MatMul/Conv); build them
+  with TensorRT, or export fp16 for ORT on CPU.
 
 examples:
   m2export export /ckpt/mamba2-130m -o /tmp/m2-130m
