@@ -7,13 +7,16 @@ Per preset (random weights, mamba_ssm init; ``m2export.models.config.PRESETS``):
 * prefill throughput, batch 1, tokens/s = seqlen / time of one prefill call (best and median of
   ``--reps`` after one warm-up): PyTorch eager (``Mamba2LMHeadModel.forward``, the chunked reference scan)
   vs ORT CPUExecutionProvider on the plugin flavour (SSMScan local function) and the standard-op flavour;
-* decode: ms per token of ``--decode-steps`` single-token steps (ORT decode graphs vs ``model.step``).
+* decode: ms per token of ``--decode-steps`` greedy single-token steps (ORT decode graph vs ``model.step``);
+* checks: rel-L2 of ORT's logits of the longest prefill vs PyTorch's, and greedy tokens ORT == PyTorch.
 
-ORT and torch both get ``--threads`` intra-op threads. Results are appended to benchmarks/RESULTS.md.
+Each phase (export, PyTorch, ORT plugin, ORT standard-op) runs in its own fresh process, so its peak RSS is
+its own. ORT and torch both get ``--threads`` intra-op threads. Results are appended to benchmarks/RESULTS.md.
 The machine is shared: best-of-N is the number to compare, the median shows the noise.
 
     python benchmarks/bench_export.py --preset mamba2-130m
-    python benchmarks/bench_export.py --preset mamba2-2.7b --dtype fp16 --no-throughput   # export only
+    python benchmarks/bench_export.py --preset mamba2-2.7b --dtype fp16 --no-throughput --keep   # export only
+    python benchmarks/bench_export.py --preset mamba2-2.7b --dtype fp16 --reuse --seqlens 32 --reps 1
 """
 
 from __future__ import annotations
@@ -73,55 +76,114 @@ def _timeit(fn, reps: int) -> tuple[float, float]:
     return min(ts), statistics.median(ts)
 
 
-def _throughput(ck: Path, out: Path, seqlens: list[int], reps: int, threads: int, decode_steps: int) -> list[dict]:
+def _prompt(vocab: int, L: int):
+    import torch
+
+    return torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+
+
+def _child_run(phase: str, ck: str, out: str, spec: str) -> None:
+    """One measurement phase in a fresh process (so each phase's memory is freed and measured alone).
+
+    phase "torch": PyTorch eager prefill tokens/s per seqlen, decode ms/token, greedy tokens, and the
+    logits of the longest prefill saved to OUT/../torch_logits.npy. phase "ort:<impl>": the same through
+    ORT sessions (the prefill session is closed before the decode session opens, so one ~graph-sized
+    session is alive at a time), plus rel-L2 of the longest prefill's logits against PyTorch's and whether
+    the greedy tokens are equal. Prints one JSON object.
+    """
     import numpy as np
     import torch
 
-    from m2export.exporter import OrtModel
     from m2export.exporter.manifest import read_manifest
-    from m2export.models.checkpoint import load_checkpoint
+    from m2export.exporter.runtime import ort_session, zero_states
 
+    cfg = json.loads(spec)
+    seqlens, reps, threads, steps = cfg["seqlens"], cfg["reps"], cfg["threads"], cfg["decode_steps"]
     torch.set_num_threads(threads)
     man = read_manifest(out)
-    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[man.dtype]
-    model = load_checkpoint(ck, dtype=tdt).model
-    vocab = model.cfg.vocab_size
-    rows = []
-    oms = {impl: OrtModel(out, impl, threads=threads) for impl in ("plugin", "onnx")}
-    for L in seqlens:
-        ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+    vocab = man.model_config().vocab_size
+    ref_file = Path(out).parent / (Path(out).name + ".torch_logits.npy")
+    res: dict = {"rows": []}
+    gen_prompt = _prompt(vocab, 16)
+    if phase == "torch":
+        from m2export.models.checkpoint import load_checkpoint
+
+        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[man.dtype]
+        model = load_checkpoint(ck, dtype=tdt).model
         with torch.no_grad():
-            best, med = _timeit(lambda: model(ids), reps)
-        rows.append({"what": f"prefill L={L}", "impl": "PyTorch eager", "best": L / best, "median": L / med})
-        for impl, om in oms.items():
-            best, med = _timeit(lambda: om.run(ids.numpy()), reps)
-            rows.append({"what": f"prefill L={L}", "impl": f"ORT {impl}", "best": L / best, "median": L / med})
-    # decode: ms per token over decode_steps steps after a 16-token prefill
-    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        st = model(ids)
+            for L in seqlens:
+                ids = _prompt(vocab, L)
+                best, med = _timeit(lambda: model(ids), reps)
+                res["rows"].append({"what": f"prefill L={L}", "best": L / best, "median": L / med})
+            np.save(ref_file, model(_prompt(vocab, seqlens[-1])).logits.float().numpy())
+            st = model(gen_prompt)
+            toks = [int(st.logits[0, -1].argmax())]
+            model.step(torch.tensor([[toks[-1]]]), st.conv_states, st.ssm_states)  # warm-up, result unused
+            t = time.perf_counter()
+            for _ in range(steps):
+                st = model.step(torch.tensor([[toks[-1]]]), st.conv_states, st.ssm_states)
+                toks.append(int(st.logits[0, -1].argmax()))
+            res["rows"].append({"what": "decode", "best": 1e3 * (time.perf_counter() - t) / steps,
+                                "unit": "ms/token"})
+        res["tokens"] = toks
+    else:
+        impl = phase.split(":", 1)[1]
+        g = man.graph("prefill", impl)
+        sess = ort_session(Path(out) / g.file, threads=threads, dtype=man.dtype)
+        names = list(g.outputs)
 
-        def torch_steps():
-            o = st
-            for _ in range(decode_steps):
-                o = model.step(ids[:, :1], o.conv_states, o.ssm_states)
+        def prefill(ids, past=None):
+            feeds = {"input_ids": ids, **(past or zero_states(man, 1, "prefill", impl))}
+            return dict(zip(names, sess.run(names, feeds)))
 
-        best, med = _timeit(torch_steps, max(1, reps // 2))
-    rows.append({"what": "decode", "impl": "PyTorch eager", "best": 1e3 * best / decode_steps,
-                 "median": 1e3 * med / decode_steps, "unit": "ms/token"})
-    for impl, om in oms.items():
-        o0 = om.run(ids.numpy())
+        for L in seqlens:
+            ids = _prompt(vocab, L).numpy()
+            best, med = _timeit(lambda: prefill(ids), reps)
+            res["rows"].append({"what": f"prefill L={L}", "best": L / best, "median": L / med})
+        logits = prefill(_prompt(vocab, seqlens[-1]).numpy())["logits"].astype(np.float32)
+        if ref_file.is_file():
+            ref = np.load(ref_file)
+            res["rel_l2"] = float(np.linalg.norm(logits - ref) / np.linalg.norm(ref))
+        st = prefill(gen_prompt.numpy())
+        del sess
+        gd = man.graph("decode", impl)
+        dsess = ort_session(Path(out) / gd.file, threads=threads, dtype=man.dtype)
+        toks = [int(st["logits"][0, -1].argmax())]
+        warm = {"input_ids": np.array([[toks[-1]]], np.int64),
+                **{k.replace("present_", "past_"): v for k, v in st.items() if k.startswith("present_")}}
+        dsess.run(list(gd.outputs), warm)  # warm-up, result unused
+        t = time.perf_counter()
+        for _ in range(steps):
+            feeds = {"input_ids": np.array([[toks[-1]]], np.int64),
+                     **{k.replace("present_", "past_"): v for k, v in st.items() if k.startswith("present_")}}
+            st = dict(zip(list(gd.outputs), dsess.run(list(gd.outputs), feeds)))
+            toks.append(int(st["logits"][0, -1].argmax()))
+        res["rows"].append({"what": "decode", "best": 1e3 * (time.perf_counter() - t) / steps, "unit": "ms/token"})
+        res["tokens"] = toks
+    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(res))
 
-        def ort_steps():
-            o = o0
-            for _ in range(decode_steps):
-                o = om.run(np.zeros((1, 1), np.int64), {k.replace("present_", "past_"): v for k, v in o.items()
-                                                          if k.startswith("present_")}, decode=True)
 
-        best, med = _timeit(ort_steps, max(1, reps // 2))
-        rows.append({"what": "decode", "impl": f"ORT {impl}", "best": 1e3 * best / decode_steps,
-                     "median": 1e3 * med / decode_steps, "unit": "ms/token"})
-    return rows
+def _run_child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"rc {proc.returncode}: " + " / ".join(tail)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _n_params(cfg) -> int:
+    """Parameter count of a Mamba-2 LM from its config (tied embeddings counted once)."""
+    per_layer = (cfg.d_model * cfg.d_in_proj  # in_proj (no bias)
+                 + cfg.conv_dim * cfg.d_conv + cfg.conv_dim  # conv1d weight + bias
+                 + 3 * cfg.nheads + cfg.d_inner  # dt_bias, A_log, D, gated-norm weight
+                 + cfg.d_inner * cfg.d_model + cfg.d_model)  # out_proj, block norm
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size_padded * cfg.d_model
+    return cfg.vocab_size_padded * cfg.d_model + cfg.n_layer * per_layer + cfg.d_model + head
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def main(argv=None) -> int:
@@ -135,11 +197,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-throughput", action="store_true", help="export time/memory only")
     ap.add_argument("--workdir", default="/tmp/m2export-bench", help="checkpoints and exports (deleted unless --keep)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="measure an export kept by an earlier --keep run")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--child-export", nargs=3, metavar=("CKPT", "OUT", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-run", nargs=4, metavar=("PHASE", "CKPT", "OUT", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_export:
         _child_export(*args.child_export)
+        return 0
+    if args.child_run:
+        _child_run(*args.child_run)
         return 0
 
     from m2export.models.config import PRESETS, Mamba2Config
@@ -157,34 +224,48 @@ def main(argv=None) -> int:
         if not (ck / "config.json").is_file():
             _random_checkpoint(ck, preset, tdt)
         print(f"[{preset}] checkpoint {time.perf_counter() - t:.0f}s", flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--child-export", str(ck), str(out), args.dtype],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            lines.append(f"| {preset} | {args.dtype} | export FAILED (rc {proc.returncode}): {' / '.join(tail)} | | |")
+        if args.reuse and (out / "m2export.json").is_file():
+            res = {"reused": True}
+        else:
+            res = _run_child(["--child-export", str(ck), str(out), args.dtype])
+        if "error" in res:
+            lines.append(f"| {preset} | {args.dtype} | export FAILED ({res['error']}) | | |")
             print(lines[-1], flush=True)
             continue
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
-        sizes = {f.name: f.stat().st_size for f in out.iterdir()}
-        files = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(sizes.items()) if v > 1e6)
-        n_params = sum(p.numel() for p in __import__("m2export.models.mamba2", fromlist=["x"])
-                       .Mamba2LMHeadModel(cfg).parameters()) if preset == "mamba2-130m" else None
-        lines.append(f"| {preset} (d_model {cfg.d_model}, {cfg.n_layer} layers"
-                     + (f", {n_params / 1e6:.0f}M params" if n_params else "") + f") | {args.dtype} | "
-                     f"{res['wall_s']:.0f} s | {res['peak_rss_bytes'] / 2**30:.1f} GiB | {files} |")
+        sizes = {f.name: f.stat().st_size for f in out.iterdir() if f.suffix in (".onnx", ".data")}
+        files = ", ".join(f"{k} {_fmt_size(v)}" for k, v in sorted(sizes.items()))
+        wall = "(reused export)" if "reused" in res else f"{res['wall_s']:.0f} s"
+        rss = "" if "reused" in res else f"{res['peak_rss_bytes'] / 2**30:.1f} GiB"
+        lines.append(f"| {preset} (d_model {cfg.d_model}, {cfg.n_layer} layers, {_n_params(cfg) / 1e6:.0f}M params) | "
+                     f"{args.dtype} | {wall} | {rss} | {files} |")
         print(lines[-1], flush=True)
         if not args.no_throughput:
-            rows = _throughput(ck, out, args.seqlens, args.reps, args.threads, args.decode_steps)
-            lines.append("")
-            lines.append(f"{preset} {args.dtype}, batch 1, {args.threads} threads | best | median | unit")
-            lines.append("--- | --- | --- | ---")
-            for r in rows:
-                lines.append(f"{r['what']}: {r['impl']} | {r['best']:.1f} | {r['median']:.1f} | "
-                             f"{r.get('unit', 'tokens/s')}")
-            print("\n".join(lines[-len(rows) - 2:]), flush=True)
+            spec = json.dumps({"seqlens": args.seqlens, "reps": args.reps, "threads": args.threads,
+                               "decode_steps": args.decode_steps})
+            phases = {"PyTorch eager": "torch", "ORT plugin flavour": "ort:plugin", "ORT standard-op flavour": "ort:onnx"}
+            results = {name: _run_child(["--child-run", ph, str(ck), str(out), spec]) for name, ph in phases.items()}
+            lines += ["", f"{preset} {args.dtype}, batch 1, {args.threads} threads | best | median | unit", "--- | --- | --- | ---"]
+            torch_toks = results["PyTorch eager"].get("tokens")
+            for name, r in results.items():
+                if "error" in r:
+                    lines.append(f"{name} | FAILED: {r['error']} | |")
+                    continue
+                for row in r["rows"]:
+                    med = f"{row['median']:.1f}" if "median" in row else ""
+                    lines.append(f"{row['what']}: {name} | {row['best']:.1f} | {med} | {row.get('unit', 'tokens/s')}")
+                acc = [f"peak RSS {r['peak_rss_bytes'] / 2**30:.1f} GiB"]
+                if "rel_l2" in r:
+                    acc.append(f"logits rel-L2 vs PyTorch (L={args.seqlens[-1]}) {r['rel_l2']:.1e}")
+                if name != "PyTorch eager" and torch_toks:
+                    same = r["tokens"] == torch_toks
+                    acc.append(f"greedy {len(torch_toks)} tokens {'==' if same else '!='} PyTorch")
+                lines.append(f"{name}: check | {'; '.join(acc)} | |")
+            print("\n".join(lines[-(3 + sum(len(r.get('rows', [])) + 1 for r in results.values())):]), flush=True)
             lines.append("")
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
+            for f in work.glob(out.name + ".torch_logits.npy"):
+                f.unlink()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     import onnxruntime
 
