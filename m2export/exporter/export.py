@@ -51,15 +51,22 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def _check_outdir(outdir: Path, force: bool) -> None:
+def _check_outdir(outdir: Path, force: bool, checkpoint: Path) -> None:
     if outdir.exists() and not outdir.is_dir():
         raise ExportError(f"{outdir}: exists and is not a directory", hint="choose another -o OUTDIR")
-    if outdir.is_dir() and any(outdir.iterdir()) and not force:
-        raise ExportError(f"{outdir}: exists and is not empty",
-                          hint="pass --force (force=True) to replace it, or choose another -o OUTDIR")
+    if outdir.is_dir() and any(outdir.iterdir()):
+        if not force:
+            raise ExportError(f"{outdir}: exists and is not empty",
+                              hint="pass --force (force=True) to replace it, or choose another -o OUTDIR")
+        ck, out = checkpoint.resolve(), outdir.resolve()
+        if ck == out or out in ck.parents:
+            raise ExportError(f"{outdir}: holds the checkpoint {checkpoint}; --force would delete it",
+                              hint="choose another -o OUTDIR")
     parent = outdir.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"{outdir}: {parent} is not a directory", hint="choose another -o OUTDIR")
     if not os.access(parent, os.W_OK | os.X_OK) or (outdir.is_dir() and not os.access(outdir, os.W_OK)):
         raise ExportError(f"{outdir}: cannot write there (no write permission on {parent})",
                           hint="choose a writable -o OUTDIR")
@@ -247,7 +254,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     if opset < 18:
         raise ExportError(f"opset {opset}: m2export needs opset >= 18", hint="omit --opset for the default")
     outdir = Path(outdir)
-    _check_outdir(outdir, force)
+    _check_outdir(outdir, force, Path(checkpoint))
 
     impls = {"plugin": ["plugin"], "onnx": ["onnx"], "both": ["plugin", "onnx"]}[ssm_impl]
     roles = ("prefill", "decode")
