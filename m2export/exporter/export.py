@@ -21,7 +21,7 @@ from typing import Any
 
 from m2export import contract
 from m2export.errors import ExportError
-from m2export.exporter.configs import DECODE_FILE, DTYPES, MANIFEST_FILE, PREFILL_FILE, Mamba2OnnxConfig
+from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
 from m2export.exporter.manifest import GraphEntry, Manifest, write_manifest
 
 log = logging.getLogger("m2export")
