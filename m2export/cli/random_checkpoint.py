@@ -16,7 +16,8 @@ examples:
 def add_arguments(p):
     from m2export.models.config import PRESETS
 
-    p.add_argument("-o", "--output", required=True, help="output directory (replaced if it exists)")
+    p.add_argument("-o", "--output", required=True, help="output directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists and is not empty")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published model shape")
     p.add_argument("--format", choices=["mamba_ssm", "hf"], default="mamba_ssm")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="stored tensor dtype")
@@ -38,7 +39,12 @@ def run(args) -> int:
                                             "expand", "d_conv", "chunk_size") if getattr(args, k) is not None}
     if args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
         raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size")
+    from pathlib import Path
+
+    out = Path(args.output)
+    if out.exists() and not args.force and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: exists and is not empty", hint="pass --force to replace it, or choose another -o")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype, **fields)
+    out = random_checkpoint(out, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype, **fields)
     logging.getLogger("m2export").info("wrote %s", out)
     return 0

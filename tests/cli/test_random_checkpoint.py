@@ -1,0 +1,29 @@
+"""m2export random-checkpoint: writes a loadable checkpoint; never replaces a non-empty folder without --force."""
+
+from m2export.cli.main import main
+from m2export.models.checkpoint import load_checkpoint
+
+ARGS = ["random-checkpoint", "--d-model", "64", "--n-layer", "2", "--vocab-size", "256", "--ngroups", "2",
+        "--d-state", "16", "--headdim", "16", "-q"]
+
+
+def test_writes_loadable_checkpoint(tmp_path):
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--format", "hf"]) == 0
+    ck = load_checkpoint(tmp_path / "ck")
+    assert ck.format == "hf" and ck.config.ngroups == 2 and ck.config.vocab_size_padded == 256
+
+
+def test_refuses_non_empty_dir_without_force(tmp_path, capsys):
+    keep = tmp_path / "ck" / "keep.txt"
+    keep.parent.mkdir()
+    keep.write_text("precious")
+    assert main(ARGS + ["-o", str(tmp_path / "ck")]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert keep.read_text() == "precious"
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 0
+    assert not keep.exists() and (tmp_path / "ck" / "model.safetensors").is_file()
+
+
+def test_needs_preset_or_shape(tmp_path, capsys):
+    assert main(["random-checkpoint", "-o", str(tmp_path / "x"), "--d-model", "64"]) == 1
+    assert "--preset or all of" in capsys.readouterr().err
