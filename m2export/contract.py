@@ -16,7 +16,10 @@ head h (group g = h // (nheads // ngroups)) and token t::
 
 with ``state_{-1} = initial_state[b,h]`` and ``final_state[b,h] = state_{seqlen-1}``.
 ``chunk_size`` only changes the evaluation order (the chunked SSD algorithm), never the
-result beyond float32 rounding: an implementation may choose its own chunking.
+result beyond float32 rounding: an implementation may choose its own chunking. This holds
+because every step decays: ``A <= 0`` is required (``A = -exp(A_log)``) and the step size is
+clamped at ``dt_min >= 0`` (also with ``dt_softplus=0``). The references reject ``A > 0``
+with ContractError; kernels do not inspect values (that would need a device sync).
 
 In an ONNX graph all eight inputs are always present (the exporter materialises ``D``,
 ``dt_bias`` and ``initial_state`` as zeros when a model has none); in the Python API
@@ -111,6 +114,20 @@ class SSMScanAttrs:
         if not (self.dt_min <= self.dt_max) or self.dt_min < 0 or math.isnan(self.dt_min):
             raise ContractError(
                 f"dt_limit: expected 0 <= dt_min <= dt_max, got dt_min={self.dt_min}, dt_max={self.dt_max}")
+
+    @classmethod
+    def make(cls, *, chunk_size: int = 256, dt_softplus: bool = True,
+             dt_limit=(0.0, math.inf)) -> "SSMScanAttrs":
+        """Attributes from the Python API's keywords; ``dt_limit`` must be a (dt_min, dt_max) pair.
+
+        Raises:
+            ContractError: malformed dt_limit or chunk_size.
+        """
+        try:
+            lo, hi = (float(v) for v in dt_limit)
+        except (TypeError, ValueError):
+            raise ContractError(f"dt_limit: expected (dt_min, dt_max), two numbers, got {dt_limit!r}") from None
+        return cls(chunk_size=chunk_size, dt_softplus=bool(dt_softplus), dt_min=lo, dt_max=hi)
 
     @property
     def dt_limit(self) -> tuple[float, float]:

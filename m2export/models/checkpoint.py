@@ -50,8 +50,8 @@ def detect_format(cfg: dict) -> str:
                       "(mamba_ssm) or 'model_type': 'mamba2'/'hidden_size' (HF transformers)")
 
 
-def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path]]:
-    """(directory, weight files) for a checkpoint directory or a weight file path."""
+def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
+    """(directory, weight files, sharded index or None) for a checkpoint directory or a weight file path."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory",
@@ -63,20 +63,35 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path]]:
             if p.suffix not in (".safetensors", ".bin", ".pt", ".json"):
                 raise CheckpointError(f"{p}: not a checkpoint weight file (expected .safetensors, .bin or "
                                       "a .safetensors.index.json)")
-            return p.parent, _index_files(p) if p.name.endswith(".index.json") else [p]
+            return (p.parent, _index_files(p), p) if p.name.endswith(".index.json") else (p.parent, [p], None)
     for name in WEIGHT_FILES:
         f = p / name
         if f.is_file():
-            return p, _index_files(f) if name.endswith(".index.json") else [f]
+            return (p, _index_files(f), f) if name.endswith(".index.json") else (p, [f], None)
     raise CheckpointError(f"{p}: no weights found; expected one of {list(WEIGHT_FILES)}")
 
 
 def _index_files(index: Path) -> list[Path]:
+    return sorted({index.parent / f for f in _weight_map(index).values()})
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """tensor name -> shard file name of a ``*.safetensors.index.json``, validated.
+
+    Raises:
+        CheckpointError: malformed index, or a shard outside the checkpoint directory.
+    """
     try:
         wm = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: malformed safetensors index ({e})") from None
-    return [index.parent / f for f in sorted(set(wm.values()))]
+        raise CheckpointError(f"{index}: malformed safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names (strings)")
+    root = index.parent.resolve()
+    for shard in set(wm.values()):
+        if (root / shard).resolve().parent != root:
+            raise CheckpointError(f"{index}: shard {shard!r} is outside the checkpoint directory {root}")
+    return wm
 
 
 def _read_json(f: Path) -> dict:
@@ -93,7 +108,7 @@ def _read_json(f: Path) -> dict:
 
 def read_config(path: str | os.PathLike) -> tuple[Mamba2Config, str]:
     """(config, format) of a checkpoint directory or weight file path."""
-    d, _ = _resolve(path)
+    d, _, _ = _resolve(path)
     raw = _read_json(d / "config.json")
     fmt = detect_format(raw)
     src = str(d / "config.json")
@@ -104,8 +119,15 @@ def read_config(path: str | os.PathLike) -> tuple[Mamba2Config, str]:
     return cfg, fmt
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of ``files``; with a sharded index, each tensor from the shard the index names.
+
+    Raises:
+        CheckpointError: unreadable file, a tensor the index names missing from its shard, or a tensor
+            present in two files (ambiguous).
+    """
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
     for f in files:
         if not f.is_file():
             raise CheckpointError(f"{f}: weight file listed but missing")
@@ -117,7 +139,21 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                 part = torch.load(str(f), map_location="cpu", weights_only=True)
         except Exception as e:  # safetensors/pickle raise many types on corrupt input
             raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
-        out.update(part)
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{f}: expected a state dict (name -> tensor), got {type(part).__name__}")
+        for k, v in part.items():
+            if weight_map is not None:
+                if weight_map.get(k) != f.name:
+                    continue  # the index assigns this tensor to another shard (or to none)
+            elif k in out:
+                raise CheckpointError(f"tensor {k!r} is in both {origin[k]} and {f}: ambiguous checkpoint")
+            if not isinstance(v, torch.Tensor):
+                raise CheckpointError(f"{f}: entry {k!r} is a {type(v).__name__}, expected a tensor")
+            out[k], origin[k] = v, f
+    if weight_map is not None:
+        lost = sorted(k for k, shard in weight_map.items() if k not in out)
+        if lost:
+            raise CheckpointError(f"tensor(s) {lost[:8]} listed in the index are missing from their shard(s)")
     return out
 
 
@@ -143,9 +179,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
             expected and found shapes).
         ConfigError: unsupported or malformed config field.
     """
-    d, files = _resolve(path)
+    d, files, index = _resolve(path)
     cfg, fmt = read_config(d)
-    sd = _read_tensors(files)
+    sd = _read_tensors(files, _weight_map(index) if index is not None else None)
     if fmt == "hf":
         sd = {_HF_RENAME.get(k, k): v for k, v in sd.items()}
     target = dtype or torch.float32

@@ -38,6 +38,8 @@ class Mamba2Config:
     bias: bool = False
     rmsnorm: bool = True
     norm_before_gate: bool = False
+    #: eps of the gated RMSNorm in each mixer: 1e-5 in mamba_ssm (fixed), layer_norm_epsilon in HF transformers
+    gated_norm_epsilon: float = 1e-5
 
     def __post_init__(self):
         for f in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups",
@@ -45,6 +47,18 @@ class Mamba2Config:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"config field {f!r}: expected a positive integer, got {v!r}")
+        for f in ("tie_embeddings", "residual_in_fp32", "conv_bias", "bias", "rmsnorm", "norm_before_gate"):
+            v = getattr(self, f)
+            if not isinstance(v, bool):
+                raise ConfigError(f"config field {f!r}: expected true or false, got {v!r}")
+        for f in ("norm_epsilon", "gated_norm_epsilon"):
+            v = getattr(self, f)
+            if not _is_real(v) or not (0.0 < v < 1.0):
+                raise ConfigError(f"config field {f!r}: expected a number in (0, 1), got {v!r}")
+        lim = self.dt_limit
+        if not (isinstance(lim, (tuple, list)) and len(lim) == 2 and all(_is_real(v) for v in lim)):
+            raise ConfigError(f"config field 'dt_limit': expected [min, max] (two numbers), got {lim!r}")
+        object.__setattr__(self, "dt_limit", (float(lim[0]), float(lim[1])))
         if self.d_inner % self.headdim:
             raise ConfigError(f"config: d_inner = expand*d_model = {self.d_inner} is not divisible by "
                               f"headdim = {self.headdim}")
@@ -86,7 +100,14 @@ class Mamba2Config:
 
     # ------------------------------------------------------------------ mamba_ssm config.json
     def to_mamba_ssm_json(self) -> dict[str, Any]:
-        """config.json in the state-spaces/mamba format (MambaConfig with ssm_cfg)."""
+        """config.json in the state-spaces/mamba format (MambaConfig with ssm_cfg).
+
+        Raises:
+            ConfigError: ``gated_norm_epsilon`` is not 1e-5 (mamba_ssm fixes it; save in the 'hf' format).
+        """
+        if self.gated_norm_epsilon != 1e-5:
+            raise ConfigError(f"gated_norm_epsilon={self.gated_norm_epsilon} cannot be stored in the mamba_ssm "
+                              "format (it fixes 1e-5); save in the 'hf' format")
         ssm_cfg = {"layer": "Mamba2", "d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
                    "headdim": self.headdim, "ngroups": self.ngroups, "chunk_size": self.chunk_size,
                    "rmsnorm": self.rmsnorm, "norm_before_gate": self.norm_before_gate,
@@ -112,15 +133,19 @@ class Mamba2Config:
         for req in ("d_model", "n_layer", "vocab_size"):
             if req not in cfg:
                 raise ConfigError(f"{source}: missing required field {req!r}")
-        if cfg.get("d_intermediate", 0):
-            raise ConfigError(f"{source}: field 'd_intermediate'={cfg['d_intermediate']} (MLP blocks) is not "
+        if cfg.get("d_intermediate", 0) != 0:
+            raise ConfigError(f"{source}: field 'd_intermediate'={cfg['d_intermediate']!r} (MLP blocks) is not "
                               "supported; expected 0")
         if cfg.get("attn_layer_idx"):
-            raise ConfigError(f"{source}: field 'attn_layer_idx'={cfg['attn_layer_idx']} (hybrid attention "
+            raise ConfigError(f"{source}: field 'attn_layer_idx'={cfg['attn_layer_idx']!r} (hybrid attention "
                               "layers) is not supported; expected []")
         if cfg.get("rms_norm", True) is not True:
-            raise ConfigError(f"{source}: field 'rms_norm'=False (LayerNorm) is not supported")
-        ssm = dict(cfg.get("ssm_cfg") or {})
+            raise ConfigError(f"{source}: field 'rms_norm'={cfg['rms_norm']!r} is not supported; expected true "
+                              "(LayerNorm models are not supported)")
+        ssm_raw = cfg.get("ssm_cfg") or {}
+        if not isinstance(ssm_raw, dict):
+            raise ConfigError(f"{source}: field 'ssm_cfg': expected an object, got {ssm_raw!r}")
+        ssm = dict(ssm_raw)
         layer = ssm.pop("layer", "Mamba1")
         if layer != "Mamba2":
             raise ConfigError(f"{source}: ssm_cfg.layer={layer!r} is not supported; expected 'Mamba2'")
@@ -138,23 +163,28 @@ class Mamba2Config:
         for k in ("A_init_range", "dt_min", "dt_max", "dt_init_floor", "conv_init"):  # init-only fields
             ssm.pop(k, None)
         dt_limit = ssm.pop("dt_limit", (0.0, math.inf))
-        try:
-            dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-        except (TypeError, ValueError, IndexError):
-            raise ConfigError(f"{source}: ssm_cfg.dt_limit: expected [min, max], got {dt_limit!r}") from None
-        conf = cls(d_model=cfg["d_model"], n_layer=cfg["n_layer"], vocab_size=cfg["vocab_size"], dt_limit=dt_limit,
-                   pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
-                   tie_embeddings=cfg.get("tie_embeddings", True),
-                   residual_in_fp32=cfg.get("residual_in_fp32", True),
-                   norm_epsilon=cfg.get("norm_epsilon", 1e-5), **ssm)
+        if not (isinstance(dt_limit, (list, tuple)) and len(dt_limit) == 2 and all(_is_real(v) for v in dt_limit)):
+            raise ConfigError(f"{source}: ssm_cfg.dt_limit: expected [min, max] (two numbers), got {dt_limit!r}")
+        conf = _with_source(source, lambda: cls(
+            d_model=cfg["d_model"], n_layer=cfg["n_layer"], vocab_size=cfg["vocab_size"], dt_limit=tuple(dt_limit),
+            pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
+            tie_embeddings=cfg.get("tie_embeddings", True), residual_in_fp32=cfg.get("residual_in_fp32", True),
+            norm_epsilon=cfg.get("norm_epsilon", 1e-5), **ssm))
         if d_ssm is not None and d_ssm != conf.d_inner:
-            raise ConfigError(f"{source}: ssm_cfg.d_ssm={d_ssm} != d_inner={conf.d_inner} (partial SSM with "
+            raise ConfigError(f"{source}: ssm_cfg.d_ssm={d_ssm!r} != d_inner={conf.d_inner} (partial SSM with "
                               "MLP channels) is not supported")
         return conf
 
     # ------------------------------------------------------------------ HF transformers Mamba2Config
     def to_hf_json(self) -> dict[str, Any]:
-        """config.json in the HF transformers ``Mamba2Config`` format."""
+        """config.json in the HF transformers ``Mamba2Config`` format.
+
+        Raises:
+            ConfigError: norm_epsilon != gated_norm_epsilon (HF uses one layer_norm_epsilon for both).
+        """
+        if self.norm_epsilon != self.gated_norm_epsilon:
+            raise ConfigError(f"norm_epsilon={self.norm_epsilon} != gated_norm_epsilon={self.gated_norm_epsilon} "
+                              "cannot be stored in the HF format (one layer_norm_epsilon)")
         return {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
                 "vocab_size": self.vocab_size_padded, "hidden_size": self.d_model, "state_size": self.d_state,
                 "num_hidden_layers": self.n_layer, "layer_norm_epsilon": self.norm_epsilon, "expand": self.expand,
@@ -182,18 +212,35 @@ class Mamba2Config:
         if cfg.get("norm_before_gate", False):
             raise ConfigError(f"{source}: norm_before_gate=True is not supported")
         limit = cfg.get("time_step_limit", (0.0, math.inf))
-        conf = cls(d_model=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
-                   d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=cfg.get("expand", 2),
-                   headdim=cfg.get("head_dim", 64), ngroups=cfg.get("n_groups", 1),
-                   chunk_size=cfg.get("chunk_size", 256), dt_limit=(float(limit[0]), float(limit[1])),
-                   pad_vocab_size_multiple=1, tie_embeddings=cfg.get("tie_word_embeddings", True),
-                   residual_in_fp32=cfg.get("residual_in_fp32", True),
-                   norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5), conv_bias=cfg.get("use_conv_bias", True),
-                   bias=cfg.get("use_bias", False))
+        if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and all(_is_real(v) for v in limit)):
+            raise ConfigError(f"{source}: time_step_limit: expected [min, max] (two numbers), got {limit!r}")
+        eps = cfg.get("layer_norm_epsilon", 1e-5)
+        # defaults are those of transformers' Mamba2Config (tie_word_embeddings=False there)
+        conf = _with_source(source, lambda: cls(
+            d_model=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
+            d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=cfg.get("expand", 2),
+            headdim=cfg.get("head_dim", 64), ngroups=cfg.get("n_groups", 1), chunk_size=cfg.get("chunk_size", 256),
+            dt_limit=tuple(limit), pad_vocab_size_multiple=1, tie_embeddings=cfg.get("tie_word_embeddings", False),
+            residual_in_fp32=cfg.get("residual_in_fp32", True), norm_epsilon=eps, gated_norm_epsilon=eps,
+            conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False)))
         if "num_heads" in cfg and cfg["num_heads"] != conf.nheads:
             raise ConfigError(f"{source}: num_heads={cfg['num_heads']} but expand*hidden_size/head_dim = "
                               f"{conf.nheads}")
         return conf
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _with_source(source: str, make):
+    """Call ``make()``; prefix a ConfigError (or the TypeError of an unknown keyword) with ``source``."""
+    try:
+        return make()
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}", hint=e.hint) from None
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _reject_unknown(d: dict, known: set[str], where: str) -> None:

@@ -78,7 +78,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(cfg.nheads))
         self.A_log = nn.Parameter(torch.zeros(cfg.nheads))
         self.D = nn.Parameter(torch.ones(cfg.nheads))
-        self.norm = RMSNormGated(cfg.d_inner, group_size=cfg.d_inner // cfg.ngroups, eps=1e-5)
+        self.norm = RMSNormGated(cfg.d_inner, group_size=cfg.d_inner // cfg.ngroups, eps=cfg.gated_norm_epsilon)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
         self.scan_fn: ScanFn = ssm_scan_chunked
 

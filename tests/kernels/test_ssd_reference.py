@@ -137,3 +137,41 @@ def test_contract_errors_name_the_argument():
         ssm_scan_chunked(**inp, chunk_size=0)
     with pytest.raises(ContractError, match="dt_limit"):
         ssm_scan_chunked(**inp, dt_limit=(0.5, 0.1))
+
+
+def test_negative_step_without_softplus_is_clamped_and_chunk_independent():
+    """dt_softplus=False with dt + dt_bias < 0: the step is clamped at dt_min = 0 in every implementation."""
+    p = SSMScanProblem(1, 3, 1, 1, 1, 1)
+    inp = dict(x=torch.ones(1, 3, 1, 1), dt=torch.full((1, 3, 1), -0.5), A=torch.tensor([-1.0]),
+               B=torch.ones(1, 3, 1, 1), C=torch.ones(1, 3, 1, 1))
+    ref = ssm_scan_recurrent(**inp, dt_softplus=False)
+    assert torch.equal(ref.y, torch.zeros_like(ref.y))
+    for chunk in (1, 2, 256):
+        assert_close(f"y(chunk={chunk})", ref.y, ssm_scan_chunked(**inp, dt_softplus=False, chunk_size=chunk).y,
+                     rel=1e-6, atol=1e-7)
+    del p
+
+
+def test_growing_decay_is_rejected():
+    p = SSMScanProblem(1, 4, 2, 4, 1, 4)
+    inp = make_inputs(p, seed=10)
+    inp["A"] = torch.tensor([-1.0, 0.5])
+    for fn in (ssm_scan_recurrent, ssm_scan_chunked):
+        with pytest.raises(ContractError, match=r"A: expected A <= 0"):
+            fn(**inp)
+
+
+def test_torch_backend_checks_out_buffers_and_dt_limit():
+    from m2export.kernels.ssd import ssm_scan
+
+    p = SSMScanProblem(2, 5, 4, 8, 2, 16)
+    inp = make_inputs(p, seed=11)
+    with pytest.raises(ContractError, match=r"^out: expected a contiguous torch.float32 tensor of shape"):
+        ssm_scan(**inp, backend="torch", out=torch.empty(3, 2, 5, 4, 8))
+    with pytest.raises(ContractError, match=r"^final_state_out: expected a contiguous torch.float32"):
+        ssm_scan(**inp, backend="torch", final_state_out=torch.empty(p.shape_of("final_state"), dtype=torch.half))
+    with pytest.raises(ContractError, match=r"^dt_limit: expected \(dt_min, dt_max\)"):
+        ssm_scan(**inp, backend="torch", dt_limit=(0.1,))
+    y = torch.full(p.shape_of("y"), float("nan"))
+    res = ssm_scan(**inp, backend="torch", out=y)
+    assert res.y is y and torch.isfinite(y).all()

@@ -127,3 +127,91 @@ def test_corrupt_weights(tmp_path):
     (path / "model.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(CheckpointError, match="cannot read tensors"):
         load_checkpoint(path)
+
+
+def _edit_config(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("tie_embeddings", "false", r"'tie_embeddings': expected true or false, got 'false'"),
+    ("residual_in_fp32", "no", r"'residual_in_fp32': expected true or false"),
+    ("norm_epsilon", "x", r"'norm_epsilon': expected a number in \(0, 1\)"),
+    ("norm_epsilon", -1, r"'norm_epsilon': expected a number in \(0, 1\), got -1"),
+    ("rms_norm", 1, r"'rms_norm'=1 is not supported"),
+    ("ssm_cfg", "Mamba2", r"'ssm_cfg': expected an object"),
+])
+def test_config_field_types_are_checked(tmp_path, field, value, match):
+    path = _ckpt(tmp_path)
+    _edit_config(path, lambda c: c.__setitem__(field, value))
+    with pytest.raises(ConfigError, match=match) as e:
+        read_config(path)
+    assert "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["01", [0, 1, 2], {"a": 1}, [0, "x"]])
+def test_malformed_dt_limit(tmp_path, value):
+    path = _ckpt(tmp_path)
+    _edit_config(path, lambda c: c["ssm_cfg"].__setitem__("dt_limit", value))
+    with pytest.raises(ConfigError, match=r"config.json: ssm_cfg.dt_limit: expected \[min, max\]"):
+        read_config(path)
+
+
+def test_hf_defaults_follow_transformers(tmp_path):
+    """HF Mamba2Config defaults tie_word_embeddings to False; layer_norm_epsilon also sets the gated norm's eps."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    fields = dict(TINY, tie_embeddings=False)
+    path = random_checkpoint(tmp_path / "hf", format="hf", seed=3, **fields)
+
+    def edit(c):
+        del c["tie_word_embeddings"]
+        c["layer_norm_epsilon"] = 0.1
+    _edit_config(path, edit)
+    ours = load_checkpoint(path)
+    assert ours.config.tie_embeddings is False and ours.config.gated_norm_epsilon == 0.1
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(str(path)).eval()
+    ids = torch.randint(0, 100, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, out = hf(ids).logits, ours.model(ids).logits
+    assert (ref - out).abs().max() < 1e-4 * ref.abs().max()
+
+
+def _sharded(tmp_path):
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    keys = sorted(sd)
+    half = len(keys) // 2
+    save_file({k: sd[k] for k in keys[:half]}, str(path / "model-00001-of-00002.safetensors"))
+    save_file({k: sd[k] for k in keys[half:]}, str(path / "model-00002-of-00002.safetensors"))
+    wm = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, k in enumerate(keys)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return path, sd, wm
+
+
+def test_sharded_index_is_followed(tmp_path):
+    path, sd, wm = _sharded(tmp_path)
+    ck = load_checkpoint(path)
+    assert torch.equal(ck.model.state_dict()["backbone.layers.1.mixer.A_log"], sd["backbone.layers.1.mixer.A_log"])
+    # a stale copy of a tensor in the other shard must not win over the shard the index names
+    k = "backbone.layers.0.mixer.A_log"
+    other = next(f for f in set(wm.values()) if f != wm[k])
+    part = load_file(str(path / other))
+    part[k] = torch.full_like(sd[k], 5.0)
+    save_file(part, str(path / other))
+    assert torch.equal(load_checkpoint(path).model.state_dict()[k], sd[k])
+
+
+@pytest.mark.parametrize("weight_map,match", [
+    (["a", "b"], "'weight_map' must map tensor names"),
+    ({"x": 3}, "'weight_map' must map tensor names"),
+    ({"x": "../elsewhere/model.safetensors"}, "outside the checkpoint directory"),
+])
+def test_malformed_index(tmp_path, weight_map, match):
+    path, _, _ = _sharded(tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)

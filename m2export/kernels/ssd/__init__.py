@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from m2export.contract import SSMScanAttrs, validate
 from m2export.errors import BackendUnavailable, ContractError
 from m2export.kernels.ssd.naive import SSMScanOutput, ssm_scan_chunked, ssm_scan_recurrent
@@ -20,6 +22,15 @@ __all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent"
 BACKENDS = ("cutile", "torch")
 INSTALL_HINT = 'install the GPU extra (pip install m2export[gpu]) on a CUDA machine, or pass backend="torch"'
 SUPPORTED_DIMS = (32, 64, 128, 256)
+
+
+def check_out(name: str, t, shape, dtype, device):
+    """Raise ContractError unless ``t`` is a contiguous tensor of exactly ``shape``/``dtype`` on ``device``."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ContractError(
+            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+    return t
 
 
 def _require_cutile(tensors) -> None:
@@ -82,10 +93,13 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
         Dao & Gu, "Transformers are SSMs" (arXiv:2405.21060), Sec. 6 and Listing 1; argument order of
         mamba_ssm/ops/triton/ssd_combined.py::mamba_chunk_scan_combined.
     """
-    attrs = SSMScanAttrs(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
-                         dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]))
+    attrs = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
     problem = validate(x, dt, A, B, C, D, dt_bias, initial_state)
     if backend == "torch":
+        if out is not None:
+            check_out("out", out, x.shape, x.dtype, x.device)
+        if final_state_out is not None:
+            check_out("final_state_out", final_state_out, problem.shape_of("final_state"), torch.float32, x.device)
         res = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
                                dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         if out is not None:

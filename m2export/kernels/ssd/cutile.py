@@ -50,6 +50,7 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
+from m2export.kernels.ssd import check_out
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -437,16 +438,6 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
                bool(cfg.state_t), bool(cfg.split_upd)))
 
 
-def _check_out(name: str, t: torch.Tensor, shape, dtype, device) -> torch.Tensor:
-    from m2export.errors import ContractError
-
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ContractError(
-            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
-    return t
-
-
 def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMScanProblem, dt_softplus: bool,
                     dt_limit: tuple[float, float], out=None, final_state_out=None, stream=None,
                     config: ScanConfig | None = None) -> SSMScanOutput:
@@ -466,10 +457,10 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
         initial_state = initial_state.contiguous() if initial_state is not None else None
         p = problem
-        y = (_check_out("out", out, x.shape, x.dtype, dev) if out is not None
+        y = (check_out("out", out, x.shape, x.dtype, dev) if out is not None
              else torch.empty_like(x))
         fs_shape = (p.batch, p.nheads, p.headdim, p.d_state)
-        final_state = (_check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
+        final_state = (check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
                        if final_state_out is not None else torch.empty(fs_shape, dtype=torch.float32, device=dev))
         if p.batch == 0:
             return SSMScanOutput(y, final_state)

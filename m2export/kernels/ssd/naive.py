@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from m2export.contract import SSMScanAttrs, validate
+from m2export.errors import ContractError
 
 
 class SSMScanOutput(NamedTuple):
@@ -50,9 +51,14 @@ def dt_transform(dt: torch.Tensor, dt_bias: torch.Tensor | None, *, dt_softplus:
     if dt_softplus:
         v = softplus_stable(v)
     lo, hi = dt_limit
-    if lo > 0.0 or hi < math.inf:
-        v = torch.clamp(v, min=lo, max=hi)
-    return v
+    # always clamp at dt_min (>= 0): a negative step would grow the state and break chunk-order independence
+    return torch.clamp(v, min=lo, max=hi if math.isfinite(hi) else None)
+
+
+def check_decay(A: torch.Tensor) -> None:
+    """Raise ContractError unless every A <= 0 (the contract: A = -exp(A_log); a growing state is undefined)."""
+    if A.numel() and bool((A > 0).any()):
+        raise ContractError(f"A: expected A <= 0 (A = -exp(A_log)), got max(A) = {A.max().item():.4g}")
 
 
 def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
@@ -68,8 +74,10 @@ def ssm_scan_recurrent(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None,
     Shapes as in :mod:`m2export.contract`. Returns y and final_state in ``dtype``.
     Raises ContractError on arguments that break the contract.
     """
+    attrs = SSMScanAttrs.make(dt_softplus=dt_softplus, dt_limit=dt_limit)
     p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
-    delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, dtype=dtype)
+    check_decay(A)
+    delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit, dtype=dtype)
     xs, Bs, Cs = x.to(dtype), _expand_groups(B.to(dtype), p.nheads), _expand_groups(C.to(dtype), p.nheads)
     Ad = A.to(dtype)
     h = (initial_state.to(dtype).clone() if initial_state is not None
@@ -158,8 +166,9 @@ def ssm_scan_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *
     Source:
         arXiv:2405.21060 Listing 1 (ssd_minimal), with fp32 segment sums and masking before exp.
     """
-    SSMScanAttrs(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_min=dt_limit[0], dt_max=dt_limit[1])
+    dt_limit = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit).dt_limit
     p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    check_decay(A)
     f32 = torch.float32
     chunk_size = min(chunk_size, max(1, p.seqlen))  # evaluation order only: never pad past one sequence
     delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # (b, l, h)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from m2export.contract import SSMScanAttrs, validate
 from m2export.errors import ContractError
-from m2export.kernels.ssd import BACKENDS, SUPPORTED_DIMS, _require_cutile
+from m2export.kernels.ssd import BACKENDS, SUPPORTED_DIMS, _require_cutile, check_out
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd_step.naive import ssm_step_ref
 
@@ -46,12 +48,16 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
             {32, 64, 128, 256} for "cutile", or an unusable out=/state_out=.
         BackendUnavailable: no CUDA / cuda.tile / CPU tensors for "cutile"; hint: pip install m2export[gpu].
     """
-    attrs = SSMScanAttrs(dt_softplus=bool(dt_softplus), dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]))
+    attrs = SSMScanAttrs.make(dt_softplus=dt_softplus, dt_limit=dt_limit)
     for name, t, nd in (("x", x, 3), ("dt", dt, 2), ("B", B, 3), ("C", C, 3)):
         if t.dim() != nd:
             raise ContractError(f"{name}: expected a {nd}-D tensor for ssm_step, got shape {tuple(t.shape)}")
     problem = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, ssm_state)
     if backend == "torch":
+        if out is not None:
+            check_out("out", out, x.shape, x.dtype, x.device)
+        if state_out is not None:
+            check_out("state_out", state_out, problem.shape_of("final_state"), torch.float32, x.device)
         res = ssm_step_ref(x, dt, A, B, C, D, dt_bias, ssm_state, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         if out is not None:
             out.copy_(res.y)

@@ -23,7 +23,8 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
-from m2export.kernels.ssd.cutile import AotParam, _check_out, _sm_count, _torch_stream, check_supported
+from m2export.kernels.ssd import check_out
+from m2export.kernels.ssd.cutile import AotParam, _sm_count, _torch_stream, check_supported
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -103,8 +104,8 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
             if state_out is ssm_state:
                 raise_contract("ssm_state", "in-place update needs a contiguous ssm_state")
             ssm_state = ssm_state.contiguous()
-        y = _check_out("out", out, x.shape, x.dtype, dev) if out is not None else torch.empty_like(x)
-        new_state = (_check_out("state_out", state_out, st_shape, torch.float32, dev) if state_out is not None
+        y = check_out("out", out, x.shape, x.dtype, dev) if out is not None else torch.empty_like(x)
+        new_state = (check_out("state_out", state_out, st_shape, torch.float32, dev) if state_out is not None
                      else torch.empty(st_shape, dtype=torch.float32, device=dev))
         if p.batch == 0:
             return SSMScanOutput(y, new_state)

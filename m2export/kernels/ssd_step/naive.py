@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from m2export.contract import validate
-from m2export.kernels.ssd.naive import SSMScanOutput, dt_transform
+from m2export.contract import SSMScanAttrs, validate
+from m2export.kernels.ssd.naive import SSMScanOutput, check_decay, dt_transform
 
 
 def ssm_step_ref(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplus: bool = True,
@@ -33,7 +33,9 @@ def ssm_step_ref(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_sof
     Raises:
         ContractError: as :func:`m2export.contract.validate` for the seqlen-1 problem.
     """
+    dt_limit = SSMScanAttrs.make(dt_softplus=dt_softplus, dt_limit=dt_limit).dt_limit
     p = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, ssm_state)
+    check_decay(A)
     f32 = torch.float32
     delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)  # (b, h)
     rep = p.heads_per_group
