@@ -6,7 +6,9 @@ per-output atol/rtol with ``""`` as the default key, ``check_error_stat="elemwis
 when its abs error > atol *and* its rel error > rtol.
 
 * ``prefill``: ``Comparator.run`` over :class:`~m2export.check.data.TokenDataLoader` feeds (real byte
-  tokens, zero past states, several batch/seqlen sizes) through the prefill graph of every runtime.
+  tokens, several batch/seqlen sizes) through the prefill graph of every runtime; each size twice: a
+  fresh sequence (zero past states) and a continued one, whose past states are the reference's own
+  states after the preceding ``past_len`` tokens of the text (so ignored ``past_*`` inputs fail).
 * ``sequence``: prefill a prompt, then ``decode_steps`` decode-graph steps, each runtime feeding its own
   ``present_*`` states back as ``past_*``; the reference's greedy token is fed to all runtimes so every
   step compares like with like, and each runtime's own greedy choice must agree with the reference's
@@ -149,6 +151,7 @@ class CheckReport:
     histogram_note: str = ""
     corpus: str = "Python stdlib sources"
     versions: dict[str, str] = field(default_factory=dict)
+    past_len: int = 0  # prefill sizes are also fed continuing this many reference tokens (0: fresh only)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -167,6 +170,13 @@ class CheckReport:
                 for name, g in self.greedy.items() if not g["passed"]]
         return out
 
+    def continued_note(self) -> str:
+        """How the prefill sizes were fed: fresh only, or fresh and continued after ``past_len`` tokens."""
+        if not self.past_len:
+            return " (zero past states)"
+        return (f", each fresh (zero past states) and continued after {self.past_len} tokens (past states "
+                f"from {self.reference})")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["passed"] = self.passed
@@ -183,7 +193,7 @@ class CheckReport:
                  "- runtimes: " + ", ".join(f"`{r['name']}` ({r['detail']})" for r in self.runners)]
         lines += [f"- {s}" for s in self.skipped]
         lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
-                  + ", ".join(f"{b}x{s}" for b, s in self.shapes)
+                  + ", ".join(f"{b}x{s}" for b, s in self.shapes) + self.continued_note()
                   + f"; sequence: prompt {self.prompt_len} tokens + {self.decode_steps} decode steps",
                   f"- tolerances (elemwise: fails where abs > atol and rel > rtol): atol {_fmt_tol(self.atol)}; "
                   f"rtol {_fmt_tol(self.rtol)}", ""]
@@ -387,7 +397,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
-    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed)
+    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=reference)
     rts, skipped = build_runtimes(outdir, manifest, reference, runtimes=runtimes, require_trt=require_trt)
     if len(rts) < 2:
         raise M2ExportError(f"{outdir}: nothing to compare with the reference (runtimes={list(runtimes)})",
@@ -402,9 +412,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     try:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
             # -------- prefill section: Comparator.run over the data loader (streaming: all runners active)
-            advance = prog(f"prefill: {len(shapes)} inputs x {len(rts)} runtimes", len(shapes))
+            advance = prog(f"prefill: {len(loader)} inputs x {len(rts)} runtimes", len(loader))
             stream = Comparator.run([r.prefill for r in rts], data_loader=loader, streaming=True)
-            labels = [f"{b}x{s}" for b, s in shapes]
+            labels = loader.labels
             prefill_acc = Comparator.compare_accuracy(
                 _tap(stream, advance, hist), comparisons=comparisons,
                 compare_func=compare_func)
@@ -436,8 +446,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         runners=[{"name": r.name, "detail": r.detail} for r in rts], skipped=skipped,
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
-        corpus=str(text) if text else "Python stdlib sources", versions=_versions())
-    script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed)
+        corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len)
+    script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed,
+                                      checkpoint=ck_path, past_len=loader.past_len)
     report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
     report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
     report.write_json(report_dir / REPORT_JSON)
@@ -650,6 +661,9 @@ def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | Non
 # ----------------------------------------------------------------------------------------------- polygraphy CLI
 DATA_LOADER_TEMPLATE = '''"""Polygraphy data loader written by `m2export check`: the prefill feeds it compared.
 
+Every size fresh (zero past states), then continued after PAST_LEN tokens with the PyTorch reference's
+states as past states (the reference checkpoint is loaded to compute them, as `m2export check` did).
+
 Use with: polygraphy run ... --data-loader-script {script}:load_data
 """
 
@@ -658,24 +672,31 @@ try:  # registers the m2export::SSMScan TensorRT plugin where TensorRT is instal
 except ImportError:
     pass
 from m2export.check.data import TokenDataLoader, read_corpus
+from m2export.check.runners import ModelFromCheckpoint
 from m2export.exporter.manifest import read_manifest
 
 OUTDIR = {outdir!r}
 SHAPES = {shapes!r}
 TEXT = {text!r}
 SEED = {seed!r}
+CHECKPOINT = {checkpoint!r}
+PAST_LEN = {past_len!r}
 
 
 def load_data():
     manifest = read_manifest(OUTDIR)
-    yield from TokenDataLoader(manifest.model_config(), manifest.dtype, SHAPES, corpus=read_corpus(TEXT), seed=SEED)
+    reference = ModelFromCheckpoint(CHECKPOINT, expected_sha256=manifest.checkpoint_sha256 or None)
+    yield from TokenDataLoader(manifest.model_config(), manifest.dtype, SHAPES, corpus=read_corpus(TEXT), seed=SEED,
+                               reference=reference, past_len=PAST_LEN)
 '''
 
 
-def write_data_loader_script(path: Path, outdir: Path, shapes, text, seed) -> Path:
+def write_data_loader_script(path: Path, outdir: Path, shapes, text, seed, *, checkpoint: Path,
+                             past_len: int) -> Path:
     path.write_text(DATA_LOADER_TEMPLATE.format(script=path.name, outdir=str(Path(outdir).resolve()),
                                                 shapes=[tuple(s) for s in shapes],
-                                                text=str(Path(text).resolve()) if text else None, seed=seed))
+                                                text=str(Path(text).resolve()) if text else None, seed=seed,
+                                                checkpoint=str(Path(checkpoint).resolve()), past_len=past_len))
     return path
 
 

@@ -1,9 +1,12 @@
-"""Inputs for accuracy checks: real byte-level token sequences with zero past states.
+"""Inputs for accuracy checks: real byte-level token sequences, fresh and continued.
 
 :class:`TokenDataLoader` is a Polygraphy data loader (an iterable of feed dicts, see
 ``polygraphy.comparator.DataLoader``): every feed dict holds ``input_ids`` (batch, seqlen) int64
-taken from a text corpus, plus ``past_conv_state.{i}`` / ``past_ssm_state.{i}`` zeros (a fresh
-sequence), with the names and dtypes of the exported graphs (m2export/exporter/configs.py).
+taken from a text corpus, plus ``past_conv_state.{i}`` / ``past_ssm_state.{i}``, with the names and
+dtypes of the exported graphs (m2export/exporter/configs.py). The past states are zeros (a fresh
+sequence) and, when the loader is given the PyTorch reference, also the reference's own states after
+the text that precedes the window in the corpus (a continued sequence): realistic non-zero states, so
+a prefill graph that ignores its ``past_*`` inputs cannot pass.
 
 The default corpus is the Python standard library's own ``.py`` sources: real, varied text that
 is on every machine, and the domain of the bundled stdlib byte model.
@@ -11,6 +14,7 @@ is on every machine, and the domain of the bundled stdlib byte model.
 
 from __future__ import annotations
 
+import contextlib
 import sysconfig
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -158,7 +162,7 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
 
 
 class TokenDataLoader:
-    """Polygraphy data loader: one feed dict per (batch, seqlen) in ``shapes``, real tokens, zero states.
+    """Polygraphy data loader: real tokens per (batch, seqlen) in ``shapes``, fresh and (optionally) continued.
 
     Args:
         cfg: the model configuration (state shapes, vocabulary size).
@@ -166,24 +170,77 @@ class TokenDataLoader:
         shapes: (batch, seqlen) per feed dict.
         corpus: text bytes to cut windows from (default :func:`stdlib_corpus`).
         seed: window offsets; the same seed gives the same feeds.
+        reference: the PyTorch reference (what :class:`~m2export.check.runners.TorchRunner` accepts, e.g. a
+            :class:`~m2export.check.runners.ModelFromCheckpoint`). When given, every shape is fed twice: first
+            fresh (zero past states), then continuing a sequence: a window of ``past_len + seqlen`` tokens is
+            cut from the corpus, the reference prefills its first ``past_len`` tokens from zero states, and
+            the feed is the last ``seqlen`` tokens with the reference's ``present_*`` states as ``past_*``
+            (conv states rounded to the export dtype, as a runtime feeding its own states back would get).
+        past_len: tokens before a continued window (default :func:`default_past_len`).
 
     Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
     shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
+    :attr:`labels` names each feed ("2x17"; "2x17 after 19" for a continued one).
     """
 
     def __init__(self, cfg: Mamba2Config, dtype: str, shapes: Sequence[tuple[int, int]], *,
-                 corpus: bytes | None = None, seed: int = 0):
+                 corpus: bytes | None = None, seed: int = 0, reference=None, past_len: int | None = None):
         self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
         self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
         feed_dtype(dtype)  # KeyError-free check of the dtype name
+        self.reference = reference
+        self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
+        if self.past_len < 1:
+            raise M2ExportError(f"past_len {self.past_len}: expected >= 1")
+
+    @property
+    def labels(self) -> list[str]:
+        """One label per feed dict, in iteration order."""
+        out = []
+        for b, s in self.shapes:
+            out.append(f"{b}x{s}")
+            if self.reference is not None:
+                out.append(f"{b}x{s} after {self.past_len}")
+        return out
 
     def __len__(self) -> int:
-        return len(self.shapes)
+        return len(self.shapes) * (1 if self.reference is None else 2)
 
     def __iter__(self) -> Iterator["OrderedDict[str, np.ndarray]"]:
         rng = np.random.default_rng(self.seed)
-        for batch, seqlen in self.shapes:
-            feed: OrderedDict[str, np.ndarray] = OrderedDict(
-                input_ids=token_windows(self.tokens, batch, seqlen, rng))
-            feed.update(zero_states(self.cfg, batch, self.dtype))
-            yield feed
+        cont_rng = np.random.default_rng([self.seed, 1])  # continued windows: their own stream
+        with contextlib.ExitStack() as stack:
+            ref = None
+            if self.reference is not None:
+                from m2export.check.runners import TorchRunner
+
+                ref = stack.enter_context(TorchRunner(self.reference, role="prefill", dtype=self.dtype,
+                                                      name="torch:past-states"))
+            for batch, seqlen in self.shapes:
+                feed: OrderedDict[str, np.ndarray] = OrderedDict(
+                    input_ids=token_windows(self.tokens, batch, seqlen, rng))
+                feed.update(zero_states(self.cfg, batch, self.dtype))
+                yield feed
+                if ref is not None:
+                    yield continued_feed(ref, self.cfg, self.dtype,
+                                         token_windows(self.tokens, batch, self.past_len + seqlen, cont_rng),
+                                         self.past_len)
+
+
+def default_past_len(cfg: Mamba2Config) -> int:
+    """Tokens the reference reads before a continued window: one chunk + 3, so its states come out of
+    a chunk boundary and a partial chunk."""
+    return cfg.chunk_size + 3
+
+
+def continued_feed(reference_runner, cfg: Mamba2Config, dtype: str, window: np.ndarray,
+                   past_len: int) -> "OrderedDict[str, np.ndarray]":
+    """Feed dict for ``window[:, past_len:]`` continuing ``window[:, :past_len]``: the past states are what
+    the (active) reference prefill runner returns for the first ``past_len`` tokens from zero states."""
+    pre = OrderedDict(input_ids=np.ascontiguousarray(window[:, :past_len]))
+    pre.update(zero_states(cfg, window.shape[0], dtype))
+    out = reference_runner.infer(pre)
+    feed: OrderedDict[str, np.ndarray] = OrderedDict(input_ids=np.ascontiguousarray(window[:, past_len:]))
+    for name in zero_states(cfg, window.shape[0], dtype):
+        feed[name] = np.array(out[name.replace("past_", "present_", 1)], copy=True)
+    return feed

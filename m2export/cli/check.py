@@ -8,9 +8,12 @@ in OUTDIR) and TensorRT (the engines, when built and TensorRT is installed; othe
 and compare every output with Polygraphy (Comparator.compare_accuracy, per-output atol/rtol).
 
 Inputs are real byte-level token sequences (--text FILE, default: the Python stdlib's own sources) at
-several batch x seqlen sizes with zero past states (a fresh sequence), plus a sequence check: a prompt
-through the prefill graph, then --decode-steps steps through the decode graph with each runtime feeding
-its own states back; greedy tokens must agree with the reference (numerical ties excepted).
+several batch x seqlen sizes, each fed twice to the prefill graph: as a fresh sequence (zero past
+states) and as a continued one, whose past_conv_state/past_ssm_state inputs are the PyTorch reference's
+own states after the chunk_size + 3 tokens that precede the window in the text (every runtime gets the
+same feeds; a graph that ignores its past states fails). Then a sequence check: a prompt through the
+prefill graph, then --decode-steps steps through the decode graph with each runtime feeding its own
+states back; greedy tokens must agree with the reference (numerical ties excepted).
 
 An element fails when its absolute error > atol AND its relative error > rtol. Defaults by export
 dtype: fp32 atol 1e-4 rtol 1e-3; fp16 atol 5e-2 rtol 1e-2. Override with --atol/--rtol VALUE (the
@@ -111,7 +114,7 @@ def _print_report(report, report_dir, groups, json_name, md_name) -> None:
     for s in report.skipped:
         con.print(s, markup=False)
     con.print("inputs: " + report.corpus + "; prefill " + ", ".join(f"{b}x{s}" for b, s in report.shapes)
-              + (f"; sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps"
+              + report.continued_note() + (f"; sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps"
                  if report.decode_steps else ""), markup=False)
     for section in dict.fromkeys(g["section"] for g in groups):
         t = Table(title=f"{section}: runtime vs {report.reference}", title_justify="left")

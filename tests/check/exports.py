@@ -81,3 +81,24 @@ def scale_initializer(onnx_path: Path, name: str, factor: float) -> None:
     else:
         raise KeyError(f"{onnx_path.name}: no initializer {name!r}")
     onnx.save(m, str(onnx_path))
+
+
+def zero_graph_input(onnx_path: Path, input_name: str, op_type: str) -> int:
+    """Make the graph ignore input ``input_name``: its ``op_type`` consumers read ``Sub(x, x)`` (zeros of the
+    same shape and dtype) instead. Returns how many node inputs were rewired."""
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(str(onnx_path))
+    zeros = f"{input_name}__zeroed"
+    n = 0
+    for node in m.graph.node:
+        if node.op_type == op_type:
+            for k, x in enumerate(node.input):
+                if x == input_name:
+                    node.input[k] = zeros
+                    n += 1
+    if n:
+        m.graph.node.insert(0, helper.make_node("Sub", [input_name, input_name], [zeros], name=zeros))
+    onnx.save(m, str(onnx_path))
+    return n

@@ -13,7 +13,7 @@ import pytest
 from m2export.check.compare import REPORT_JSON, REPORT_MD, run_check
 from m2export.errors import BackendUnavailable, CheckpointError, ExportError
 from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
-from tests.check.exports import copy_export, scale_initializer, set_ssm_scan_attribute
+from tests.check.exports import copy_export, scale_initializer, set_ssm_scan_attribute, zero_graph_input
 
 QUICK = dict(shapes=[(1, 5), (2, 17)], decode_steps=3)  # partial chunk and chunk + 1 (chunk_size 16)
 
@@ -30,7 +30,8 @@ def test_check_passes_both_flavours(passing_report, tiny_out):
     names = [r["name"] for r in report.runners]
     assert names == ["torch", "onnxrt:model.onnx+decode.onnx", "onnxrt:model.std.onnx+decode.std.onnx"]
     outputs = ["logits", "present_conv_state.0", "present_ssm_state.0", "present_conv_state.1", "present_ssm_state.1"]
-    for section, iters in (("prefill", 5), ("sequence", 9)):  # default sizes; prefill + 8 decode steps
+    # 5 default sizes, each fresh and continued; sequence: prefill + 8 decode steps
+    for section, iters in (("prefill", 10), ("sequence", 9)):
         for runner in names[1:]:
             rows = [r for r in report.rows if r.section == section and r.runner.split("+")[0] == runner.split("+")[0]]
             assert [r.output for r in rows] == outputs
@@ -55,6 +56,32 @@ def test_polygraphy_commands_run(passing_report):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "PASSED" in r.stdout
 
+
+
+def test_data_loader_script_feeds_continued_states(passing_report, tiny_out, tiny_ck):
+    """check_data_loader.py (what the printed `polygraphy run` commands use) yields the very feeds the check
+    compared: every size fresh, then continued with the reference's non-zero states."""
+    import importlib.util
+
+    import numpy as np
+
+    from m2export.check.data import TokenDataLoader
+    from m2export.check.runners import ModelFromCheckpoint
+
+    report, rep = passing_report
+    spec = importlib.util.spec_from_file_location("check_data_loader", rep / "check_data_loader.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    feeds = list(mod.load_data())
+    m = read_manifest(tiny_out)
+    ours = list(TokenDataLoader(m.model_config(), m.dtype, [tuple(s) for s in report.shapes],
+                                reference=ModelFromCheckpoint(tiny_ck), past_len=report.past_len))
+    assert len(feeds) == len(ours) == 2 * len(report.shapes) and report.past_len > 0
+    for a, b in zip(feeds, ours):
+        assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert all(f["past_ssm_state.0"].any() and f["past_conv_state.1"].any() for f in feeds[1::2])
+    assert not any(f["past_ssm_state.0"].any() for f in feeds[::2])
+    assert "continued after" in (rep / REPORT_MD).read_text()
 
 def test_tampered_ssm_scan_attribute_fails(tiny_out, tmp_path):
     """dt_softplus=0 on the SSMScan nodes of model.onnx: that flavour fails, the untouched one passes."""
@@ -173,3 +200,25 @@ def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):
     set_ssm_scan_attribute(out / "model.onnx", "dt_softplus", 0)
     bad = run_check(out, **QUICK)
     assert not bad.passed and any("onnx-reference:model.onnx: present_ssm_state.0" in f for f in bad.failures())
+
+
+@pytest.mark.parametrize("graph,state,op_type", [("model.onnx", "past_ssm_state", "SSMScan"),
+                                                  ("model.std.onnx", "past_ssm_state", "Reshape"),
+                                                  ("model.onnx", "past_conv_state", "Concat")])
+def test_prefill_graph_ignoring_past_states_fails(tiny_out, tmp_path, graph, state, op_type):
+    """A prefill graph that ignores its past states (SSMScan's initial_state or the conv's past inputs
+    replaced by zeros) must fail: the prefill section also continues sequences, with the reference's
+    states after a preceding text chunk as past states."""
+    out = copy_export(tiny_out, tmp_path / "t")
+    assert zero_graph_input(out / graph, f"{state}.0", op_type) == 1
+    assert zero_graph_input(out / graph, f"{state}.1", op_type) == 1
+    report = run_check(out, shapes=[(1, 5), (2, 17)], decode_steps=0)
+    assert not report.passed
+    bad = {(r.runner, r.output) for r in report.rows if not r.passed}
+    runner = f"onnxrt:{graph}"
+    assert {(runner, "logits"), (runner, "present_ssm_state.0"), (runner, "present_ssm_state.1")} <= bad
+    if state == "past_conv_state":
+        assert (runner, "present_conv_state.1") in bad  # layer 1's conv inputs come out of the wrong layer 0
+    assert all(r.runner == runner for r in report.rows if not r.passed)
+    failed = {it for r in report.rows if not r.passed for it in r.failed_iterations}
+    assert failed and all("after" in it for it in failed)  # fresh sequences (zero past states) still pass

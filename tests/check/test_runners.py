@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from m2export.check.compare import parse_tolerances
-from m2export.check.data import TokenDataLoader, default_shapes, parse_shapes, stdlib_corpus
+from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, parse_shapes, stdlib_corpus,
+                                 token_windows)
 from m2export.check.runners import ModelFromCheckpoint, TorchRunner
 from m2export.errors import CheckpointError, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
@@ -74,6 +75,48 @@ def test_data_loader_real_tokens_deterministic(tiny_ck):
         assert fa["past_conv_state.1"].shape == (bs, cfg.conv_dim, cfg.d_conv - 1)
     assert b"def " in corpus and len(corpus) > 100_000
 
+
+
+def test_data_loader_continued_feeds_carry_reference_states(tiny_ck):
+    """With the reference, every size is fed fresh and then continued: the continued feed's past states are
+    the reference's states after the preceding tokens (non-zero), so prefill(past) + prefill(feed) reproduces
+    one prefill over the whole window."""
+    ck = load_checkpoint(tiny_ck)
+    cfg = ck.config
+    shapes = [(1, 5), (2, 17)]
+    loader = TokenDataLoader(cfg, "fp32", shapes, seed=4, reference=ck)
+    feeds = list(loader)
+    assert len(loader) == len(feeds) == 4 and loader.past_len == cfg.chunk_size + 3
+    assert loader.labels == ["1x5", "1x5 after 19", "2x17", "2x17 after 19"]
+    fresh = list(TokenDataLoader(cfg, "fp32", shapes, seed=4))  # the fresh feeds are unchanged
+    for a, b in zip(feeds[::2], fresh):
+        assert all(np.array_equal(a[k], b[k]) for k in b)
+    corpus = stdlib_corpus()
+    for feed, (bs, s) in zip(feeds[1::2], shapes):
+        assert list(feed) == list(Mamba2OnnxConfig(cfg).inputs(decode=False))
+        assert feed["input_ids"].shape == (bs, s)
+        for i in range(cfg.n_layer):
+            assert np.all(np.abs(feed[f"past_ssm_state.{i}"]).max(axis=(1, 2, 3)) > 1e-3)
+            assert np.all(np.abs(feed[f"past_conv_state.{i}"]).max(axis=(1, 2)) > 1e-3)
+            assert feed[f"past_conv_state.{i}"].dtype == np.float32
+        assert bytes(feed["input_ids"][0].astype(np.uint8)) in corpus
+    # the states are the reference's: continuing from them == one prefill over prefix + window
+    feed = feeds[3]
+    n = cfg.n_layer
+    with torch.no_grad():
+        cont = ck.model(torch.from_numpy(feed["input_ids"]),
+                        [torch.from_numpy(feed[f"past_conv_state.{i}"]) for i in range(n)],
+                        [torch.from_numpy(feed[f"past_ssm_state.{i}"]) for i in range(n)])
+    prefix_len = loader.past_len
+    rng = np.random.default_rng([4, 1])  # the continued windows' stream (see TokenDataLoader.__iter__)
+    toks = byte_tokens(stdlib_corpus(), cfg.vocab_size)
+    token_windows(toks, 1, prefix_len + 5, rng)
+    whole = token_windows(toks, 2, prefix_len + 17, rng)
+    np.testing.assert_array_equal(whole[:, prefix_len:], feed["input_ids"])
+    with torch.no_grad():
+        full = ck.model(torch.from_numpy(whole))
+    np.testing.assert_allclose(cont.logits.numpy(), full.logits[:, prefix_len:].numpy(), atol=1e-4)
+    np.testing.assert_allclose(cont.ssm_states[1].numpy(), full.ssm_states[1].numpy(), atol=1e-4)
 
 def test_parse_shapes_and_tolerances():
     assert parse_shapes("1x1, 2X64") == [(1, 1), (2, 64)]

@@ -8,7 +8,7 @@ import pytest
 
 from m2export.cli.main import main
 from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
-from tests.check.exports import copy_export, set_ssm_scan_attribute
+from tests.check.exports import copy_export, set_ssm_scan_attribute, zero_graph_input
 
 QUICK = ["--shapes", "1x5,2x17", "--decode-steps", "2"]
 
@@ -44,6 +44,24 @@ def test_check_tampered_exit_3(tiny_out, tmp_path, capsys):
     first = err.strip().splitlines()[0]
     assert first.startswith("error: accuracy check failed:") and "onnxrt:model.onnx: present_ssm_state.0" in first
     assert "hint:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("state,op_type", [("past_ssm_state", "SSMScan"), ("past_conv_state", "Concat")])
+def test_check_prefill_ignoring_past_states_exit_3(tiny_out, tmp_path, capsys, state, op_type):
+    """SSMScan's initial_state (or the conv's past inputs) replaced by zeros in model.onnx: a graph that is
+    right only for fresh sequences. The check feeds continued sequences too, so it fails (exit 3), naming
+    the outputs."""
+    out_dir = copy_export(tiny_out, tmp_path / "t")
+    for i in range(2):
+        assert zero_graph_input(out_dir / "model.onnx", f"{state}.{i}", op_type) == 1
+    rc = main(["check", str(out_dir), "-q", "--shapes", "1x5,2x17", "--decode-steps", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 3, err
+    assert out.strip().startswith("FAILED | m2export check")
+    first = err.strip().splitlines()[0]
+    assert first.startswith("error: accuracy check failed:") and "prefill onnxrt:model.onnx: logits" in first
+    assert "present_ssm_state.1" in (out_dir / "check_report.md").read_text()
+    assert "model.std.onnx" not in first and "Traceback" not in err
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "file_not_dir", "no_manifest", "missing_graph", "bad_tol",
