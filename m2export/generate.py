@@ -184,6 +184,21 @@ def sample_next(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.r
     return int(rng.choice(len(p), p=p))
 
 
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, *, flag: str | None = None) -> None:
+    """Every prompt token id must be in ``[0, vocab_size)``.
+
+    Raises:
+        M2ExportError: an empty prompt, or ids outside the vocabulary (the first few named).
+    """
+    if not ids:
+        raise M2ExportError("empty prompt: give at least one token", hint="pass --prompt TEXT or --prompt-ids 1,2,3")
+    bad = [int(i) for i in ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise M2ExportError(f"{flag + ': ' if flag else ''}token id(s) {', '.join(map(str, bad[:5]))}"
+                            f"{' ...' if len(bad) > 5 else ''} outside the vocabulary: ids must be in [0, {vocab_size})",
+                            hint=f"the model has {vocab_size} tokens" + (" (bytes 0..255)" if vocab_size == 256 else ""))
+
+
 def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "ort", max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, ssm_impl: str | None = None,
              session: _Session | None = None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
@@ -205,14 +220,16 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
     """
     if max_new_tokens < 0:
         raise M2ExportError(f"--max-new-tokens {max_new_tokens}: expected >= 0")
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise M2ExportError(f"--temperature {temperature}: expected a finite number >= 0 (0 is greedy)")
+    if top_k < 0:
+        raise M2ExportError(f"--top-k {top_k}: expected >= 0 (0: all tokens)")
+    if seed < 0:
+        raise M2ExportError(f"--seed {seed}: expected >= 0")
     s = session or open_runtime(source, runtime, ssm_impl=ssm_impl)
     cfg = s.cfg
     ids = [int(i) for i in prompt_ids]
-    if not ids:
-        raise M2ExportError("empty prompt: give at least one token", hint="pass --prompt TEXT or --prompt-ids 1,2,3")
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise M2ExportError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
+    check_prompt_ids(ids, cfg.vocab_size)
     from m2export.check.data import zero_states
 
     rng = np.random.default_rng(seed)

@@ -46,17 +46,29 @@ def _dims(type_proto) -> list[Any]:
     return [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?") for d in t.shape.dim]
 
 
+def load_onnx_structure(path: str | Path):
+    """``onnx.load`` of the graph without its external data (structure only).
+
+    Raises:
+        ExportError: the file cannot be read or is not an ONNX model (protobuf DecodeError and friends).
+    """
+    import onnx
+
+    p = Path(path)
+    try:
+        return onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
+                          hint="re-export with 'm2export export ... --force'") from None
+
+
 def describe_onnx(path: str | Path) -> dict[str, Any]:
     """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan nodes with attributes, local functions."""
     import onnx
     from onnx import helper
 
     p = Path(path)
-    try:
-        m = onnx.load(str(p), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError and friends
-        raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
-                          hint="re-export with 'm2export export ... --force'") from None
+    m = load_onnx_structure(p)
 
     def io(vs):
         return [{"name": v.name, "dtype": helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name

@@ -376,12 +376,15 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     from polygraphy.exception import PolygraphyException
     from polygraphy.logger import G_LOGGER
 
+    for flag, value, low in (("--decode-steps", decode_steps, 0), ("--prompt-len", prompt_len, 1),
+                             ("--max-seq-len", max_seqlen, 1), ("--seed", seed, 0)):
+        if value is not None and value < low:
+            raise M2ExportError(f"{flag} {value}: expected an integer >= {low}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
     cfg = manifest.model_config()
     dtype = manifest.dtype
-    report_dir = Path(report_dir) if report_dir else outdir
-    report_dir.mkdir(parents=True, exist_ok=True)
+    report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
 
     ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
     if not ck_path.exists():
@@ -422,9 +425,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
-            plen = prompt_len or min(max_seqlen, cfg.chunk_size // 2 + 5)
+            plen = prompt_len if prompt_len is not None else min(max_seqlen, cfg.chunk_size // 2 + 5)
             prof = _engine_shapes(manifest)
-            if prof and not prompt_len:  # keep the prompt inside the prefill engine's profile
+            if prof and prompt_len is None:  # keep the prompt inside the prefill engine's profile
                 plen = min(max(plen, min(s for _, s in prof)), max(s for _, s in prof))
             if decode_steps > 0 and all(r.decode is not None for r in rts):
                 advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
@@ -447,13 +450,39 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len)
-    script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed,
-                                      checkpoint=ck_path, past_len=loader.past_len)
-    report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
-    report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
-    report.write_json(report_dir / REPORT_JSON)
-    (report_dir / REPORT_MD).write_text(report.to_markdown())
+    try:
+        script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed,
+                                          checkpoint=ck_path, past_len=loader.past_len)
+        report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
+        report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
+        report.write_json(report_dir / REPORT_JSON)
+        (report_dir / REPORT_MD).write_text(report.to_markdown())
+    except OSError as e:
+        raise M2ExportError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
+                            hint="pass a writable folder with --report-dir DIR") from None
     return report
+
+
+def _writable_report_dir(path: Path, *, explicit: bool) -> Path:
+    """``path``, created if needed, after proving a file can be written there (before the long run).
+
+    Raises:
+        M2ExportError: it cannot be created or written (exit 1), with the OS's reason.
+    """
+    import tempfile
+
+    what = f"--report-dir {path}" if explicit else f"{path}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if isinstance(e, FileExistsError) or (path.exists() and not path.is_dir()):
+            reason = "a file, not a folder"
+        raise M2ExportError(f"{what}: cannot write the check reports there ({reason})",
+                            hint="pass a writable folder with --report-dir DIR") from None
+    return path
 
 
 HIST_SAMPLES = 100_000  # per output and iteration: the histogram needs a sample, not every logit

@@ -16,6 +16,10 @@ plugin modes:
   aot  the cuTile kernel is compiled to PTX for this GPU and embedded in the engine: any TensorRT runtime
        (trtexec, C++) runs it, no Python and no plugin library needed
 
+exit codes: 0 engines written; 1 a bad path, argument or graph (a missing or unreadable .onnx), or a
+failed build; 4 TensorRT is not installed (checked before any graph is read), no CUDA GPU, or the
+SSMScan plugin cannot be registered.
+
 examples:
   m2export build out/m2-130m
   m2export build out/m2-130m --plugin aot --max-batch 16 --max-seq 4096
@@ -50,7 +54,8 @@ def run(args) -> int:
     import logging
 
     from m2export.errors import M2ExportError
-    from m2export.trt.build import ShapeRange, build_engines, parse_size
+    from m2export.inspect import load_onnx_structure
+    from m2export.trt.build import ShapeRange, build_engines, parse_size, require_tensorrt, resolve_targets
 
     isa = None
     if args.aot_ptx_isa:
@@ -60,13 +65,18 @@ def run(args) -> int:
             raise M2ExportError(f"--aot-ptx-isa: expected MAJOR.MINOR such as 9.0, got {args.aot_ptx_isa!r}") from None
         isa = (major, minor)
     cache = False if args.no_timing_cache else (args.timing_cache or True)
-    result = build_engines(
-        args.path, plugin=args.plugin,
-        batch=ShapeRange(args.min_batch, args.opt_batch, args.max_batch),
-        seq=ShapeRange(args.min_seq, args.opt_seq, args.max_seq),
-        roles=("prefill", "decode") if args.role == "both" else (args.role,),
-        workspace=parse_size(args.workspace) if args.workspace else None, opt_level=args.opt_level,
-        timing_cache=cache, aot_ptx_isa=isa)
+    roles = ("prefill", "decode") if args.role == "both" else (args.role,)
+    batch = ShapeRange(args.min_batch, args.opt_batch, args.max_batch)
+    seq = ShapeRange(args.min_seq, args.opt_seq, args.max_seq)
+    workspace = parse_size(args.workspace) if args.workspace else None
+    # order of the errors: the path (exit 1), then TensorRT (exit 4) before any graph is parsed, then the
+    # graphs themselves (exit 1: a corrupt .onnx is a clean error, not a protobuf traceback)
+    _, _, targets = resolve_targets(args.path, roles)
+    require_tensorrt()
+    for t in targets:
+        load_onnx_structure(t.onnx)
+    result = build_engines(args.path, plugin=args.plugin, batch=batch, seq=seq, roles=roles, workspace=workspace,
+                           opt_level=args.opt_level, timing_cache=cache, aot_ptx_isa=isa)
     log = logging.getLogger("m2export")
     for e in result.engines:
         log.info("%s: %s engine, TensorRT %s, %s (sm %s), plugin %s", e.file, e.role, e.tensorrt_version, e.gpu,

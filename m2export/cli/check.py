@@ -40,6 +40,8 @@ examples:
 
 
 def add_arguments(p):
+    from m2export.cli.argtypes import non_negative_int, positive_int
+
     g = p.add_argument_group("Required arguments")
     g.add_argument("outdir", metavar="OUTDIR", help="folder written by 'm2export export' (m2export.json + graphs)")
     g = p.add_argument_group("Reference and runtimes")
@@ -54,12 +56,13 @@ def add_arguments(p):
     g.add_argument("--shapes", metavar="BxS,...",
                    help="prefill batch x seqlen sizes, e.g. 1x1,2x64 (default: engine profile min/opt/max, else "
                         "1 token, a partial chunk, one chunk, one chunk + 1, two chunks + 3)")
-    g.add_argument("--max-seq-len", type=int, default=512, metavar="N", help="cap on the default sizes (default: %(default)s)")
-    g.add_argument("--decode-steps", type=int, default=8, metavar="N",
+    g.add_argument("--max-seq-len", type=positive_int, default=512, metavar="N", help="cap on the default sizes (default: %(default)s)")
+    g.add_argument("--decode-steps", type=non_negative_int, default=8, metavar="N",
                    help="decode steps in the sequence check; 0 skips it (default: %(default)s)")
-    g.add_argument("--prompt-len", type=int, default=None, metavar="N", help="prompt length of the sequence check "
+    g.add_argument("--prompt-len", type=positive_int, default=None, metavar="N", help="prompt length of the sequence check "
                    "(default: chunk_size // 2 + 5)")
-    g.add_argument("--seed", type=int, default=0, metavar="N", help="where the windows are cut from the corpus")
+    g.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                   help="where the windows are cut from the corpus (default: %(default)s)")
     g = p.add_argument_group("Tolerances")
     g.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance(s)")
     g.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance(s)")
@@ -73,12 +76,10 @@ def run(args) -> int:
     from m2export.check.compare import REPORT_JSON, REPORT_MD, RUNTIMES, group_rows, run_check
     from m2export.check.console import progress_bars, quiet_polygraphy
     from m2export.check.data import parse_shapes
-    from m2export.errors import M2ExportError, ToleranceError
+    from m2export.errors import ToleranceError
 
     t0 = time.perf_counter()
     quiet_polygraphy(args.verbose)
-    if args.decode_steps < 0:
-        raise M2ExportError(f"--decode-steps {args.decode_steps}: expected >= 0")
     shapes = parse_shapes(args.shapes) if args.shapes else None
     runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
     with progress_bars(not args.quiet) as prog:

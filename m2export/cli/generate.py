@@ -27,12 +27,15 @@ examples:
 
 
 def add_arguments(p):
+    from m2export.cli.argtypes import non_negative_float, non_negative_int
+
     g = p.add_argument_group("Required arguments")
     g.add_argument("source", metavar="SOURCE", help="export OUTDIR (or a checkpoint, with --runtime torch)")
     g = p.add_argument_group("Prompt")
     x = g.add_mutually_exclusive_group(required=True)
     x.add_argument("--prompt", metavar="TEXT", help="prompt text")
-    x.add_argument("--prompt-ids", metavar="ID,ID,...", help="prompt as comma-separated token ids")
+    x.add_argument("--prompt-ids", metavar="ID,ID,...",
+                   help="prompt as comma-separated token ids, each in [0, vocab_size)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
     g = p.add_argument_group("Runtime")
     g.add_argument("--runtime", choices=["torch", "ort", "onnx-reference", "trt"], default=None,
@@ -41,10 +44,12 @@ def add_arguments(p):
     g.add_argument("--ssm-impl", choices=["plugin", "onnx"], default=None,
                    help="ort: which graph flavour (default: the primary model.onnx/decode.onnx)")
     g = p.add_argument_group("Decoding")
-    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k largest logits; 0 = all")
-    g.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=non_negative_int, default=64, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                   help="0 = greedy, > 0 samples (default: %(default)s)")
+    g.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                   help="sample among the k largest logits; 0 = all (default: %(default)s)")
+    g.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
     g.add_argument("--ids", action="store_true", help="also print the new token ids")
 
 
@@ -56,7 +61,7 @@ def run(args) -> int:
     from m2export.check.console import quiet_polygraphy
     from m2export.errors import M2ExportError
     from m2export.exporter.configs import MANIFEST_FILE
-    from m2export.generate import ByteTokenizer, choose_tokenizer, generate, open_runtime
+    from m2export.generate import ByteTokenizer, check_prompt_ids, choose_tokenizer, generate, open_runtime
 
     quiet_polygraphy(args.verbose)
     src = Path(args.source)
@@ -73,6 +78,7 @@ def run(args) -> int:
     else:
         tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
         ids = tok.encode(args.prompt)
+    check_prompt_ids(ids, session.cfg.vocab_size, flag="--prompt-ids" if args.prompt_ids is not None else None)
     on_token = None
     if isinstance(tok, ByteTokenizer):  # stream bytes as they come, decoding UTF-8 incrementally
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")

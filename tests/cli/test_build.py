@@ -88,6 +88,32 @@ def test_build_without_tensorrt_exits_4_with_hint_and_writes_nothing(tmp_path, c
     assert rc == 4 and _listing(tmp_path) == before
 
 
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_build_corrupt_onnx_without_tensorrt_exits_4(tmp_path, capsys):
+    """Without TensorRT nothing is parsed: a corrupt model.onnx still gives exit 4 'TensorRT is not installed'
+    (was: protobuf DecodeError, exit 70)."""
+    out = make_outdir(tmp_path)
+    (out / "model.onnx").write_bytes(b"garbage")
+    rc = main(["build", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    assert err.startswith("error: TensorRT is not installed") and "Traceback" not in err
+
+
+def test_build_corrupt_onnx_with_tensorrt_is_a_clean_error(tmp_path, capsys, monkeypatch):
+    """With TensorRT (stood in for here: the graphs are read before it is used), a corrupt model.onnx is one
+    error line naming the file (exit 1), as in 'm2export inspect'; nothing is written."""
+    out = make_outdir(tmp_path)
+    (out / "model.onnx").write_bytes(b"garbage")
+    before = _listing(tmp_path)
+    monkeypatch.setattr(B, "require_tensorrt", lambda: None)
+    monkeypatch.setattr(B, "build_engines", lambda *a, **k: pytest.fail("build_engines reached"))
+    rc = main(["build", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.startswith(f"error: {out / 'model.onnx'}: not a readable ONNX model (DecodeError")
+    assert "hint: " in err and "Traceback" not in err and _listing(tmp_path) == before
+
 def test_build_bad_paths(tmp_path, capsys):
     assert main(["build", str(tmp_path / "missing")]) == 1
     assert "no such file or directory" in capsys.readouterr().err

@@ -105,3 +105,29 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
     assert lines[0].startswith("error: ") and msg in lines[0], err
     assert lines[1].startswith("hint: ") or case == "bad_tol"
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,msg", [(["--prompt-len", "-3"], "argument --prompt-len: -3: expected an integer >= 1"),
+                                      (["--prompt-len", "0"], "argument --prompt-len: 0: expected an integer >= 1"),
+                                      (["--max-seq-len", "0"], "argument --max-seq-len: 0: expected an integer >= 1"),
+                                      (["--decode-steps", "-1"], "argument --decode-steps: -1: expected an integer >= 0"),
+                                      (["--seed", "-1"], "argument --seed: -1: expected an integer >= 0")])
+def test_check_bad_numbers_are_usage_errors(tiny_out, capsys, args, msg):
+    """Out-of-range numbers are argparse errors (exit 2, one line), not a conv1d RuntimeError (exit 70)."""
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tiny_out), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["proc", "file", "under_file"])
+def test_check_unwritable_report_dir(tiny_out, tmp_path, capsys, where):
+    """--report-dir that cannot be created or written: exit 1 with one line, before the comparison runs."""
+    (tmp_path / "f").write_text("")
+    target = {"proc": "/proc/m2export-nope", "file": str(tmp_path / "f"), "under_file": str(tmp_path / "f" / "d")}
+    rc = main(["check", str(tiny_out), "--report-dir", target[where], *QUICK])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 1, err
+    assert lines[0].startswith(f"error: --report-dir {target[where]}: cannot write the check reports there (")
+    assert lines[1].startswith("hint: ") and "Traceback" not in err and "PASSED" not in out

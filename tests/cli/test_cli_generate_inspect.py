@@ -126,3 +126,36 @@ def test_inspect_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error: ") and msg in err.splitlines()[0], err
     assert "hint: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("ids,bad", [("300,5", "300"), ("-1", "-1"), ("5,256,-7", "256, -7")])
+def test_generate_prompt_ids_outside_vocab(tiny_out, capsys, ids, bad):
+    """Ids are checked against the vocabulary before anything is decoded or streamed (was: ValueError from
+    bytes(), exit 70)."""
+    rc = main(["generate", str(tiny_out), "--prompt-ids", ids, "--max-new-tokens", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 1, err
+    assert err.splitlines()[0] == f"error: --prompt-ids: token id(s) {bad} outside the vocabulary: ids must be in [0, 256)"
+    assert out == "" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,msg", [(["--temperature", "-1"], "argument --temperature: -1: expected a finite number >= 0"),
+                                      (["--temperature", "nan"], "argument --temperature: nan: expected a finite number"),
+                                      (["--top-k", "-5"], "argument --top-k: -5: expected an integer >= 0"),
+                                      (["--seed", "-1"], "argument --seed: -1: expected an integer >= 0"),
+                                      (["--max-new-tokens", "-2"], "argument --max-new-tokens: -2: expected an integer")])
+def test_generate_bad_sampling_numbers_are_usage_errors(tiny_out, capsys, args, msg):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(tiny_out), "--prompt", "x", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_generate_library_rejects_bad_sampling(tiny_out):
+    from m2export.errors import M2ExportError
+    from m2export.generate import generate
+
+    for kw, msg in ((dict(temperature=-1.0), "--temperature -1.0"), (dict(top_k=-5), "--top-k -5"),
+                    (dict(seed=-1), "--seed -1")):
+        with pytest.raises(M2ExportError, match=msg):
+            generate(tiny_out, [1, 2], max_new_tokens=1, **kw)
