@@ -17,7 +17,8 @@
 Design of the body (every step in float32, Cast islands at entry/exit for fp16/bf16 graphs):
 
 1. ``delta = clamp(where(v > 20, v, log(1 + exp(min(v, 20)))), dt_min, dt_max)``, ``v = dt + dt_bias``
-   (ONNX ``Softplus`` has no large-input passthrough and overflows in fp16).
+   (ONNX ``Softplus`` has no large-input passthrough and overflows in fp16); with ``dt_softplus=0``
+   ``delta = clamp(v, dt_min, dt_max)``.
 2. Chunk length ``Q = min(chunk_size, seqlen)`` (evaluation order only, see the contract), ``seqlen``
    padded to ``nchunks * Q`` with ``delta = 0`` on padded steps (they neither decay nor add).
 3. Within-chunk cumulative sum of ``delta * A`` as a MatMul with a lower-triangular 0/1 matrix built
@@ -77,8 +78,7 @@ def ssm_scan_fn(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chu
         dt_bias = x.new_zeros(nheads, dtype=torch.float32)
     if initial_state is None:
         initial_state = x.new_zeros((x.shape[0], nheads, x.shape[3], B.shape[3]), dtype=torch.float32)
-    attrs = SSMScanAttrs(chunk_size=int(chunk_size), dt_softplus=bool(dt_softplus),
-                         dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]))
+    attrs = SSMScanAttrs.make(chunk_size=int(chunk_size), dt_softplus=dt_softplus, dt_limit=dt_limit)
     return torch.ops.m2export.ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, attrs.chunk_size,
                                        attrs.dt_softplus, attrs.dt_min, attrs.dt_max)
 
@@ -193,9 +193,8 @@ def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
     use_sp = b.op("Cast", b.ref_constant("value_int", "dt_softplus"), to=TensorProto.BOOL)
     v = b.op("Where", use_sp, sp, v)
     dmin, dmax = b.ref_constant("value_float", "dt_min"), b.ref_constant("value_float", "dt_max")
-    # the reference clamps only when a limit is set (matters only for dt_softplus=0 with dt + dt_bias < 0)
-    limited = b.op("Or", b.op("Greater", dmin, zero_f), b.op("Less", dmax, b.const(np.inf, np.float32)))
-    delta = b.op("Where", limited, b.op("Min", b.op("Max", v, dmin), dmax), v)
+    # always clamped at dt_min >= 0 (also with dt_softplus=0: every step decays, see the contract)
+    delta = b.op("Min", b.op("Max", v, dmin), dmax)
 
     # 2. chunking: Q = max(1, min(chunk_size, L)), nc = max(1, ceil(L / Q)), pad = nc*Q - L
     one = i1(1)

@@ -103,8 +103,11 @@ def test_no_softplus_and_large_dt(inline):
     inp["dt"] = inp["dt"].abs() * 0.1
     inp["dt_bias"] = inp["dt_bias"].abs() * 0.1
     outs = sess.run(None, _feeds(inp))
+    inp["dt"][0, :3] = -1.0  # negative steps are clamped at dt_min = 0 (the contract: every step decays)
     ref = ssm_scan_recurrent(**inp, dt_softplus=False)
+    outs = sess.run(None, _feeds(inp))
     assert_close("dt_softplus=0 y", ref.y, torch.from_numpy(outs[0]), rel=FP32_REL)
+    assert_close("dt_softplus=0 final_state", ref.final_state, torch.from_numpy(outs[1]), rel=FP32_REL)
     inp["dt_bias"] = torch.full((2,), 60.0)  # softplus(v) = v for v > 20; exp(60) would overflow in fp32 mid-way
     inp["A"] = torch.tensor([-1e-3, -2e-3])
     outs = sess.run(None, _feeds(inp))
