@@ -92,10 +92,12 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
 
     Raises:
         ExportError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
-        BackendUnavailable: trt without TensorRT (exit 4).
+        BackendUnavailable: trt where TensorRT is not usable (not installed, no CUDA GPU): exit 4, checked
+            before the engines (as in ``m2export check --runtime trt``); with TensorRT usable, missing
+            engines are an ExportError (exit 1).
     """
-    from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
-                                        trt_runner)
+    from m2export.check import runners
+    from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
     from m2export.exporter.configs import MANIFEST_FILE
     from m2export.exporter.manifest import read_manifest
 
@@ -140,6 +142,9 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
                             OnnxReferenceRunner(files[0]), OnnxReferenceRunner(files[1]), cfg, m.dtype)
         return _Session("ort", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
                         onnxrt_runner(files[1]), cfg, m.dtype)
+    why = runners.tensorrt_unavailable_reason()
+    if why:
+        raise runners.tensorrt_unavailable_error(why, "run TensorRT engines")
     engines = [m.engine("prefill"), m.engine("decode")]
     if any(e is None for e in engines):
         raise ExportError(f"{src}: no TensorRT engines (model.plan, decode.plan) in {MANIFEST_FILE}",

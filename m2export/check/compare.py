@@ -36,8 +36,8 @@ import numpy as np
 from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
                                  zero_states)
 from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
-                                    tensorrt_unavailable_reason, trt_runner)
-from m2export.errors import BackendUnavailable, CheckpointError, ExportError, M2ExportError
+                                    tensorrt_unavailable_error, tensorrt_unavailable_reason, trt_runner)
+from m2export.errors import CheckpointError, ExportError, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.exporter.manifest import Manifest, read_manifest
 
@@ -265,8 +265,10 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
     Returns (runtimes with the reference first, skipped-lines).
 
     Raises:
-        ExportError: a graph or engine listed in the manifest is missing (exit 1).
-        BackendUnavailable: ``require_trt`` and TensorRT is not installed or no engine was built (exit 4).
+        ExportError: a graph or engine listed in the manifest is missing (exit 1); ``require_trt`` with
+            TensorRT usable but no engines built (exit 1).
+        BackendUnavailable: ``require_trt`` and TensorRT is not usable here (not installed, no CUDA GPU):
+            exit 4, checked before the engines.
     """
     dtype = manifest.dtype
     out = [_Runtime(REFERENCE, "PyTorch fp32 reference", TorchRunner(reference, role="prefill", dtype=dtype),
@@ -296,22 +298,19 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
     if "trt" in runtimes:
         pre_e, dec_e = manifest.engine("prefill"), manifest.engine("decode")
         engines = [e for e in (pre_e, dec_e) if e is not None]
+        why = tensorrt_unavailable_reason()
+        if require_trt and why:  # one rule with 'generate --runtime trt': no usable TensorRT -> exit 4, first
+            raise tensorrt_unavailable_error(why, "check the TensorRT engines")
         for e in engines:
             _graph_path(outdir, e.file, f"{e.role} TensorRT engine")
-        why = tensorrt_unavailable_reason()
         if not engines:
             msg = (f"TensorRT: skipped: {why} (and no engines in this folder)" if why else
                    "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')")
             if require_trt:
-                raise BackendUnavailable(f"{outdir}: no TensorRT engines to check",
-                                         hint="build them with 'm2export build OUTDIR' on a machine with a GPU")
+                raise ExportError(f"{outdir}: no TensorRT engines to check (none recorded in m2export.json)",
+                                  hint="build them with 'm2export build OUTDIR'")
             skipped.append(msg)
         elif why:
-            if require_trt:
-                raise BackendUnavailable(
-                    "TensorRT is not installed; cannot check the engines" if why == "TensorRT not installed"
-                    else f"cannot check the TensorRT engines here: {why}",
-                    hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt, on a machine with a GPU")
             skipped.append(f"TensorRT: skipped: {why} ({', '.join(e.file for e in engines)} not checked)")
         elif pre_e is None:
             skipped.append("TensorRT: skipped: no prefill engine (model.plan)")
@@ -359,7 +358,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         prompt_len: prompt length of the sequence section (default chunk_size // 2 + 5).
         text: corpus file (default: the Python stdlib sources).
         runtimes: subset of ("onnxrt", "onnx-reference", "trt"); a bf16 export swaps onnxrt for onnx-reference.
-        require_trt: fail with BackendUnavailable instead of skipping TensorRT.
+        require_trt: fail instead of skipping TensorRT (exit 4 without a usable TensorRT, checked first;
+            exit 1 when TensorRT is usable but no engines were built).
         report_dir: where the reports go (default ``outdir``).
         progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
         polygraphy_log: let Polygraphy log its per-output details (``-v``).
@@ -370,7 +370,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     Raises:
         ExportError, CheckpointError: the folder or the reference is unusable (exit 1).
-        BackendUnavailable: ``require_trt`` without TensorRT/engines (exit 4).
+        BackendUnavailable: ``require_trt`` where TensorRT is not usable (exit 4).
     """
     from polygraphy.comparator import Comparator
     from polygraphy.exception import PolygraphyException

@@ -215,6 +215,23 @@ def tensorrt_unavailable_reason() -> str | None:
     return None
 
 
+TRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com tensorrt, on a machine with an NVIDIA GPU"
+
+
+def tensorrt_unavailable_error(why: str, purpose: str) -> BackendUnavailable:
+    """The exit-4 error for ``why`` (from :func:`tensorrt_unavailable_reason`) when TensorRT is needed to
+    ``purpose`` ("run the engines", "check the engines").
+
+    One rule for ``m2export check --runtime trt`` and ``m2export generate --runtime trt``: TensorRT being
+    unusable here (not installed, not importable, no CUDA GPU) is exit 4 and is reported before anything
+    about the engines; with TensorRT usable, missing engines are exit 1.
+    """
+    if why == "TensorRT not installed":
+        return BackendUnavailable(f"TensorRT is not installed; cannot {purpose}", hint=TRT_INSTALL_HINT)
+    return BackendUnavailable(f"cannot {purpose} here: {why}",
+                              hint="run on a machine with an NVIDIA GPU and a working TensorRT install")
+
+
 def tensorrt_available() -> bool:
     """True when TensorRT imports and a CUDA GPU is visible."""
     return tensorrt_unavailable_reason() is None
@@ -230,12 +247,8 @@ def trt_runner(engine_path: str | Path, *, name: str | None = None):
         BackendUnavailable: ``tensorrt`` is not installed or the plugin cannot be registered (exit code 4).
     """
     why = tensorrt_unavailable_reason()
-    if why == "TensorRT not installed":
-        raise BackendUnavailable("TensorRT is not installed",
-                                 hint="pip install --extra-index-url https://pypi.nvidia.com tensorrt (needs a GPU)")
     if why:
-        raise BackendUnavailable(f"TensorRT engines cannot run here: {why}",
-                                 hint="run on a machine with an NVIDIA GPU and a working TensorRT install")
+        raise tensorrt_unavailable_error(why, "run TensorRT engines")
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 

@@ -24,8 +24,10 @@ Writes OUTDIR/check_report.json (every output of every runtime), check_report.md
 'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed).
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
-1 OUTDIR, a graph, an engine or the reference checkpoint is missing (or its hash differs from the
-export's); 4 --runtime trt without TensorRT or engines.
+1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash
+differs from the export's), a malformed --shapes/--atol/--rtol, or --runtime trt with TensorRT usable but
+no engines built; 2 an option value out of range; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not engines
+exist: checked after OUTDIR itself, before the engines (the same rule as 'm2export generate').
 
 bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels, so their graphs are run with ONNX's
 reference evaluator (onnx-reference) instead, and the reference's outputs are rounded to bf16.

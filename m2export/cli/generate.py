@@ -13,9 +13,11 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
-exit codes: 0 ok; 1 missing folder/graph/engine, a checkpoint given to ort/trt, or a bad prompt;
-4 --runtime trt without TensorRT, or ort on a bf16 export (no bf16 on ONNX Runtime's CPU: use
---runtime onnx-reference).
+exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to ort/trt, a bad prompt (e.g. an id
+outside the vocabulary), or --runtime trt with TensorRT usable but no engines built; 2 a bad option
+value; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
+engines exist: checked after SOURCE itself, before the engines (the same rule as 'm2export check'),
+or ort on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference).
 
 examples:
   m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200

@@ -68,13 +68,21 @@ def test_tokenizer_file(tmp_path):
     assert t.encode("def main") == [1, 2] and t.decode([1, 2]) == "def main"
 
 
-def test_errors(tiny_out, tiny_ck, tmp_path):
+def test_errors(tiny_out, tiny_ck, tmp_path, monkeypatch):
+    from m2export.check import runners
+
     with pytest.raises(ExportError, match="no such file or directory"):
         open_runtime(tmp_path / "missing", "ort")
     with pytest.raises(ExportError, match="not an m2export output folder"):
         open_runtime(tiny_ck, "ort")
-    with pytest.raises(ExportError, match="no TensorRT engines"):
-        open_runtime(tiny_out, "trt")
+    # no engines: exit 4 while TensorRT is unusable (checked first), exit 1 once it is usable
+    with monkeypatch.context() as mp:
+        mp.setattr(runners, "tensorrt_unavailable_reason", lambda: "no CUDA GPU")
+        with pytest.raises(BackendUnavailable, match="cannot run TensorRT engines here: no CUDA GPU"):
+            open_runtime(tiny_out, "trt")
+        mp.setattr(runners, "tensorrt_unavailable_reason", lambda: None)
+        with pytest.raises(ExportError, match="no TensorRT engines"):
+            open_runtime(tiny_out, "trt")
     with pytest.raises(M2ExportError, match="outside the vocabulary"):
         generate(tiny_out, [300], runtime="ort", max_new_tokens=1)
     with pytest.raises(M2ExportError, match="empty prompt"):

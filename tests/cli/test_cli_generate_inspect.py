@@ -41,7 +41,7 @@ def test_generate_checkpoint_default_torch_and_ids(tiny_ck, capsys):
     assert out.startswith("def") and err == ""
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "wrong_file", "ort_on_checkpoint", "missing_engine", "bad_ids"])
+@pytest.mark.parametrize("case", ["missing_dir", "wrong_file", "ort_on_checkpoint", "bad_ids"])
 def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
     args, code, msg = ["generate"], 1, None
     if case == "missing_dir":
@@ -53,9 +53,6 @@ def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
     elif case == "ort_on_checkpoint":
         args += [str(tiny_ck), "--prompt", "x", "--runtime", "ort"]
         msg = "not an m2export output folder (no m2export.json)"
-    elif case == "missing_engine":
-        args += [str(tiny_out), "--prompt", "x", "--runtime", "trt"]
-        msg = "no TensorRT engines (model.plan, decode.plan) in m2export.json"
     else:
         args += [str(tiny_out), "--prompt-ids", "1,x"]
         msg = "--prompt-ids '1,x': expected comma-separated integers"
@@ -78,6 +75,42 @@ def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys)
     write_manifest(d, m)
     assert main(["generate", str(d), "--prompt", "x", "--runtime", "trt"]) == 4
     assert capsys.readouterr().err.startswith("error: TensorRT is not installed")
+
+
+@pytest.mark.parametrize("verb", ["check", "generate"])
+@pytest.mark.parametrize("why", ["TensorRT not installed", "no CUDA GPU", None])
+def test_trt_runtime_exit_codes_one_rule(verb, why, tiny_out, monkeypatch, capsys):
+    """check and generate --runtime trt on a folder without engines follow one rule: TensorRT unusable here
+    -> exit 4 (before anything about the engines); TensorRT usable but no engines -> exit 1."""
+    import m2export.check.compare as cmp
+    from m2export.check import runners
+
+    monkeypatch.setattr(runners, "tensorrt_unavailable_reason", lambda: why)
+    monkeypatch.setattr(cmp, "tensorrt_unavailable_reason", lambda: why)
+    extra = ["--prompt", "x"] if verb == "generate" else ["--shapes", "1x3", "--decode-steps", "0"]
+    rc = main([verb, str(tiny_out), "--runtime", "trt", *extra])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    if why is None:
+        assert rc == 1, err
+        assert lines[0].startswith("error: ") and "no TensorRT engines" in lines[0]
+        assert "m2export build OUTDIR" in lines[1]
+    else:
+        assert rc == 4, err
+        expected = ("TensorRT is not installed; cannot " if why == "TensorRT not installed"
+                    else "cannot ")
+        assert lines[0].startswith("error: " + expected), lines[0]
+        assert why == "TensorRT not installed" or lines[0].endswith("here: no CUDA GPU")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("verb", ["check", "generate"])
+def test_help_states_the_trt_exit_code_rule(verb, capsys):
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not engines exist" in out
+    assert "--runtime trt with TensorRT usable but no engines built" in out
 
 
 def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
