@@ -37,6 +37,7 @@ from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, r
                                  zero_states)
 from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
                                     tensorrt_unavailable_error, tensorrt_unavailable_reason, trt_runner)
+from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export.errors import CheckpointError, ExportError, M2ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.exporter.manifest import Manifest, read_manifest
@@ -48,21 +49,11 @@ REPORT_MD = "check_report.md"
 REPORT_PNG = "check_errors.png"
 DATA_LOADER_SCRIPT = "check_data_loader.py"
 REFERENCE = "torch"
-#: default rtol per export dtype (atol comes from Mamba2OnnxConfig.ATOL)
-DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
 RUNTIMES = ("onnxrt", "trt")  # the defaults; "onnx-reference" on request, and instead of onnxrt for bf16
 ALL_RUNTIMES = ("onnxrt", "onnx-reference", "trt")
 
 
 # ----------------------------------------------------------------------------------------------- tolerances
-def default_tolerances(dtype: str) -> tuple[dict[str, float], dict[str, float]]:
-    """(atol, rtol) dicts with only the ``""`` default key, for an export ``dtype``."""
-    atol = dict(Mamba2OnnxConfig.ATOL)
-    if dtype not in atol:
-        raise ExportError(f"m2export.json: unknown dtype {dtype!r}; expected one of {sorted(atol)}")
-    return {"": float(atol[dtype])}, {"": DEFAULT_RTOL[dtype]}
-
-
 def parse_tolerances(values: list[str] | None, base: dict[str, float], output_names: list[str],
                      flag: str) -> dict[str, float]:
     """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 HELP = "compare an export (ONNX Runtime, TensorRT) with the PyTorch reference on real token sequences"
 DESCRIPTION = """Run the same inputs through the PyTorch reference model (fp32), ONNX Runtime (every graph flavour
 in OUTDIR) and TensorRT (the engines, when built and TensorRT is installed; otherwise a "skipped" line),
@@ -16,8 +18,10 @@ prefill graph, then --decode-steps steps through the decode graph with each runt
 states back; greedy tokens must agree with the reference (numerical ties excepted).
 
 An element fails when its absolute error > atol AND its relative error > rtol. Defaults by export
-dtype: fp32 atol 1e-4 rtol 1e-3; fp16 atol 5e-2 rtol 1e-2. Override with --atol/--rtol VALUE (the
-default) or NAME:VALUE (one output; NAME may be a glob like 'present_ssm_state.*').
+dtype (m2export.check.tolerances):
+@DEFAULT_TOLERANCES@
+Override with --atol/--rtol VALUE (the default) or NAME:VALUE (one output; NAME may be a glob like
+'present_ssm_state.*').
 
 Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
 (error histogram, when matplotlib is installed) and check_data_loader.py (the same inputs for
@@ -25,9 +29,10 @@ Writes OUTDIR/check_report.json (every output of every runtime), check_report.md
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash
-differs from the export's), a malformed --shapes/--atol/--rtol, or --runtime trt with TensorRT usable but
-no engines built; 2 an option value out of range; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not engines
-exist: checked after OUTDIR itself, before the engines (the same rule as 'm2export generate').
+differs from the export's), a malformed --shapes/--atol/--rtol, or --runtime trt with TensorRT usable
+but no engines built; 2 an option value out of range; 4 --runtime trt where TensorRT is not usable (not
+installed, or no CUDA GPU), whether or not engines exist: checked after OUTDIR itself, before the
+engines (the same rule as 'm2export generate').
 
 bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels, so their graphs are run with ONNX's
 reference evaluator (onnx-reference) instead, and the reference's outputs are rounded to bf16.
@@ -41,9 +46,25 @@ examples:
 """
 
 
+TOLERANCES_TOKEN = "@DEFAULT_TOLERANCES@"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Fills the default-tolerance table into the description when --help is printed (from
+    m2export.check.tolerances, the table the check uses), so building the parser stays cheap."""
+
+    def _format_text(self, text):
+        if TOLERANCES_TOKEN in text:
+            from m2export.check.tolerances import defaults_table
+
+            text = text.replace(TOLERANCES_TOKEN, defaults_table())
+        return super()._format_text(text)
+
+
 def add_arguments(p):
     from m2export.cli.argtypes import non_negative_int, positive_int
 
+    p.formatter_class = _HelpFormatter
     g = p.add_argument_group("Required arguments")
     g.add_argument("outdir", metavar="OUTDIR", help="folder written by 'm2export export' (m2export.json + graphs)")
     g = p.add_argument_group("Reference and runtimes")

@@ -131,3 +131,33 @@ def test_check_unwritable_report_dir(tiny_out, tmp_path, capsys, where):
     assert rc == 1, err
     assert lines[0].startswith(f"error: --report-dir {target[where]}: cannot write the check reports there (")
     assert lines[1].startswith("hint: ") and "Traceback" not in err and "PASSED" not in out
+
+
+def test_check_help_lists_default_tolerances_of_every_dtype(capsys, monkeypatch):
+    """--help shows the defaults of every export dtype (bf16 included), rendered from the table the check
+    uses (m2export.check.tolerances), not restated by hand."""
+    import m2export.check.tolerances as T
+
+    def help_text():
+        with pytest.raises(SystemExit):
+            main(["check", "--help"])
+        return capsys.readouterr().out
+
+    out = help_text()
+    for dtype in ("fp32", "fp16", "bf16"):
+        atol, rtol = T.default_tolerances(dtype)
+        line = next(ln for ln in out.splitlines() if ln.split()[:1] == [dtype])
+        assert line.split() == [dtype, "atol", T.format_tolerance(atol[""]), "rtol", T.format_tolerance(rtol[""])]
+    assert "bf16  atol 1e-1    rtol 5e-2" in out and "@" not in out
+    monkeypatch.setitem(T.DEFAULT_RTOL, "bf16", 0.07)
+    assert "bf16  atol 1e-1    rtol 7e-2" in help_text()
+
+
+def test_cli_parser_does_not_import_the_tolerance_table():
+    """Building the parser (every m2export command) stays cheap: the table is read only for --help."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from m2export.cli.main import build_parser; build_parser(); "
+            "assert 'm2export.check.tolerances' not in sys.modules and 'numpy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
