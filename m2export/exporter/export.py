@@ -14,7 +14,9 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -58,10 +60,13 @@ def _check_outdir(outdir: Path, force: bool, checkpoint: Path) -> None:
         if not force:
             raise ExportError(f"{outdir}: exists and is not empty",
                               hint="pass --force (force=True) to replace it, or choose another -o OUTDIR")
-        ck, out = checkpoint.resolve(), outdir.resolve()
+        ck, out, cwd = checkpoint.resolve(), outdir.resolve(), Path.cwd().resolve()
         if ck == out or out in ck.parents:
             raise ExportError(f"{outdir}: holds the checkpoint {checkpoint}; --force would delete it",
                               hint="choose another -o OUTDIR")
+        if out == cwd or out in cwd.parents:
+            raise ExportError(f"{outdir}: is (or contains) the current directory; --force would delete it",
+                              hint="choose a new or dedicated -o OUTDIR")
     parent = outdir.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -253,8 +258,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     opset = Mamba2OnnxConfig.DEFAULT_OPSET if opset is None else int(opset)
     if opset < 18:
         raise ExportError(f"opset {opset}: m2export needs opset >= 18", hint="omit --opset for the default")
-    outdir = Path(outdir)
-    _check_outdir(outdir, force, Path(checkpoint))
+    _check_outdir(Path(outdir), force, Path(checkpoint))
+    outdir = Path(outdir).resolve()  # '.' has no name and no parent to put the temporary sibling in
 
     impls = {"plugin": ["plugin"], "onnx": ["onnx"], "both": ["plugin", "onnx"]}[ssm_impl]
     roles = ("prefill", "decode")
@@ -274,7 +279,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
     try:
-        with bar:
+        with bar, _sigterm_raises():
             import torch
 
             from m2export.models.checkpoint import load_checkpoint
@@ -320,6 +325,23 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turn SIGTERM into an ExportError while exporting, so the temporary folder is removed (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise ExportError("export interrupted by SIGTERM; nothing was written")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _export_step(model, cfg, onnx_cfg, decode, torch_dtype, opset):
