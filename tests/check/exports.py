@@ -75,8 +75,9 @@ def scale_initializer(onnx_path: Path, name: str, factor: float) -> None:
     m = onnx.load(str(onnx_path))
     for i, t in enumerate(m.graph.initializer):
         if t.name == name:
-            arr = numpy_helper.to_array(t) * factor
-            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(arr.astype(arr.dtype), name))
+            arr = numpy_helper.to_array(t)
+            scaled = (arr.astype("float32") * factor).astype(arr.dtype)  # keeps fp16/bf16 initializers' dtype
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(scaled, name))
             break
     else:
         raise KeyError(f"{onnx_path.name}: no initializer {name!r}")

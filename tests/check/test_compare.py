@@ -196,10 +196,14 @@ def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):
     assert report.atol[""] == 0.1 and report.polygraphy_commands == []
     logits = next(r for r in report.rows if r.output == "logits" and r.section == "prefill")
     assert 0 < logits.max_abs < 0.05  # bf16 rounding, well inside atol 0.1
+    # the tamper must move outputs past bf16's atol 0.1: this tiny random model's SSM states stay far below
+    # 0.1, so SSMScan tampers (dt_softplus=0 since the dt_min clamp, ignored past states) are within
+    # tolerance here; a 1.5x lm_head moves the logits by ~0.35
     out = copy_export(tiny_out_bf16, tmp_path / "t")
-    set_ssm_scan_attribute(out / "model.onnx", "dt_softplus", 0)
+    scale_initializer(out / "model.onnx", "model.lm_head.weight", 1.5)
     bad = run_check(out, **QUICK)
-    assert not bad.passed and any("onnx-reference:model.onnx: present_ssm_state.0" in f for f in bad.failures())
+    assert not bad.passed and any("prefill onnx-reference:model.onnx: logits" in f for f in bad.failures())
+    assert all(r.passed for r in bad.rows if r.runner.startswith("onnx-reference:model.std.onnx"))
 
 
 @pytest.mark.parametrize("graph,state,op_type", [("model.onnx", "past_ssm_state", "SSMScan"),
