@@ -29,7 +29,7 @@ from polygraphy.backend.base import BaseLoader, BaseRunner
 from polygraphy.common import TensorMetadata
 
 from m2export.check.data import feed_dtype
-from m2export.errors import BackendUnavailable, CheckpointError
+from m2export.errors import BackendUnavailable, CheckpointError, ExportError
 from m2export.exporter.configs import Mamba2OnnxConfig
 
 ROLES = ("prefill", "decode")
@@ -162,7 +162,10 @@ class OnnxReferenceRunner(BaseRunner):
         from onnx import helper
         from onnx.reference import ReferenceEvaluator
 
-        model = onnx.load(str(self.path))
+        try:
+            model = onnx.load(str(self.path))
+        except Exception as e:  # protobuf DecodeError, missing external data, ...
+            raise _unloadable(self.path, "ONNX cannot load the graph", e) from None
         self._graph_dtypes = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
                               for v in model.graph.input}
         self._dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
@@ -189,15 +192,41 @@ class OnnxReferenceRunner(BaseRunner):
         del self.evaluator, self._graph_dtypes, self._dims, self._outputs
 
 
+def _unloadable(path: Path, what: str, e: Exception) -> ExportError:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return ExportError(f"{path}: {what} ({type(e).__name__}: {first})".replace(": )", ")"),
+                       hint="the file is damaged or not an m2export graph: re-export with "
+                            "'m2export export CHECKPOINT -o OUTDIR --force'")
+
+
+class _CpuSessionFromOnnx(BaseLoader):
+    """Polygraphy's ``SessionFromOnnx(path, providers=["cpu"])``; a graph ONNX Runtime cannot load (corrupt
+    file, unknown op, ...) becomes an :class:`ExportError` naming the file instead of ORT's traceback."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def call_impl(self):
+        from polygraphy.backend.onnxrt import SessionFromOnnx
+
+        try:
+            return SessionFromOnnx(str(self.path), providers=["cpu"])()
+        except Exception as e:
+            if not type(e).__module__.startswith("onnxruntime"):
+                raise
+            raise _unloadable(self.path, "ONNX Runtime cannot load the graph", e) from None
+
+
 def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
     """Polygraphy ``OnnxrtRunner`` on ``SessionFromOnnx(onnx_path, providers=["cpu"])``.
 
-    The path (not bytes) is passed so external-data files next to the graph are found.
+    The path (not bytes) is passed so external-data files next to the graph are found. A graph ONNX Runtime
+    cannot load raises :class:`ExportError` (exit 1) when the runner is activated.
     """
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.onnxrt import OnnxrtRunner
 
     p = Path(onnx_path)
-    return OnnxrtRunner(SessionFromOnnx(str(p), providers=["cpu"]), name=name or f"onnxrt:{p.name}")
+    return OnnxrtRunner(_CpuSessionFromOnnx(p), name=name or f"onnxrt:{p.name}")
 
 
 def tensorrt_unavailable_reason() -> str | None:

@@ -192,3 +192,21 @@ def test_generate_library_rejects_bad_sampling(tiny_out):
                     (dict(seed=-1), "--seed -1")):
         with pytest.raises(M2ExportError, match=msg):
             generate(tiny_out, [1, 2], max_new_tokens=1, **kw)
+
+
+@pytest.mark.parametrize("verb,runtime,what", [("check", None, "ONNX Runtime cannot load the graph (InvalidProtobuf"),
+                                               ("generate", "ort", "ONNX Runtime cannot load the graph (InvalidProtobuf"),
+                                               ("generate", "onnx-reference", "ONNX cannot load the graph (DecodeError")])
+def test_corrupt_graph_is_a_clean_error(verb, runtime, what, tiny_out, tmp_path, capsys):
+    """A damaged model.onnx: one error line naming the file (exit 1), as in inspect/build, not ORT's or
+    protobuf's traceback (exit 70)."""
+    d = copy_export(tiny_out, tmp_path / "o")
+    (d / "model.onnx").write_bytes(b"garbage")
+    args = ([verb, str(d), "-q", "--shapes", "1x3", "--decode-steps", "0"] if verb == "check" else
+            [verb, str(d), "-q", "--prompt", "x", "--runtime", runtime])
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"error: {d / 'model.onnx'}: {what}") and lines[1].startswith("hint: ")
+    assert "Traceback" not in err
