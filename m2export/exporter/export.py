@@ -279,7 +279,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
     try:
-        with bar, _sigterm_raises():
+        with bar, _sigterm_raises(), _quiet_third_party_logs():
             import torch
 
             from m2export.models.checkpoint import load_checkpoint
@@ -325,6 +325,28 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
+
+
+#: third-party loggers that narrate every pass at INFO (and torch.onnx warns about torchvision) during export
+_NOISY_LOGGERS = ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export", "torch.fx")
+
+
+@contextlib.contextmanager
+def _quiet_third_party_logs():
+    """Raise the noisy loggers to ERROR for the export (left as they are when m2export logs at DEBUG, -vv)."""
+    if log.getEffectiveLevel() <= logging.DEBUG:
+        yield
+        return
+    import torch  # noqa: F401  (torch sets its loggers' levels when first imported: import it before changing them)
+
+    saved = {n: logging.getLogger(n).level for n in _NOISY_LOGGERS}
+    for n in _NOISY_LOGGERS:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, lvl in saved.items():
+            logging.getLogger(n).setLevel(lvl)
 
 
 @contextlib.contextmanager
