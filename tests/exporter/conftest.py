@@ -21,11 +21,11 @@ def tiny_g2(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_g1(tmp_path_factory):
-    """Tiny checkpoint with ngroups=1 and a dt_limit (HF format)."""
+    """Tiny checkpoint with ngroups=1, a dt_limit and untied embeddings (HF format)."""
     from m2export.models.checkpoint import random_checkpoint
 
     return random_checkpoint(tmp_path_factory.mktemp("ck") / "tiny_g1", ngroups=1, seed=2, format="hf",
-                             dt_limit=(0.002, 0.08), **TINY)
+                             dt_limit=(0.002, 0.08), tie_embeddings=False, **TINY)
 
 
 def _export(tmp_path_factory, ck, name, **kw):

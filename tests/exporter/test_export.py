@@ -119,10 +119,10 @@ def test_prefill_fp32(export_fp32_both, tiny_g2, impl, case):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_prefill_g1_dt_limit_cli_export(export_fp32_g1_cli, tiny_g1, impl):
-    """G=1, dt_limit set, HF-format checkpoint, exported through the CLI."""
+    """G=1, dt_limit set, untied lm_head, HF-format checkpoint, exported through the CLI."""
     om = OrtModel(export_fp32_g1_cli, impl)
     model = _model(tiny_g1)
-    assert model.cfg.dt_limit == (0.002, 0.08)
+    assert model.cfg.dt_limit == (0.002, 0.08) and not model.cfg.tie_embeddings
     for b, L in [(1, 1), (2, 3 * CHUNK + 1)]:
         ids = _ids(b, L, seed=L)
         with torch.no_grad():
