@@ -308,3 +308,17 @@ def test_external_data(tiny_g2, tmp_path, monkeypatch):
     with torch.no_grad():
         ref = _model(tiny_g2)(ids)
     _compare("external data", ref, OrtModel(out).run(ids.numpy()), FP32_REL)
+
+
+def test_progress_bar_steps(capsys):
+    """The rich progress bar counts the steps and ends at 'done' (the CLI shows it unless -q)."""
+    from m2export.exporter.export import _Progress
+
+    with _Progress(True, 3) as bar:
+        for what in ("loading", "tracing", "saving"):
+            bar.step(what)
+        assert bar._p.tasks[0].completed == 2 and bar._p.tasks[0].description == "saving"
+    assert bar._p.tasks[0].completed == 3 and bar._p.tasks[0].description == "done"
+    with _Progress(False, 3) as quiet:
+        quiet.step("x")
+    assert quiet._p is None
