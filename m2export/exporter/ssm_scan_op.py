@@ -247,14 +247,14 @@ def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
     ncs = b.op("Squeeze", nc, b.const([0]))
     kk = b.op("Range", b.const(0), ncs, b.const(1))  # k = 0..nc-1
     mm = b.op("Range", b.const(0), b.op("Add", ncs, b.const(1)), b.const(1))  # c, m = 0..nc
-    c3 = b.op("Unsqueeze", mm, b.const([1, 2]))  # (nc+1, 1, 1)
-    m3 = b.op("Unsqueeze", mm, b.const([0, 2]))  # (1, nc+1, 1)
-    k3 = b.op("Unsqueeze", kk, b.const([0, 1]))  # (1, 1, nc)
-    sel = b.op("Cast", b.op("And", b.op("LessOrEqual", m3, k3), b.op("Less", k3, c3)), to=F)  # [c, m, k]
     nc1 = b.op("Add", nc, one)
-    sel2 = b.op("Reshape", sel, b.op("Concat", b.op("Mul", nc1, nc1), nc, axis=0))  # ((nc+1)^2, nc)
-    seg_c = b.op("MatMul", T, b.op("Transpose", sel2, perm=[1, 0]))  # (b, g, hpg, (nc+1)^2)
-    seg_c = b.op("Reshape", seg_c, b.op("Concat", bsz, g, hpg, nc1, nc1, axis=0))  # [c, m] = sum_{m<=k<c} T_k
+    # seg_c[c, m] = sum_{m <= k < c} T_k as two O(nc^2) factors (no (nc+1)^2 x nc selector: memory):
+    # Y[k, m] = T_k [m <= k], then seg_c = Lstrict @ Y with Lstrict[c, k] = [k < c]; a masked sum, not
+    # a difference of long cumulative sums, so no cancellation on long sequences.
+    k_col, m_row = b.op("Unsqueeze", kk, i1(1)), b.op("Unsqueeze", mm, i1(0))
+    Y = b.op("Mul", b.op("Unsqueeze", T, i1(-1)), b.op("Cast", b.op("LessOrEqual", m_row, k_col), to=F))
+    lstrict = b.op("Cast", b.op("Less", b.op("Unsqueeze", kk, i1(0)), b.op("Unsqueeze", mm, i1(1))), to=F)
+    seg_c = b.op("MatMul", lstrict, Y)  # (b, g, hpg, nc+1, nc+1): [c, m] = sum_{m<=k<c} T_k
     lower_c = b.op("LessOrEqual", b.op("Unsqueeze", mm, i1(0)), b.op("Unsqueeze", mm, i1(1)))  # [c, m]: m <= c
     Wc = b.op("Where", lower_c, b.op("Exp", b.op("Min", seg_c, zero_f)), zero_f)  # (b, g, hpg, nc+1, nc+1)
     pn = b.op("Mul", p, n)
