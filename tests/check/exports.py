@@ -103,3 +103,17 @@ def zero_graph_input(onnx_path: Path, input_name: str, op_type: str) -> int:
         m.graph.node.insert(0, helper.make_node("Sub", [input_name, input_name], [zeros], name=zeros))
     onnx.save(m, str(onnx_path))
     return n
+
+
+def quiet_single_threaded():
+    """Polygraphy's logger to errors only; torch on one thread for these tiny models (with other work on
+    the 2 cores, two torch threads make a 3 ms decode step take ~200 ms). Restored afterwards."""
+    import torch
+
+    from m2export.check.console import quiet_polygraphy
+
+    quiet_polygraphy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -33,6 +33,15 @@ def check_out(name: str, t, shape, dtype, device):
     return t
 
 
+def into_buffers(res: SSMScanOutput, out=None, final_state_out=None) -> SSMScanOutput:
+    """Copy ``res`` into the caller's preallocated buffers (each optional) and return them."""
+    if out is not None:
+        out.copy_(res.y)
+    if final_state_out is not None:
+        final_state_out.copy_(res.final_state)
+    return SSMScanOutput(res.y if out is None else out, res.final_state if final_state_out is None else final_state_out)
+
+
 def _require_cutile(tensors) -> None:
     """Raise BackendUnavailable unless cuda.tile imports and every tensor is on a CUDA device."""
     import torch
@@ -102,13 +111,7 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
             check_out("final_state_out", final_state_out, problem.shape_of("final_state"), torch.float32, x.device)
         res = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
                                dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
-        if out is not None:
-            out.copy_(res.y)
-            res = SSMScanOutput(out, res.final_state)
-        if final_state_out is not None:
-            final_state_out.copy_(res.final_state)
-            res = SSMScanOutput(res.y, final_state_out)
-        return res
+        return into_buffers(res, out, final_state_out)
     if backend != "cutile":
         raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     for name in ("headdim", "d_state"):

@@ -12,7 +12,7 @@ import torch
 
 from m2export.contract import SSMScanAttrs, validate
 from m2export.errors import ContractError
-from m2export.kernels.ssd import BACKENDS, SUPPORTED_DIMS, _require_cutile, check_out
+from m2export.kernels.ssd import BACKENDS, SUPPORTED_DIMS, _require_cutile, check_out, into_buffers
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd_step.naive import ssm_step_ref
 
@@ -59,13 +59,7 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
         if state_out is not None:
             check_out("state_out", state_out, problem.shape_of("final_state"), torch.float32, x.device)
         res = ssm_step_ref(x, dt, A, B, C, D, dt_bias, ssm_state, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
-        if out is not None:
-            out.copy_(res.y)
-            res = SSMScanOutput(out, res.final_state)
-        if state_out is not None:
-            state_out.copy_(res.final_state)
-            res = SSMScanOutput(res.y, state_out)
-        return res
+        return into_buffers(res, out, state_out)
     if backend != "cutile":
         raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     for name in ("headdim", "d_state"):
