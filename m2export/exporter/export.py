@@ -256,8 +256,11 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     if dtype not in DTYPES:
         raise ExportError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
     opset = Mamba2OnnxConfig.DEFAULT_OPSET if opset is None else int(opset)
-    if opset < 18:
-        raise ExportError(f"opset {opset}: m2export needs opset >= 18", hint="omit --opset for the default")
+    import onnx
+
+    if not 18 <= opset <= onnx.defs.onnx_opset_version():
+        raise ExportError(f"opset {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
+                          f"(the newest this onnx {onnx.__version__} knows)", hint="omit --opset for the default")
     _check_outdir(Path(outdir), force, Path(checkpoint))
     outdir = Path(outdir).resolve()  # '.' has no name and no parent to put the temporary sibling in
 

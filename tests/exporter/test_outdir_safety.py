@@ -45,3 +45,11 @@ def test_sigterm_leaves_nothing(tmp_path):
     assert proc.returncode == 1, err
     assert "interrupted by SIGTERM" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "a temporary or partial folder was left"
+
+
+@pytest.mark.parametrize("opset", ["17", "99"])
+def test_opset_out_of_range_is_a_user_error(tmp_path, capsys, opset):
+    ck = random_checkpoint(tmp_path / "ck", **TINY)
+    assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 1
+    assert f"opset {opset}: m2export needs 18 <= opset <=" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
