@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from m2export import contract
+from m2export._paths import replace_hazard
 from m2export.errors import ExportError
 from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
 from m2export.exporter.manifest import GraphEntry, Manifest, write_manifest
@@ -60,13 +61,9 @@ def _check_outdir(outdir: Path, force: bool, checkpoint: Path) -> None:
         if not force:
             raise ExportError(f"{outdir}: exists and is not empty",
                               hint="pass --force (force=True) to replace it, or choose another -o OUTDIR")
-        ck, out, cwd = checkpoint.resolve(), outdir.resolve(), Path.cwd().resolve()
-        if ck == out or out in ck.parents:
-            raise ExportError(f"{outdir}: holds the checkpoint {checkpoint}; --force would delete it",
-                              hint="choose another -o OUTDIR")
-        if out == cwd or out in cwd.parents:
-            raise ExportError(f"{outdir}: is (or contains) the current directory; --force would delete it",
-                              hint="choose a new or dedicated -o OUTDIR")
+        hazard = replace_hazard(outdir, checkpoint=checkpoint)
+        if hazard:
+            raise ExportError(f"{outdir}: {hazard}; --force would delete it", hint="choose a new or dedicated -o OUTDIR")
     parent = outdir.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

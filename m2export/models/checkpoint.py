@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from m2export._paths import replace_hazard
 from m2export.errors import CheckpointError, ConfigError
 from m2export.models.config import PRESETS, Mamba2Config
 from m2export.models.mamba2 import Mamba2LMHeadModel, init_weights_
@@ -228,6 +229,11 @@ def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, form
     if format not in ("mamba_ssm", "hf"):
         raise ValueError(f"format must be 'mamba_ssm' or 'hf', got {format!r}")
     out = Path(outdir)
+    hazard = replace_hazard(out) if out.exists() else None
+    if hazard:
+        raise CheckpointError(f"{out}: {hazard}; writing the checkpoint there would delete it",
+                              hint="choose a new or dedicated output directory")
+    out = out.resolve()  # '.' has no name and no parent to put the temporary sibling in
     cfg = model.cfg
     sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone()
           for k, v in model.state_dict().items()}

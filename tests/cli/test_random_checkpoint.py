@@ -27,3 +27,17 @@ def test_refuses_non_empty_dir_without_force(tmp_path, capsys):
 def test_needs_preset_or_shape(tmp_path, capsys):
     assert main(["random-checkpoint", "-o", str(tmp_path / "x"), "--d-model", "64"]) == 1
     assert "--preset or all of" in capsys.readouterr().err
+
+
+def test_never_replaces_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "keep.txt").write_text("precious")
+    monkeypatch.chdir(tmp_path)
+    assert main(ARGS + ["-o", ".", "--force"]) == 1
+    assert "current directory" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_output_is_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(ARGS + ["-o", str(tmp_path / "afile"), "--force"]) == 1
+    assert "not a directory" in capsys.readouterr().err
