@@ -34,7 +34,7 @@ log = logging.getLogger("m2export")
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Logging")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more output; tracebacks on errors")
-    g.add_argument("-q", "--quiet", action="store_true", help="only errors and the final result line")
+    g.add_argument("-q", "--quiet", action="store_true", help="only errors (and the PASSED/FAILED line of check)")
 
 
 def build_parser() -> argparse.ArgumentParser:
