@@ -64,7 +64,6 @@ def load_onnx_structure(path: str | Path):
 
 def describe_onnx(path: str | Path) -> dict[str, Any]:
     """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan nodes with attributes, local functions."""
-    import onnx
     from onnx import helper
 
     p = Path(path)

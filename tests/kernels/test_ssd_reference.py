@@ -7,7 +7,6 @@ fp32 1e-5; fp16 2e-3 and bf16 1e-2 on y (only the final cast of y to the input d
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

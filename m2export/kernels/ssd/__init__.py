@@ -33,6 +33,42 @@ def check_out(name: str, t, shape, dtype, device):
     return t
 
 
+def out_buffers(x, problem, out=None, state_out=None, *, state_name: str = "final_state_out",
+                allocate: bool = False):
+    """Check the caller's ``out`` (shaped and typed like ``x``) and ``state_out`` ((batch, nheads, headdim,
+    d_state) fp32) with :func:`check_out`; with ``allocate``, make empty ones for those not given.
+
+    Returns (y buffer or None, state buffer or None).
+    """
+    if out is not None:
+        check_out("out", out, x.shape, x.dtype, x.device)
+    elif allocate:
+        out = torch.empty_like(x)
+    shape = problem.shape_of("final_state")
+    if state_out is not None:
+        check_out(state_name, state_out, shape, torch.float32, x.device)
+    elif allocate:
+        state_out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    return out, state_out
+
+
+def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
+    """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here.
+
+    Raises:
+        ContractError: unknown backend, or headdim/d_state outside :data:`SUPPORTED_DIMS`.
+        BackendUnavailable: no CUDA device, no cuda.tile, or a tensor not on CUDA.
+    """
+    if backend != "cutile":
+        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    for name in ("headdim", "d_state"):
+        v = getattr(problem, name)
+        if v not in SUPPORTED_DIMS:
+            raise ContractError(f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
+                                hint='use backend="torch" for other sizes')
+    _require_cutile(tensors)
+
+
 def into_buffers(res: SSMScanOutput, out=None, final_state_out=None) -> SSMScanOutput:
     """Copy ``res`` into the caller's preallocated buffers (each optional) and return them."""
     if out is not None:
@@ -105,21 +141,12 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
     attrs = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
     problem = validate(x, dt, A, B, C, D, dt_bias, initial_state)
     if backend == "torch":
-        if out is not None:
-            check_out("out", out, x.shape, x.dtype, x.device)
-        if final_state_out is not None:
-            check_out("final_state_out", final_state_out, problem.shape_of("final_state"), torch.float32, x.device)
+        out_buffers(x, problem, out, final_state_out)
         res = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
                                dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, final_state_out)
-    if backend != "cutile":
-        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    for name in ("headdim", "d_state"):
-        v = getattr(problem, name)
-        if v not in SUPPORTED_DIMS:
-            raise ContractError(f"{name}: the cuTile SSD kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
-                                hint='use backend="torch" for other sizes')
-    _require_cutile(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state))
+    require_cutile(backend, problem, "SSD", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
+                                                 initial_state=initial_state))
     from m2export.kernels.ssd.cutile import ssm_scan_cutile
 
     return ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, problem=problem, dt_softplus=dt_softplus,

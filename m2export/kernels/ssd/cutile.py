@@ -50,7 +50,7 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
-from m2export.kernels.ssd import check_out
+from m2export.kernels.ssd import out_buffers
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -452,16 +452,10 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
     # everything below (contiguous copies, output and scratch allocation, the launches) is ordered
     # on the launch stream, so the caching allocator ties scratch memory to it
     with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
-        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-        D = D.contiguous() if D is not None else None
-        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-        initial_state = initial_state.contiguous() if initial_state is not None else None
+        x, dt, A, B, C, D, dt_bias, initial_state = (
+            None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias, initial_state))
         p = problem
-        y = (check_out("out", out, x.shape, x.dtype, dev) if out is not None
-             else torch.empty_like(x))
-        fs_shape = (p.batch, p.nheads, p.headdim, p.d_state)
-        final_state = (check_out("final_state_out", final_state_out, fs_shape, torch.float32, dev)
-                       if final_state_out is not None else torch.empty(fs_shape, dtype=torch.float32, device=dev))
+        y, final_state = out_buffers(x, p, out, final_state_out, allocate=True)
         if p.batch == 0:
             return SSMScanOutput(y, final_state)
         if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from m2export.contract import SSMScanAttrs, validate
 from m2export.errors import ContractError
-from m2export.kernels.ssd import BACKENDS, SUPPORTED_DIMS, _require_cutile, check_out, into_buffers
+from m2export.kernels.ssd import into_buffers, out_buffers, require_cutile
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd_step.naive import ssm_step_ref
 
@@ -54,20 +52,11 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
             raise ContractError(f"{name}: expected a {nd}-D tensor for ssm_step, got shape {tuple(t.shape)}")
     problem = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, ssm_state)
     if backend == "torch":
-        if out is not None:
-            check_out("out", out, x.shape, x.dtype, x.device)
-        if state_out is not None:
-            check_out("state_out", state_out, problem.shape_of("final_state"), torch.float32, x.device)
+        out_buffers(x, problem, out, state_out, state_name="state_out")
         res = ssm_step_ref(x, dt, A, B, C, D, dt_bias, ssm_state, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, state_out)
-    if backend != "cutile":
-        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    for name in ("headdim", "d_state"):
-        v = getattr(problem, name)
-        if v not in SUPPORTED_DIMS:
-            raise ContractError(f"{name}: the cuTile step kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
-                                hint='use backend="torch" for other sizes')
-    _require_cutile(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state))
+    require_cutile(backend, problem, "step", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
+                                                  ssm_state=ssm_state))
     from m2export.kernels.ssd_step.cutile import ssm_step_cutile
 
     return ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, problem=problem, dt_softplus=dt_softplus,

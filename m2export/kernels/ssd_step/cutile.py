@@ -23,7 +23,8 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
-from m2export.kernels.ssd import check_out
+from m2export.errors import ContractError
+from m2export.kernels.ssd import out_buffers
 from m2export.kernels.ssd.cutile import AotParam, _sm_count, _torch_stream, check_supported
 from m2export.kernels.ssd.naive import SSMScanOutput
 
@@ -95,18 +96,13 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
     dev = x.device
     launch_stream = _torch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
-        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-        D = D.contiguous() if D is not None else None
-        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+        x, dt, A, B, C, D, dt_bias = (None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias))
         p = problem
-        st_shape = (p.batch, p.nheads, p.headdim, p.d_state)
         if ssm_state is not None and not ssm_state.is_contiguous():
             if state_out is ssm_state:
-                raise_contract("ssm_state", "in-place update needs a contiguous ssm_state")
+                raise ContractError("ssm_state: in-place update needs a contiguous ssm_state")
             ssm_state = ssm_state.contiguous()
-        y = check_out("out", out, x.shape, x.dtype, dev) if out is not None else torch.empty_like(x)
-        new_state = (check_out("state_out", state_out, st_shape, torch.float32, dev) if state_out is not None
-                     else torch.empty(st_shape, dtype=torch.float32, device=dev))
+        y, new_state = out_buffers(x, p, out, state_out, state_name="state_out", allocate=True)
         if p.batch == 0:
             return SSMScanOutput(y, new_state)
         bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
@@ -114,12 +110,6 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
                   _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
                              block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
     return SSMScanOutput(y, new_state)
-
-
-def raise_contract(name: str, msg: str):
-    from m2export.errors import ContractError
-
-    raise ContractError(f"{name}: {msg}")
 
 
 @dataclass(frozen=True)
