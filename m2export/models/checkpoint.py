@@ -109,7 +109,10 @@ def _read_json(f: Path) -> dict:
 
 def read_config(path: str | os.PathLike) -> tuple[Mamba2Config, str]:
     """(config, format) of a checkpoint directory or weight file path."""
-    d, _, _ = _resolve(path)
+    return _config_in(_resolve(path)[0])
+
+
+def _config_in(d: Path) -> tuple[Mamba2Config, str]:
     raw = _read_json(d / "config.json")
     fmt = detect_format(raw)
     src = str(d / "config.json")
@@ -181,7 +184,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         ConfigError: unsupported or malformed config field.
     """
     d, files, index = _resolve(path)
-    cfg, fmt = read_config(d)
+    cfg, fmt = _config_in(d)
     sd = _read_tensors(files, _weight_map(index) if index is not None else None)
     if fmt == "hf":
         sd = {_HF_RENAME.get(k, k): v for k, v in sd.items()}
