@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from m2export.contract import SSMScanProblem
@@ -58,3 +59,25 @@ def make_inputs(p: SSMScanProblem, *, seed: int, device="cpu", init_state: bool 
         "initial_state": rnd(p.shape_of("initial_state")) if init_state else None,
     }
     return {k: (v.to(device) if v is not None else None) for k, v in out.items()}
+
+
+#: error bounds of the cuTile SSD forward kernel vs the float64 oracle (rel-L2 of y and final_state), shared by
+#: tests/kernels/test_ssd.py and the plugin tests that run the same kernel (JIT impl body, AOT launch)
+SSD_Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+SSD_STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def cutile_skip_reason() -> str | None:
+    """Why the cuTile kernels cannot run here (no CUDA device, cuda.tile missing), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cuda.tile  # noqa: F401  (availability check)
+    except ImportError as e:
+        return f"cuda.tile not importable: {e}"
+    return None
+
+
+_CUTILE_WHY = cutile_skip_reason()
+#: skip marker for tests that launch cuTile kernels
+requires_cutile = pytest.mark.skipif(_CUTILE_WHY is not None, reason=_CUTILE_WHY or "")

@@ -34,25 +34,14 @@ from m2export.contract import SSMScanProblem
 from m2export.errors import BackendUnavailable, ContractError
 from m2export.kernels.ssd import ssm_scan
 from m2export.kernels.ssd.naive import ssm_scan_recurrent
-from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+from tests.helpers import SSD_STATE_REL as STATE_REL
+from tests.helpers import SSD_Y_REL as Y_REL
+from tests.helpers import TORCH_DTYPES, assert_close, make_inputs, requires_cutile
 
-Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
-STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
 MAXABS = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 
-def _has_cutile() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    try:
-        import cuda.tile  # noqa: F401  (availability check)
-    except ImportError as e:
-        return False, f"cuda.tile not importable: {e}"
-    return True, ""
-
-
-_OK, _WHY = _has_cutile()
-gpu = pytest.mark.skipif(not _OK, reason=_WHY or "gpu")
+gpu = requires_cutile
 
 
 def _run_and_check(p: SSMScanProblem, *, seed: int, init_state=True, dt_limit=(0.0, math.inf), config=None,

@@ -23,6 +23,7 @@ from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanPr
 from m2export.errors import BackendUnavailable, InternalError
 from m2export.plugins import aot
 from m2export.plugins.ssm_scan_trt import aot_launch
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, assert_close, make_inputs, requires_cutile
 from tests.plugins.fakes import Expr, exprs
 
 DATA = Path(__file__).parent / "data"
@@ -249,25 +250,9 @@ def test_check_target():
 
 
 # ----------------------------------------------------------------------------- GPU: launch like TensorRT
-def _gpu_ready() -> str | None:
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch: {e}"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import cuda.tile  # noqa: F401
-    except ImportError as e:
-        return f"cuda.tile not importable: {e}"
-    return None
-
-
-_WHY = _gpu_ready()
-gpu = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
-#: same bounds as tests/kernels/test_ssd.py (the AOT kernel is the same cuTile kernel)
-Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
-STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+gpu = requires_cutile
+#: the bounds of tests/kernels/test_ssd.py (the AOT kernel is the same cuTile kernel)
+Y_REL, STATE_REL = SSD_Y_REL, SSD_STATE_REL
 
 AOT_CASES = [  # (problem, dt_limit): the limits reach the kernel as float32 bit patterns
     pytest.param(SSMScanProblem(2, 100, 8, 64, 2, 64, "float32"), (1e-4, math.inf), id="B2-L100-H8-P64-G2-N64-fp32"),
@@ -287,7 +272,6 @@ def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
 
     from m2export.kernels.ssd.naive import ssm_scan_recurrent
     from m2export.plugins import _cuda
-    from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
 
     cc = _cuda.compute_capability(torch.cuda.current_device())
     attrs = SSMScanAttrs(dt_min=dt_limit[0], dt_max=dt_limit[1])
@@ -393,7 +377,6 @@ def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
 
     from m2export.kernels.ssd.naive import ssm_scan_recurrent
     from m2export.plugins import _cuda
-    from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
 
     driver = _cuda.driver_version()
     if isa == "driver" and driver[0] != 13:

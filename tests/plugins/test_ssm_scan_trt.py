@@ -21,7 +21,7 @@ from m2export import contract
 from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanProblem
 from m2export.errors import BackendUnavailable, InternalError
 from m2export.plugins import ssm_scan_trt as plug
-from tests.helpers import TORCH_DTYPES, assert_close, make_inputs
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, assert_close, make_inputs, requires_cutile
 from tests.plugins.fakes import Expr, FakeTensor, fake_tensorrt
 
 CASES = [
@@ -205,21 +205,9 @@ def test_register_refuses_old_tensorrt(fresh_registry):
 
 
 # ----------------------------------------------------------------------------- GPU: JIT impl body
-def _gpu_ready() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import cuda.tile  # noqa: F401
-    except ImportError as e:
-        return f"cuda.tile not importable: {e}"
-    return None
-
-
-_WHY = _gpu_ready()
-gpu = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
-#: same bounds as tests/kernels/test_ssd.py (the JIT impl runs that kernel)
-Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
-STATE_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
+gpu = requires_cutile
+#: the bounds of tests/kernels/test_ssd.py (the JIT impl runs that kernel)
+Y_REL, STATE_REL = SSD_Y_REL, SSD_STATE_REL
 
 
 @pytest.mark.gpu
