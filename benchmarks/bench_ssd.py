@@ -126,8 +126,10 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def cutile_variants(spec: str):
-    """'auto' (choose_config's defaults) or comma list of chunk:block_p:nseg[:occupancy[:state_t[:split_upd]]]
-    (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy: no hint; state_t/split_upd 0 or 1)."""
+    """'auto' (choose_config's defaults) or comma list of
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps]]]]]
+    (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
+    state_t/split_upd/dt_pre 0 or 1, empty: choose_config's default)."""
     from m2export.kernels.ssd.cutile import choose_config
 
     out = []
@@ -135,9 +137,31 @@ def cutile_variants(spec: str):
         if item == "auto":
             out.append(("cutile", None))
             continue
-        q, bp, ns, occ, st, su = (item.split(":") + ["", "", ""])[:6]
-        out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, st == "1", su == "1")))
+        q, bp, ns, occ, st, su, pre, ww = (item.split(":") + [""] * 8)[:8]
+        flag = lambda v: None if v == "" else v == "1"  # noqa: E731
+        out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
+                                        int(ww) if ww else None)))
     return out, choose_config
+
+
+def warm_up_parallel(args) -> None:
+    """Compile every (shape, variant) in ``args.jobs`` processes (tileiras runs on the host CPUs);
+    the timed run then finds the cubins in cuTile's disk cache."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(sh, v) for sh in args.shapes.split(",") for v in args.variants.split(",")]
+
+    def one(job):
+        sh, v = job
+        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference",
+                            "--results", "", "--shapes", sh, "--variants", v], capture_output=True, text=True)
+        return f"  warm-up {sh} {v}: rc {r.returncode} {r.stdout.strip().splitlines()[-1:] if r.returncode else ''}" \
+            + (r.stderr[-400:] if r.returncode else "")
+
+    with ThreadPoolExecutor(args.jobs) as ex:
+        for line in ex.map(one, jobs):
+            print(line, flush=True)
 
 
 def main(argv=None):
@@ -149,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--eager-only", action="store_true", help="skip CUDA-graph timing (config sweeps)")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition time, ms")
     ap.add_argument("--warmup-only", action="store_true", help="compile every variant once and exit")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile the variants first in this many parallel processes (cuTile's disk cache)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"),
                     help="markdown file the table is appended to ('' for none)")
     args = ap.parse_args(argv)
@@ -160,6 +186,8 @@ def main(argv=None):
 
     import cuda.tile as ct
 
+    if args.jobs > 1 and not args.warmup_only:
+        warm_up_parallel(args)
     mamba, why_no_mamba = (None, "--no-mamba") if args.no_mamba else load_mamba()
     variants, choose_config = cutile_variants(args.variants)
     dev = torch.cuda.get_device_name()
@@ -179,8 +207,9 @@ def main(argv=None):
             if v is None:
                 cfg = choose_config(prob, sm_count=sm)
             else:
-                q, bp, ns, occ, st, su = v
-                kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su)
+                q, bp, ns, occ, st, su, pre, ww = v
+                kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
+                          worker_warps=ww)
                 if ns.startswith("a"):
                     cfg = choose_config(prob, blocks_per_sm=int(ns[1:] or 8), **kw)
                 else:

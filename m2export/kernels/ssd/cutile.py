@@ -90,37 +90,58 @@ def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt
     return ct.where(t < seqlen, v, 0.0)
 
 
-def _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE_MMA, STATE_T: ConstBool,
-                           SPLIT_UPD: ConstBool):
-    """state -> exp(cs_last) * state + x_c^T @ (B_c * delta * exp(cs_last - cs)).
+def _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, DTYPE_MMA, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
+    """state -> exp(cs_last) * state + x_c^T @ (B_c * w), w = delta * exp(cs_last - cs) (Q,).
 
     state is (P, N) fp32, or (N, P) when STATE_T. With SPLIT_UPD the chunk's own contribution is
     a separate product added afterwards, so the only work that waits on the previous state is
     one fused multiply-add (shorter dependency chain between chunks).
     """
-    w = delta * ct.exp(cs_last - cs)  # (Q,), exponent <= 0
     bw = (B_c.astype(ct.float32) * w[:, None]).astype(DTYPE_MMA)
-    decay = ct.exp(cs_last)
     if STATE_T:
         if SPLIT_UPD:
-            return state * decay + ct.mma(bw.transpose(), x_c, ct.full(state.shape, 0.0, dtype=ct.float32))
-        return ct.mma(bw.transpose(), x_c, state * decay)
+            return state * ecs_last + ct.mma(bw.transpose(), x_c, ct.full(state.shape, 0.0, dtype=ct.float32))
+        return ct.mma(bw.transpose(), x_c, state * ecs_last)
     if SPLIT_UPD:
-        return state * decay + ct.mma(x_c.transpose(), bw, ct.full(state.shape, 0.0, dtype=ct.float32))
-    return ct.mma(x_c.transpose(), bw, state * decay)
+        return state * ecs_last + ct.mma(x_c.transpose(), bw, ct.full(state.shape, 0.0, dtype=ct.float32))
+    return ct.mma(x_c.transpose(), bw, state * ecs_last)
 
 
-def _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
+def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt,
+                     DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
+    """Per-token coefficients of chunk c, all (CHUNK,) fp32: delta, cs = cumsum(delta*A) (<= 0),
+    w = delta * exp(cs_last - cs), ecs = exp(cs); and ecs_last = exp(cs_last) (1,).
+
+    DT_PRE: read them from ``coef`` (written by :func:`ssd_dt_kernel`; rows delta, cs, w, ecs);
+    otherwise compute them here from dt (the single-launch plan).
+    """
+    if DT_PRE:
+        delta = ct.load(coef, index=(0, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        cs = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        w = ct.load(coef, index=(2, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        ecs = ct.load(coef, index=(3, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        ecs_last = ct.extract(ecs, index=(CHUNK - 1,), shape=(1,))
+    else:
+        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
+        cs = ct.cumsum(delta * a_h, 0)  # (Q,) fp32 inclusive
+        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        w = delta * ct.exp(cs_last - cs)  # exponent <= 0
+        ecs = ct.exp(cs)
+        ecs_last = ct.exp(cs_last)
+    return delta, cs, w, ecs, ecs_last
+
+
+def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
-                    HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
+                    HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
+                    DT_PRE: ConstBool):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state."""
     DTYPE = x.dtype
     idx = ct.arange(CHUNK, dtype=ct.int32)
     causal = idx[:, None] >= idx[None, :]
     for c in range(c_begin, c_end):
-        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
-        cs = ct.cumsum(delta * a_h, 0)  # (Q,) fp32 inclusive
-        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        delta, cs, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
+                                                       CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
                       padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
         B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
@@ -136,13 +157,13 @@ def _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h
         if HAS_D:
             acc = acc + d_h * x_c.astype(ct.float32)
         # inter-chunk: (C * exp(cs)) @ state^T
-        c_dec = (C_c.astype(ct.float32) * ct.exp(cs)[:, None]).astype(DTYPE)
+        c_dec = (C_c.astype(ct.float32) * ecs[:, None]).astype(DTYPE)
         if STATE_T:
             acc = ct.mma(c_dec, state.astype(DTYPE), acc)
         else:
             acc = ct.mma(c_dec, state.transpose().astype(DTYPE), acc)
         ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
-        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, DTYPE, STATE_T, SPLIT_UPD)
+        state = _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, DTYPE, STATE_T, SPLIT_UPD)
     return state
 
 
@@ -192,6 +213,41 @@ def _ct_initial_state(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: Const
 
 # ----------------------------------------------------------------------------- kernels
 @ct.kernel
+def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
+                  CHUNK: ConstInt, BLOCK_H: ConstInt, HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool):
+    """Step-size pre-pass of the two-kernel plans. Grid: (batch, nchunks, cdiv(nheads, BLOCK_H)).
+
+    Block (b, c, hb) turns dt[b, chunk c, heads hb*BLOCK_H...] into the per-token coefficients the
+    scan kernels read (fp32, ``coef`` is (4, batch, nheads, nchunks*CHUNK)): row 0 delta =
+    clamp(softplus(dt + dt_bias), dt_min, dt_max) (0 past seqlen), row 1 cs = cumsum within the
+    chunk of delta*A (<= 0), row 2 w = delta*exp(cs_last - cs), row 3 exp(cs). Padded tokens have
+    delta = 0, so cs stays flat there: they neither decay nor add.
+    """
+    b = ct.bid(0)
+    c = ct.bid(1)
+    hb = ct.bid(2)
+    seqlen = dt.shape[1]
+    v = ct.load(dt, index=(b, c, hb), shape=(1, CHUNK, BLOCK_H), padding_mode=_ZERO).reshape((CHUNK, BLOCK_H))
+    v = v.astype(ct.float32)
+    a = ct.load(A, index=(hb,), shape=(BLOCK_H,), padding_mode=_ZERO).astype(ct.float32)
+    if HAS_DT_BIAS:
+        v = v + ct.load(dt_bias, index=(hb,), shape=(BLOCK_H,), padding_mode=_ZERO).astype(ct.float32)[None, :]
+    if DT_SOFTPLUS:
+        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
+    v = ct.minimum(ct.maximum(v, dt_min), dt_max)
+    t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
+    delta = ct.where(t[:, None] < seqlen, v, 0.0)
+    cs = ct.cumsum(delta * a[None, :], 0)
+    cs_last = ct.extract(cs, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
+    w = delta * ct.exp(cs_last - cs)
+    shape = (1, 1, CHUNK, BLOCK_H)
+    ct.store(coef, index=(0, b, c, hb), tile=delta.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(1, b, c, hb), tile=cs.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(2, b, c, hb), tile=w.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(3, b, c, hb), tile=ct.exp(cs).reshape(shape), order=(0, 1, 3, 2))
+
+
+@ct.kernel
 def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
                      CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
@@ -214,17 +270,18 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
-    state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, 0, nchunks, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD)
+    state = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, a_h, d_h, bias_h,
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD,
+                            False)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
 @ct.kernel
-def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
+def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay,
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool,
-                             SPLIT_UPD: ConstBool):
+                             SPLIT_UPD: ConstBool, DT_PRE: ConstBool):
     """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
@@ -247,25 +304,24 @@ def ssd_segment_state_kernel(x, dt, A, B, dt_bias, seg_state, seg_logdecay,
     state = _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
     logdecay = ct.full((1,), 0.0, dtype=ct.float32)
     for c in range(c_begin, c_end):
-        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
-        cs = ct.cumsum(delta * a_h, 0)
-        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        delta, cs, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
+                                                       CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
                       padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
         B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
                       padding_mode=_ZERO).reshape((CHUNK, D_STATE))
-        state = _ct_chunk_state_update(state, x_c, B_c, delta, cs, cs_last, x.dtype, STATE_T, SPLIT_UPD)
-        logdecay = logdecay + cs_last
+        state = _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, x.dtype, STATE_T, SPLIT_UPD)
+        logdecay = logdecay + ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, STATE_T)
     ct.store(seg_logdecay, index=(b, h, s), tile=logdecay.reshape((1, 1, 1)))
 
 
 @ct.kernel
-def ssd_scan_kernel(x, dt, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
+def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
                     dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
-                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                     STATE_T: ConstBool, SPLIT_UPD: ConstBool):
+                    HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
+                    STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim // BLOCK_P).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
@@ -290,8 +346,9 @@ def ssd_scan_kernel(x, dt, A, B, C, D, dt_bias, initial_state, seg_state, seg_lo
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
-    state = _ct_scan_chunks(x, dt, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD)
+    state = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
+                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD,
+                            DT_PRE)
     if s == nseg - 1:
         _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
@@ -316,22 +373,25 @@ class ScanConfig:
     occupancy: int | None = None  # cuTile compiler hint: blocks per SM (None: compiler default)
     state_t: bool = False  # keep the state on chip as (d_state, headdim) instead of (headdim, d_state)
     split_upd: bool = False  # add each chunk's state contribution after its own product
+    dt_pre: bool = False  # step sizes and decays by a pre-pass kernel (ssd_dt_kernel) instead of in the scan loop
+    worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
 
     @property
     def plan(self) -> str:
-        return "fused" if self.nseg == 1 else "split"
+        return ("fused" if self.nseg == 1 else "split") + ("+dt" if self.dt_pre else "")
 
 
-_HINTED: dict[tuple[Any, int | None], Any] = {}
+_HINTED: dict[tuple[Any, int | None, int | None], Any] = {}
 
 
-def _hinted(kernel, occupancy: int | None):
-    """``kernel`` re-hinted for ``occupancy`` (one kernel object, hence one JIT cache, per hint)."""
-    if occupancy is None:
+def _hinted(kernel, occupancy: int | None, worker_warps: int | None = None):
+    """``kernel`` re-hinted for ``occupancy``/``worker_warps`` (one kernel object, hence one JIT cache, per hint)."""
+    if occupancy is None and worker_warps is None:
         return kernel
-    key = (kernel, occupancy)
+    key = (kernel, occupancy, worker_warps)
     if key not in _HINTED:
-        _HINTED[key] = kernel.replace_hints(occupancy=occupancy)
+        hints = {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", worker_warps)) if v is not None}
+        _HINTED[key] = kernel.replace_hints(**hints)
     return _HINTED[key]
 
 
@@ -349,12 +409,14 @@ DEFAULT_OCCUPANCY = 2
 DEFAULT_BLOCKS_PER_SM = 8
 DEFAULT_STATE_T = True
 DEFAULT_SPLIT_UPD = True
+DEFAULT_DT_PRE = True
 
 
 def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
                   block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int | None = None,
                   occupancy: int | None = None, state_t: bool | None = None,
-                  split_upd: bool | None = None) -> ScanConfig:
+                  split_upd: bool | None = None, dt_pre: bool | None = None,
+                  worker_warps: int | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state. When the
@@ -382,7 +444,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
-                      state_t=state_t, split_upd=split_upd)
+                      state_t=state_t, split_upd=split_upd, dt_pre=DEFAULT_DT_PRE if dt_pre is None else dt_pre,
+                      worker_warps=worker_warps or None)
 
 
 def _torch_stream(stream, device: torch.device) -> torch.cuda.Stream:
@@ -416,26 +479,40 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
     batch, seqlen, nheads, headdim = x.shape
     d_state = B.shape[3]
     npt = headdim // cfg.block_p
-    if cfg.nseg == 1:
-        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p), _hinted(ssd_fused_kernel, cfg.occupancy),
+    if cfg.nseg == 1 and not cfg.dt_pre:
+        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p),
+                  _hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps),
                   _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max,
                               cfg=cfg, heads_per_group=heads_per_group, dt_softplus=dt_softplus))
         return
-    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x)
-    seg_state = torch.empty(batch, nheads, cfg.nseg - 1, headdim, d_state, dtype=torch.float32, device=x.device)
-    seg_logdecay = torch.empty(batch, nheads, cfg.nseg - 1, dtype=torch.float32, device=x.device)
     bias = dt_bias if dt_bias is not None else A
-    ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt), _hinted(ssd_segment_state_kernel, cfg.occupancy),
-              (x, dt, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max), int(heads_per_group),
-               cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None, bool(dt_softplus),
-               bool(cfg.state_t), bool(cfg.split_upd)))
-    ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy),
-              (x, dt, A, B, C, D if D is not None else A, bias,
+    nchunks = -(-seqlen // cfg.chunk)
+    if cfg.dt_pre:
+        # fp32 per-token coefficients (4 x the size of dt in fp32)
+        coef = torch.empty(4, batch, nheads, nchunks * cfg.chunk, dtype=torch.float32, device=x.device)
+        block_h = min(32, 1 << (nheads - 1).bit_length())
+        ct.launch(stream, (batch, nchunks, -(-nheads // block_h)), ssd_dt_kernel,
+                  (dt, A, bias, coef, float(dt_min), float(dt_max), cfg.chunk, block_h, dt_bias is not None,
+                   bool(dt_softplus)))
+    else:
+        coef = A  # never read
+    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x)
+    seg_state = torch.empty(batch, nheads, max(1, cfg.nseg - 1), headdim, d_state, dtype=torch.float32,
+                            device=x.device)
+    seg_logdecay = torch.empty(batch, nheads, max(1, cfg.nseg - 1), dtype=torch.float32, device=x.device)
+    if cfg.nseg > 1:
+        ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt),
+                  _hinted(ssd_segment_state_kernel, cfg.occupancy, cfg.worker_warps),
+                  (x, dt, coef, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max),
+                   int(heads_per_group), cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
+                   bool(dt_softplus), bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
+    ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps),
+              (x, dt, coef, A, B, C, D if D is not None else A, bias,
                initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,
-               float(dt_min), float(dt_max), int(heads_per_group), cfg.chunks_per_seg,
+               float(dt_min), float(dt_max), int(heads_per_group), cfg.chunks_per_seg or nchunks,
                cfg.chunk, cfg.block_p, d_state,
                D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
-               bool(cfg.state_t), bool(cfg.split_upd)))
+               bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
 
 
 def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMScanProblem, dt_softplus: bool,
