@@ -42,6 +42,7 @@ rounded to the input dtype, as in mamba_ssm; segment sums, exponentials and the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,7 @@ SUPPORTED_DIMS = (32, 64, 128, 256)
 """headdim and d_state the kernels compile for (powers of two; tiles must be)."""
 
 _ZERO = ct.PaddingMode.ZERO
+_LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -90,80 +92,85 @@ def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt
     return ct.where(t < seqlen, v, 0.0)
 
 
-def _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, DTYPE_MMA, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
-    """state -> exp(cs_last) * state + x_c^T @ (B_c * w), w = delta * exp(cs_last - cs) (Q,).
+def _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
+    """state -> exp(cs_last) * state + B_c^T @ x_w, with x_w = x_c * w[:, None] (input dtype).
 
-    state is (P, N) fp32, or (N, P) when STATE_T. With SPLIT_UPD the chunk's own contribution is
-    a separate product added afterwards, so the only work that waits on the previous state is
-    one fused multiply-add (shorter dependency chain between chunks).
+    state is (N, P) fp32 when STATE_T, else (P, N). With SPLIT_UPD the chunk's own contribution
+    is a separate product added afterwards, so the only work that waits on the previous state is
+    one fused multiply-add (shorter dependency chain between chunks); without it the product
+    accumulates onto the decayed state (fewer instructions).
     """
-    bw = (B_c.astype(ct.float32) * w[:, None]).astype(DTYPE_MMA)
     if STATE_T:
         if SPLIT_UPD:
-            return state * ecs_last + ct.mma(bw.transpose(), x_c, ct.full(state.shape, 0.0, dtype=ct.float32))
-        return ct.mma(bw.transpose(), x_c, state * ecs_last)
+            return state * ecs_last + ct.mma(B_c.transpose(), x_w, ct.full(state.shape, 0.0, dtype=ct.float32))
+        return ct.mma(B_c.transpose(), x_w, state * ecs_last)
     if SPLIT_UPD:
-        return state * ecs_last + ct.mma(x_c.transpose(), bw, ct.full(state.shape, 0.0, dtype=ct.float32))
-    return ct.mma(x_c.transpose(), bw, state * ecs_last)
+        return state * ecs_last + ct.mma(x_w.transpose(), B_c, ct.full(state.shape, 0.0, dtype=ct.float32))
+    return ct.mma(x_w.transpose(), B_c, state * ecs_last)
 
 
 def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt,
                      DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
-    """Per-token coefficients of chunk c, all (CHUNK,) fp32: delta, cs = cumsum(delta*A) (<= 0),
-    w = delta * exp(cs_last - cs), ecs = exp(cs); and ecs_last = exp(cs_last) (1,).
+    """Per-token coefficients of chunk c, all (CHUNK,) fp32: delta, cs2 = cumsum(delta*A)*log2(e)
+    (<= 0, non-increasing), w = delta * exp(cs_last - cs), ecs = exp(cs); and ecs_last = exp(cs_last) (1,).
 
-    DT_PRE: read them from ``coef`` (written by :func:`ssd_dt_kernel`; rows delta, cs, w, ecs);
+    DT_PRE: read them from ``coef`` (written by :func:`ssd_dt_kernel`; rows delta, cs2, w, ecs);
     otherwise compute them here from dt (the single-launch plan).
     """
     if DT_PRE:
         delta = ct.load(coef, index=(0, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        cs = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        cs2 = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
         w = ct.load(coef, index=(2, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
         ecs = ct.load(coef, index=(3, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
         ecs_last = ct.extract(ecs, index=(CHUNK - 1,), shape=(1,))
     else:
         delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
-        cs = ct.cumsum(delta * a_h, 0)  # (Q,) fp32 inclusive
-        cs_last = ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
-        w = delta * ct.exp(cs_last - cs)  # exponent <= 0
-        ecs = ct.exp(cs)
-        ecs_last = ct.exp(cs_last)
-    return delta, cs, w, ecs, ecs_last
+        cs2 = ct.cumsum(delta * (a_h * _LOG2E), 0)  # (Q,) fp32 inclusive, log2 units
+        cs2_last = ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
+        w = delta * ct.exp2(cs2_last - cs2)  # exponent <= 0
+        ecs = ct.exp2(cs2)
+        ecs_last = ct.exp2(cs2_last)
+    return delta, cs2, w, ecs, ecs_last
 
 
 def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
                     DT_PRE: ConstBool):
-    """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state."""
+    """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state.
+
+    Per-token scalings are applied to the narrow operand: x (Q x P) is scaled by delta and by w
+    before the products, and the inter-chunk output row by row by exp(cs) after its product,
+    so B and C (Q x N) go to the tensor cores untouched.
+    """
     DTYPE = x.dtype
     idx = ct.arange(CHUNK, dtype=ct.int32)
     causal = idx[:, None] >= idx[None, :]
     for c in range(c_begin, c_end):
-        delta, cs, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
-                                                       CHUNK, DT_SOFTPLUS, DT_PRE)
+        delta, cs2, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
+                                                        CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
                       padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
         B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
                       padding_mode=_ZERO).reshape((CHUNK, D_STATE))
         C_c = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
                       padding_mode=_ZERO).reshape((CHUNK, D_STATE))
-        # intra-chunk: (C B^T) * decay * delta_j, masked before exp
+        xf = x_c.astype(ct.float32)
+        # intra-chunk: ((C B^T) * exp(cs_i - cs_j) [i >= j]) @ (delta * x); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
-        seg = cs[:, None] - cs[None, :]
-        decay = ct.where(causal, ct.exp(ct.minimum(seg, 0.0)), 0.0)
-        m = (cb * decay * delta[None, :]).astype(DTYPE)
-        acc = ct.mma(m, x_c, ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
+        seg = ct.where(causal, cs2[:, None] - cs2[None, :], -math.inf)
+        m = (cb * ct.exp2(seg)).astype(DTYPE)
+        acc = ct.mma(m, (xf * delta[:, None]).astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
         if HAS_D:
-            acc = acc + d_h * x_c.astype(ct.float32)
-        # inter-chunk: (C * exp(cs)) @ state^T
-        c_dec = (C_c.astype(ct.float32) * ecs[:, None]).astype(DTYPE)
+            acc = acc + d_h * xf
+        # inter-chunk: exp(cs_i) * (C @ state^T)_i
         if STATE_T:
-            acc = ct.mma(c_dec, state.astype(DTYPE), acc)
+            off = ct.mma(C_c, state.astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
         else:
-            acc = ct.mma(c_dec, state.transpose().astype(DTYPE), acc)
+            off = ct.mma(C_c, state.transpose().astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
+        acc = acc + off * ecs[:, None]
         ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
-        state = _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, DTYPE, STATE_T, SPLIT_UPD)
+        state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
     return state
 
 
@@ -219,8 +226,8 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
 
     Block (b, c, hb) turns dt[b, chunk c, heads hb*BLOCK_H...] into the per-token coefficients the
     scan kernels read (fp32, ``coef`` is (4, batch, nheads, nchunks*CHUNK)): row 0 delta =
-    clamp(softplus(dt + dt_bias), dt_min, dt_max) (0 past seqlen), row 1 cs = cumsum within the
-    chunk of delta*A (<= 0), row 2 w = delta*exp(cs_last - cs), row 3 exp(cs). Padded tokens have
+    clamp(softplus(dt + dt_bias), dt_min, dt_max) (0 past seqlen), row 1 cs2 = log2(e) * cumsum
+    within the chunk of delta*A (<= 0), row 2 w = delta*exp(cs_last - cs), row 3 exp(cs). Padded tokens have
     delta = 0, so cs stays flat there: they neither decay nor add.
     """
     b = ct.bid(0)
@@ -237,14 +244,14 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     v = ct.minimum(ct.maximum(v, dt_min), dt_max)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where(t[:, None] < seqlen, v, 0.0)
-    cs = ct.cumsum(delta * a[None, :], 0)
+    cs = ct.cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
     cs_last = ct.extract(cs, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
-    w = delta * ct.exp(cs_last - cs)
+    w = delta * ct.exp2(cs_last - cs)
     shape = (1, 1, CHUNK, BLOCK_H)
     ct.store(coef, index=(0, b, c, hb), tile=delta.reshape(shape), order=(0, 1, 3, 2))
     ct.store(coef, index=(1, b, c, hb), tile=cs.reshape(shape), order=(0, 1, 3, 2))
     ct.store(coef, index=(2, b, c, hb), tile=w.reshape(shape), order=(0, 1, 3, 2))
-    ct.store(coef, index=(3, b, c, hb), tile=ct.exp(cs).reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(3, b, c, hb), tile=ct.exp2(cs).reshape(shape), order=(0, 1, 3, 2))
 
 
 @ct.kernel
@@ -286,7 +293,7 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
     chunks [s*chunks_per_seg, (s+1)*chunks_per_seg) -> seg_state[b, h, s, p-tile, :] (fp32), and
-    the segment's total log-decay sum(delta*A) -> seg_logdecay[b, h, s] (every p-tile writes the
+    the segment's total log2-decay log2(e)*sum(delta*A) -> seg_logdecay[b, h, s] (every p-tile writes the
     same value). The last segment is never needed by pass 2, hence nseg - 1 blocks along axis 1.
     """
     bh = ct.bid(0)
@@ -297,21 +304,22 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     b = bh // nheads
     h = bh % nheads
     g = h // heads_per_group
-    a_h, d_h, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
+    a_h, _, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
     state = _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
     logdecay = ct.full((1,), 0.0, dtype=ct.float32)
     for c in range(c_begin, c_end):
-        delta, cs, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
-                                                       CHUNK, DT_SOFTPLUS, DT_PRE)
+        _delta, cs2, w, _ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
+                                                          CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
                       padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
         B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
                       padding_mode=_ZERO).reshape((CHUNK, D_STATE))
-        state = _ct_chunk_state_update(state, x_c, B_c, w, ecs_last, x.dtype, STATE_T, SPLIT_UPD)
-        logdecay = logdecay + ct.extract(cs, index=(CHUNK - 1,), shape=(1,))
+        x_w = (x_c.astype(ct.float32) * w[:, None]).astype(x.dtype)
+        state = _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T, SPLIT_UPD)
+        logdecay = logdecay + ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, STATE_T)
     ct.store(seg_logdecay, index=(b, h, s), tile=logdecay.reshape((1, 1, 1)))
 
@@ -342,7 +350,7 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     for sp in range(s):
         ld = ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,))
         st = _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
-        state = state * ct.exp(ld) + st
+        state = state * ct.exp2(ld) + st
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
