@@ -127,7 +127,7 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps]]]]]
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy]]]]]]
     (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
     state_t/split_upd/dt_pre 0 or 1, empty: choose_config's default)."""
     from m2export.kernels.ssd.cutile import choose_config
@@ -137,10 +137,10 @@ def cutile_variants(spec: str):
         if item == "auto":
             out.append(("cutile", None))
             continue
-        q, bp, ns, occ, st, su, pre, ww = (item.split(":") + [""] * 8)[:8]
+        q, bp, ns, occ, st, su, pre, ww, so = (item.split(":") + [""] * 9)[:9]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
-                                        int(ww) if ww else None)))
+                                        int(ww) if ww else None, int(so) if so else None)))
     return out, choose_config
 
 
@@ -207,9 +207,9 @@ def main(argv=None):
             if v is None:
                 cfg = choose_config(prob, sm_count=sm)
             else:
-                q, bp, ns, occ, st, su, pre, ww = v
+                q, bp, ns, occ, st, su, pre, ww, so = v
                 kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-                          worker_warps=ww)
+                          worker_warps=ww, seg_occupancy=so)
                 if ns.startswith("a"):
                     cfg = choose_config(prob, blocks_per_sm=int(ns[1:] or 8), **kw)
                 else:

@@ -383,6 +383,7 @@ class ScanConfig:
     split_upd: bool = False  # add each chunk's state contribution after its own product
     dt_pre: bool = False  # step sizes and decays by a pre-pass kernel (ssd_dt_kernel) instead of in the scan loop
     worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
+    seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
 
     @property
     def plan(self) -> str:
@@ -401,6 +402,12 @@ def _hinted(kernel, occupancy: int | None, worker_warps: int | None = None):
         hints = {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", worker_warps)) if v is not None}
         _HINTED[key] = kernel.replace_hints(**hints)
     return _HINTED[key]
+
+
+def _default_chunk(problem: SSMScanProblem) -> int:
+    # fp32 products run as FFMA with whole operand tiles in registers (they spill: 24 KB of stack
+    # per thread at chunk 64, d_state 256); chunk 32 halves that
+    return 32 if problem.dtype == "float32" else DEFAULT_CHUNK
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
@@ -424,7 +431,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int | None = None,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
-                  worker_warps: int | None = None) -> ScanConfig:
+                  worker_warps: int | None = None, seg_occupancy: int | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state. When the
@@ -434,7 +441,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     never shorter than one chunk). Any argument given overrides its default (the benchmark's
     sweeps); ``occupancy=0`` means no hint (the compiler's choice).
     """
-    chunk = chunk or DEFAULT_CHUNK
+    chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
     blocks_per_sm = blocks_per_sm or DEFAULT_BLOCKS_PER_SM
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
@@ -453,7 +460,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nseg = -(-nchunks // cps)  # no empty segment
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=DEFAULT_DT_PRE if dt_pre is None else dt_pre,
-                      worker_warps=worker_warps or None)
+                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None)
 
 
 def _torch_stream(stream, device: torch.device) -> torch.cuda.Stream:
@@ -510,7 +517,7 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
     seg_logdecay = torch.empty(batch, nheads, max(1, cfg.nseg - 1), dtype=torch.float32, device=x.device)
     if cfg.nseg > 1:
         ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt),
-                  _hinted(ssd_segment_state_kernel, cfg.occupancy, cfg.worker_warps),
+                  _hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps),
                   (x, dt, coef, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max),
                    int(heads_per_group), cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
                    bool(dt_softplus), bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
@@ -737,7 +744,7 @@ class AotKernel:
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:
     """The single-launch configuration the AOT plugin compiles (nseg 1, the measured defaults)."""
-    return ScanConfig(chunk=DEFAULT_CHUNK, block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
+    return ScanConfig(chunk=_default_chunk(problem), block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
                       chunks_per_seg=0, occupancy=DEFAULT_OCCUPANCY, state_t=DEFAULT_STATE_T,
                       split_upd=DEFAULT_SPLIT_UPD)
 
