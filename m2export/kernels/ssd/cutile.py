@@ -415,16 +415,38 @@ def _default_block_p(headdim: int, d_state: int) -> int:
     return max(16, min(headdim, 8192 // d_state))
 
 
-# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, runs of 2026-11-30 09:46 and 09:57 UTC):
-# chunk 64, state kept as (d_state, headdim) with the chunk contribution added after its own
-# product, occupancy hint 2, and -- unless one wave of blocks is already about full -- enough
-# sequence segments for ~8 blocks per SM.
+# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, runs of 2026-11-30): chunk 64 (32 for
+# fp32), step sizes by the pre-pass kernel, the state kept as (d_state, headdim) with each chunk's
+# contribution accumulated onto the decayed state, occupancy hint 2; the segment count from
+# _plan_cost below.
 DEFAULT_CHUNK = 64
 DEFAULT_OCCUPANCY = 2
-DEFAULT_BLOCKS_PER_SM = 8
 DEFAULT_STATE_T = True
-DEFAULT_SPLIT_UPD = True
+DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
+MAX_NSEG = 64
+
+# Relative costs in the plan model, in units of one chunk iteration of the scan kernel: a chunk of
+# pass 1 (state contribution only: ~435 vs ~1270 PTX instructions per iteration in the sm_90
+# build), folding one earlier segment's state into a pass-2 block's entry state, one extra launch.
+_PASS1_CHUNK_COST = 0.35
+_FOLD_COST = 0.4
+_LAUNCH_COST = 1.0
+
+
+def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
+    """Modelled time of the split plan with ``nseg`` segments (1: single pass), in chunk iterations.
+
+    base: (batch, head, p-tile) blocks per segment; slots: blocks resident at once (occupancy x
+    SMs). Blocks of one launch take the same time, so a launch costs ceil(blocks / slots) waves of
+    chunks_per_seg iterations; the last pass-2 block also folds nseg - 1 segment states.
+    """
+    cps = -(-nchunks // nseg)
+    nseg = -(-nchunks // cps)
+    cost = -(-base * nseg // slots) * cps
+    if nseg > 1:
+        cost += _PASS1_CHUNK_COST * (-(-base * (nseg - 1) // slots)) * cps + _FOLD_COST * (nseg - 1) + _LAUNCH_COST
+    return cost
 
 
 def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
@@ -434,16 +456,14 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   worker_warps: int | None = None, seg_occupancy: int | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
-    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state. When the
-    (batch, head, p-tile) blocks fill between half and all of one wave (occupancy * SMs), use the
-    single-launch plan (measured best on shapes a and c); otherwise split the sequence into
-    segments until about ``blocks_per_sm * sm_count`` blocks exist (best on b and d; a segment is
-    never shorter than one chunk). Any argument given overrides its default (the benchmark's
-    sweeps); ``occupancy=0`` means no hint (the compiler's choice).
+    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; nseg
+    minimising :func:`_plan_cost` over 1..MAX_NSEG (wave quantisation matters: on the H200, shape d
+    of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24). Any argument
+    given overrides its default (the benchmark's sweeps): ``blocks_per_sm`` instead picks the
+    segment count giving about that many blocks per SM; ``occupancy=0`` means no hint.
     """
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
-    blocks_per_sm = blocks_per_sm or DEFAULT_BLOCKS_PER_SM
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
     state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
@@ -451,10 +471,10 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
     if nseg is None:
         slots = (occupancy or 1) * sm_count
-        if slots // 2 <= base <= slots:
-            nseg = 1  # one full wave of (b, h, p-tile) blocks: the single-launch plan wins
-        else:
+        if blocks_per_sm:
             nseg = max(1, -(-(blocks_per_sm * sm_count) // base))
+        else:
+            nseg = min(range(1, min(nchunks, MAX_NSEG) + 1), key=lambda n: (_plan_cost(base, nchunks, n, slots), n))
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment
