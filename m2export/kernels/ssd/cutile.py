@@ -5,39 +5,43 @@ docstring names its grid and what one block owns) -> launch configuration and wr
 :func:`ssm_scan_cutile` (called by :func:`m2export.kernels.ssd.ssm_scan`) -> :func:`aot_spec`
 for the TensorRT AOT plugin.
 
-Algorithm (Dao & Gu, arXiv:2405.21060, Sec. 6; one pass, the state kept on chip). One block
-owns one (batch, head, headdim tile) and walks the sequence chunk by chunk (``CHUNK`` tokens,
-a power of two chosen here, independent of the contract's ``chunk_size``). Per chunk, all in
+Algorithm (Dao & Gu, arXiv:2405.21060, Sec. 6; the state kept on chip). One block owns one
+(batch, head, headdim tile) and walks the sequence chunk by chunk (``CHUNK`` tokens, a power of
+two chosen here, independent of the contract's ``chunk_size``). Per chunk, all in
 registers/shared memory:
 
     delta  = clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 on padded tokens  # (Q,)    fp32
-    cs     = cumsum(delta * A)                                                 # (Q,)    fp32, <= 0
+    cs     = cumsum(delta * A)  (kept as cs2 = cs * log2(e))                   # (Q,)    fp32, <= 0
+    w      = delta * exp(cs_last - cs)                                         # (Q,)    fp32
     CB     = C @ B^T                                                           # (Q, Q)  tensor cores, fp32 acc
-    M      = CB * exp(min(cs_i - cs_j, 0)) [i >= j] * delta_j                 # (Q, Q)  masked before exp
-    y      = M @ x + (C * exp(cs)) @ state^T + D * x                           # (Q, P)
-    state  = exp(cs_last) * state + x^T @ (B * delta * exp(cs_last - cs))      # (P, N)  fp32
+    M      = CB * exp2(where(i >= j, cs2_i - cs2_j, -inf))                     # (Q, Q)  masked before exp
+    y      = M @ (x * delta) + exp(cs)_i * (C @ state^T) + D * x               # (Q, P)
+    state  = exp(cs_last) * state + B^T @ (x * w)                              # (N, P)  fp32
 
-Padded tokens (past ``seqlen``) get delta = 0: they neither decay nor add, and their y rows
-are never stored (the store is bounds-checked). ``C @ B^T`` never leaves the chip.
+Every per-token scaling lands on the narrow operand x (Q, P) or on output rows, so B and C
+(Q, N) go from shared memory to the tensor cores untouched. Padded tokens (past ``seqlen``) get
+delta = 0: they neither decay nor add, and their y rows are never stored (the store is
+bounds-checked). ``C @ B^T`` never leaves the chip.
 
-Two launch plans share the same tile helpers:
+Launch plans (all share the tile helpers):
 
-* ``fused`` -- :func:`ssd_fused_kernel`, a single launch, grid (batch*nheads, 1, headdim tiles),
-  one block per (b, h, p-tile) over all chunks. This is the AOT/TensorRT path.
-* ``split`` -- the sequence is cut into ``nseg`` segments of whole chunks so that more blocks
-  run at once: :func:`ssd_segment_state_kernel` computes each segment's state contribution
-  from a zero state and its total log-decay (small fp32 scratch), then :func:`ssd_scan_kernel`
-  (grid (batch*nheads, nseg, headdim tiles)) folds the earlier segments' states into the
-  segment's entry state on chip and runs the full chunk loop. x and B are read twice, C once,
-  y written once.
+* JIT (``ssm_scan``, the TensorRT JIT plugin): :func:`ssd_dt_kernel` computes delta, cs2, w and
+  exp(cs) for every token into a small fp32 scratch (the scan loop then reads them with TMA
+  instead of strided loads of dt on its critical path); then, when :func:`choose_config` splits
+  the sequence into ``nseg`` > 1 segments, :func:`ssd_segment_state_kernel` computes each
+  segment's zero-start state and log2-decay; :func:`ssd_scan_kernel` (grid (batch*nheads, nseg,
+  headdim tiles)) folds the earlier segments into its entry state and runs the chunk loop.
+* AOT (TensorRT ``--plugin aot``): :func:`ssd_fused_kernel`, one launch, the coefficients computed
+  inline from dt.
 
 Variants (compile-time flags, all tested): ``STATE_T`` keeps the state as (d_state, headdim) so
-the inter-chunk product needs no transpose of the state; ``SPLIT_UPD`` adds each chunk's state
-contribution after its own product, so only one multiply-add waits on the previous state. Both
-on, chunk 64 and the occupancy hint 2 are the measured defaults (benchmarks/NOTES_ssd.md).
+the inter-chunk product needs no transpose; ``SPLIT_UPD`` adds each chunk's contribution after
+its own product instead of accumulating onto the decayed state. Defaults (measured, see
+benchmarks/NOTES_ssd.md): STATE_T on, SPLIT_UPD off, chunk 64 (32 for fp32), occupancy hint 2.
 Precision: matrix products take operands in the input dtype with fp32 accumulation (bf16/fp16:
-wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights and the state enter the products
-rounded to the input dtype, as in mamba_ssm; segment sums, exponentials and the state are fp32.
+wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights, x * delta,
+x * w and the state enter the products rounded to the input dtype (as in mamba_ssm, which
+rounds its scaled operands the same way); segment sums, exponentials and the state are fp32.
 """
 
 from __future__ import annotations
