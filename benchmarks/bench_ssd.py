@@ -130,7 +130,7 @@ def cutile_variants(spec: str):
     chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy]]]]]]
     (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
     state_t/split_upd/dt_pre 0 or 1, empty: choose_config's default)."""
-    from m2export.kernels.ssd.cutile import choose_config
+    from m2export.kernels.ssd.plan import choose_config
 
     out = []
     for item in spec.split(","):

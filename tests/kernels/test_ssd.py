@@ -93,7 +93,7 @@ LENGTH_CASES = [
 @pytest.mark.parametrize("plan", ["auto", "fused"])
 @pytest.mark.parametrize("case", LENGTH_CASES, ids=[c[0] for c in LENGTH_CASES])
 def test_lengths(case, plan):
-    from m2export.kernels.ssd.cutile import aot_config
+    from m2export.kernels.ssd.plan import aot_config
 
     p = SSMScanProblem(*case[1], dtype="bfloat16")
     cfg = aot_config(p) if plan == "fused" else None  # "fused": the single-launch kernel the AOT plugin uses
@@ -139,7 +139,7 @@ def test_dims_fp32():
 @pytest.mark.gpu
 @gpu
 def test_aot_fused_fp32_fp16():
-    from m2export.kernels.ssd.cutile import aot_config
+    from m2export.kernels.ssd.plan import aot_config
 
     for dtype in ("float32", "float16"):
         p = SSMScanProblem(2, 150, 8, 64, 2, 64, dtype=dtype)
@@ -173,7 +173,7 @@ def test_optional_inputs_absent():
 @gpu
 @pytest.mark.parametrize("nseg", [2, 3, 6])  # 11 chunks: 6/4/2 chunks per segment
 def test_split_plan(nseg):
-    from m2export.kernels.ssd.cutile import choose_config
+    from m2export.kernels.ssd.plan import choose_config
 
     p = SSMScanProblem(2, 700, 8, 64, 2, 128, dtype="bfloat16")
     cfg = choose_config(p, nseg=nseg)
@@ -186,7 +186,7 @@ def test_split_plan(nseg):
 @pytest.mark.parametrize("layout", ["state_pn", "state_np_split"])
 def test_state_layouts(layout):
     """Both on-chip state layouts/update orders (benchmark variants), fused and split plans."""
-    from m2export.kernels.ssd.cutile import choose_config
+    from m2export.kernels.ssd.plan import choose_config
 
     p = SSMScanProblem(2, 300, 8, 64, 2, 64, dtype="bfloat16")
     flag = layout == "state_np_split"

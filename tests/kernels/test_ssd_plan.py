@@ -1,0 +1,73 @@
+"""Launch planning of the cuTile SSD forward (m2export.kernels.ssd.plan): plain Python, runs on CPU."""
+
+import pytest
+
+from m2export.contract import SSMScanProblem
+from m2export.kernels.ssd import plan
+from m2export.kernels.ssd.plan import ScanConfig, _plan_cost, aot_config, choose_config
+
+# the benchmark's shapes (issue 6) and the plans measured fastest for them on the H200
+BENCH = {
+    "a": ((8, 2048, 24, 64, 1, 128), 1),
+    "b": ((4, 8192, 80, 64, 1, 128), 4),
+    "c": ((2, 8192, 128, 64, 8, 128), 1),
+    "d": ((1, 65536, 80, 64, 1, 128), 13),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BENCH))
+def test_bench_shapes_get_the_measured_plans(name):
+    dims, nseg = BENCH[name]
+    cfg = choose_config(SSMScanProblem(*dims, dtype="bfloat16"), sm_count=132)
+    assert (cfg.chunk, cfg.block_p, cfg.nseg, cfg.occupancy) == (64, 64, nseg, 2)
+    assert cfg.dt_pre and cfg.state_t and not cfg.split_upd
+    assert cfg.plan == ("fused+dt" if nseg == 1 else "split+dt")
+
+
+@pytest.mark.parametrize("seqlen", [1, 7, 63, 64, 65, 3 * 64 + 1, 5000, 65536])
+@pytest.mark.parametrize("batch,nheads", [(1, 1), (1, 80), (16, 24)])
+def test_segments_cover_the_sequence_without_empty_ones(seqlen, batch, nheads):
+    cfg = choose_config(SSMScanProblem(batch, seqlen, nheads, 64, 1, 128, dtype="bfloat16"))
+    nchunks = -(-seqlen // cfg.chunk)
+    assert 1 <= cfg.nseg <= min(nchunks, plan.MAX_NSEG)
+    assert (cfg.nseg - 1) * cfg.chunks_per_seg < nchunks <= cfg.nseg * cfg.chunks_per_seg
+
+
+def test_plan_cost_counts_waves():
+    # 264 slots: 264 blocks are one wave, 265 are two
+    assert _plan_cost(264, 10, 1, 264) == 10
+    assert _plan_cost(265, 10, 1, 264) == 20
+    # splitting adds pass 1, the folds and a launch
+    two = _plan_cost(10, 10, 2, 264)
+    assert two == pytest.approx(5 + plan._PASS1_CHUNK_COST * 5 + plan._FOLD_COST + plan._LAUNCH_COST)
+
+
+def test_short_sequences_stay_single_pass():
+    cfg = choose_config(SSMScanProblem(1, 128, 8, 64, 1, 64, dtype="bfloat16"))
+    assert cfg.nseg == 1  # two chunks: a second launch costs more than it saves
+
+
+def test_fp32_uses_chunk_32():
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
+    assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16")).chunk == 64
+
+
+@pytest.mark.parametrize("headdim,d_state,block_p", [(64, 128, 64), (128, 256, 32), (32, 32, 32), (256, 64, 128)])
+def test_block_p_bounds_the_state_tile(headdim, d_state, block_p):
+    cfg = choose_config(SSMScanProblem(1, 100, 4, headdim, 1, d_state, dtype="bfloat16"))
+    assert cfg.block_p == block_p and headdim % cfg.block_p == 0
+
+
+def test_overrides_win():
+    p = SSMScanProblem(4, 8192, 80, 64, 1, 128, dtype="bfloat16")
+    cfg = choose_config(p, chunk=128, block_p=32, nseg=3, occupancy=0, state_t=False, split_upd=True, dt_pre=False,
+                        worker_warps=8, seg_occupancy=3)
+    assert cfg == ScanConfig(chunk=128, block_p=32, nseg=3, chunks_per_seg=22, occupancy=None, state_t=False,
+                             split_upd=True, dt_pre=False, worker_warps=8, seg_occupancy=3)
+    assert choose_config(p, blocks_per_sm=8, sm_count=132).nseg == 4  # ~8 blocks per SM: 1056 / 320 -> 4
+
+
+def test_aot_config_is_single_launch_without_pre_pass():
+    cfg = aot_config(SSMScanProblem(2, 1000, 8, 64, 2, 128, dtype="bfloat16"))
+    assert cfg.nseg == 1 and not cfg.dt_pre and cfg.plan == "fused"
