@@ -137,7 +137,11 @@ def cutile_variants(spec: str):
         if item == "auto":
             out.append(("cutile", None))
             continue
-        q, bp, ns, occ, st, su, pre, ww, so = (item.split(":") + [""] * 9)[:9]
+        fields = item.split(":")
+        if len(fields) > 9:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 9 "
+                             "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy)")
+        q, bp, ns, occ, st, su, pre, ww, so = (fields + [""] * 9)[:9]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
                                         int(ww) if ww else None, int(so) if so else None)))

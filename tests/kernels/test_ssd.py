@@ -183,6 +183,40 @@ def test_split_plan(nseg):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dt_pre", [True, False], ids=["dt_pre", "dt_inline"])
+def test_split_plan_slow_decay(dtype, dt_pre):
+    """|A| small enough that a whole segment's decay (and the initial state's) stays far from 0,
+    so an error in the segment fold (exp vs exp2 of the log-decay) shows; both step-size paths."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 700, 8, 64, 2, 128, dtype=dtype)
+    cfg = choose_config(p, nseg=4, dt_pre=dt_pre)
+    assert cfg.nseg == 4 and cfg.dt_pre == dt_pre
+    _run_and_check(p, seed=70 + dt_pre, config=cfg, A_range=(0.01, 0.05), dt_scale=0.5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_config_for_another_seqlen_is_refused():
+    """A split plan made for a shorter sequence would leave chunks unscanned: refused. A
+    single-pass plan walks every chunk whatever seqlen it was made for: correct results."""
+    from m2export.contract import validate
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+    from m2export.kernels.ssd.plan import choose_config
+
+    short = SSMScanProblem(1, 128, 2, 64, 1, 64, dtype="bfloat16")
+    p = SSMScanProblem(1, 700, 2, 64, 1, 64, dtype="bfloat16")
+    inp = {k: (v.cuda() if v is not None else None) for k, v in make_inputs(p, seed=1).items()}
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
+    with pytest.raises(ContractError, match="does not cover seqlen 700"):
+        ssm_scan_cutile(*(inp[k] for k in names), problem=validate(*(inp[k] for k in names)), dt_softplus=True,
+                        dt_limit=(0.0, math.inf), config=choose_config(short, nseg=2))
+    _run_and_check(p, seed=1, config=choose_config(short, nseg=1))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("layout", ["state_pn", "state_np_split"])
 def test_state_layouts(layout):
     """Both on-chip state layouts/update orders (benchmark variants), fused and split plans."""

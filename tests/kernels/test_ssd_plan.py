@@ -21,7 +21,7 @@ def test_bench_shapes_get_the_measured_plans(name):
     cfg = choose_config(SSMScanProblem(*dims, dtype="bfloat16"), sm_count=132)
     assert (cfg.chunk, cfg.block_p, cfg.nseg, cfg.occupancy) == (64, 64, nseg, 2)
     assert cfg.dt_pre and cfg.state_t and not cfg.split_upd
-    assert cfg.plan == ("fused+dt" if nseg == 1 else "split+dt")
+    assert cfg.plan == ("single+dt" if nseg == 1 else "split+dt")
 
 
 @pytest.mark.parametrize("seqlen", [1, 7, 63, 64, 65, 3 * 64 + 1, 5000, 65536])
@@ -34,12 +34,14 @@ def test_segments_cover_the_sequence_without_empty_ones(seqlen, batch, nheads):
 
 
 def test_plan_cost_counts_waves():
-    # 264 slots: 264 blocks are one wave, 265 are two
-    assert _plan_cost(264, 10, 1, 264) == 10
-    assert _plan_cost(265, 10, 1, 264) == 20
+    # 264 slots: 264 blocks are one wave, 265 are two; each wave pays the chunks plus a block cost
+    one = 10 + plan._BLOCK_COST
+    assert _plan_cost(264, 10, 1, 264) == pytest.approx(one)
+    assert _plan_cost(265, 10, 1, 264) == pytest.approx(2 * one)
     # splitting adds pass 1, the folds and a launch
     two = _plan_cost(10, 10, 2, 264)
-    assert two == pytest.approx(5 + plan._PASS1_CHUNK_COST * 5 + plan._FOLD_COST + plan._LAUNCH_COST)
+    assert two == pytest.approx((5 + plan._BLOCK_COST) + (plan._PASS1_CHUNK_COST * 5 + plan._BLOCK_COST)
+                                + plan._FOLD_COST + plan._LAUNCH_COST)
 
 
 def test_short_sequences_stay_single_pass():
@@ -70,4 +72,27 @@ def test_overrides_win():
 
 def test_aot_config_is_single_launch_without_pre_pass():
     cfg = aot_config(SSMScanProblem(2, 1000, 8, 64, 2, 128, dtype="bfloat16"))
-    assert cfg.nseg == 1 and not cfg.dt_pre and cfg.plan == "fused"
+    assert cfg.nseg == 1 and not cfg.dt_pre and cfg.plan == "single"
+
+
+def test_half_wave_shapes_are_not_split():
+    # between half a wave and one wave of blocks one pass was measured best (shapes a, c); the
+    # model's per-block cost keeps such shapes single-pass
+    for dims in [(2, 2048, 80, 64, 1, 128), (6, 2048, 24, 64, 1, 128), (8, 65536, 24, 64, 1, 128)]:
+        assert choose_config(SSMScanProblem(*dims, dtype="bfloat16")).nseg == 1, dims
+
+
+def test_few_blocks_are_split():
+    # 24 blocks on 132 SMs: splitting the sequence is the only way to use the card
+    assert choose_config(SSMScanProblem(1, 2048, 24, 64, 1, 128, dtype="bfloat16")).nseg > 4
+
+
+def test_more_chunks_than_the_pre_pass_grid_fall_back_to_inline_step_sizes():
+    long = SSMScanProblem(1, (plan.MAX_GRID_Y + 1) * 64, 8, 64, 1, 128, dtype="bfloat16")
+    assert not choose_config(long).dt_pre
+    assert choose_config(SSMScanProblem(1, plan.MAX_GRID_Y * 64, 8, 64, 1, 128, dtype="bfloat16")).dt_pre
+
+
+def test_blocks_per_sm_respects_max_nseg():
+    p = SSMScanProblem(1, 65536, 1, 64, 1, 128, dtype="bfloat16")
+    assert choose_config(p, blocks_per_sm=16).nseg == plan.MAX_NSEG

@@ -40,8 +40,9 @@ its own product instead of accumulating onto the decayed state. Defaults (measur
 benchmarks/NOTES_ssd.md): STATE_T on, SPLIT_UPD off, chunk 64 (32 for fp32), occupancy hint 2.
 Precision: matrix products take operands in the input dtype with fp32 accumulation (bf16/fp16:
 wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights, x * delta,
-x * w and the state enter the products rounded to the input dtype (as in mamba_ssm, which
-rounds its scaled operands the same way); segment sums, exponentials and the state are fp32.
+x * w and the state enter the products rounded to the input dtype (mamba_ssm rounds its scaled
+operands cb*decay*dt and B*decay*dt instead; same order of error, checked against the float64
+oracle); segment sums, exponentials and the state are fp32.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
+from m2export.errors import ContractError
 from m2export.kernels.ssd import out_buffers
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd.plan import ScanConfig, aot_config, choose_config
@@ -102,8 +104,8 @@ def _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T: ConstBool, SPLIT_
 
     state is (N, P) fp32 when STATE_T, else (P, N). With SPLIT_UPD the chunk's own contribution
     is a separate product added afterwards, so the only work that waits on the previous state is
-    one fused multiply-add (shorter dependency chain between chunks); without it the product
-    accumulates onto the decayed state (fewer instructions).
+    one fused multiply-add; without it the product accumulates onto the decayed state (measured
+    2-12% faster on the H200, benchmarks/NOTES_ssd.md, although its PTX is not shorter).
     """
     if STATE_T:
         if SPLIT_UPD:
@@ -412,6 +414,12 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
     batch, seqlen, nheads, headdim = x.shape
     d_state = B.shape[3]
     npt = headdim // cfg.block_p
+    nchunks = -(-seqlen // cfg.chunk)
+    cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
+    if cfg.nseg < 1 or headdim % cfg.block_p or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
+        # a plan made for another seqlen would leave chunks unscanned: refuse, never truncate
+        raise ContractError(f"config: {cfg} does not cover seqlen {seqlen} ({nchunks} chunks of {cfg.chunk}) "
+                            f"and headdim {headdim}; make it with choose_config for this problem")
     if cfg.nseg == 1 and not cfg.dt_pre:
         ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p),
                   _hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps),
@@ -419,7 +427,6 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
                               cfg=cfg, heads_per_group=heads_per_group, dt_softplus=dt_softplus))
         return
     bias = dt_bias if dt_bias is not None else A
-    nchunks = -(-seqlen // cfg.chunk)
     if cfg.dt_pre:
         # fp32 per-token coefficients (4 x the size of dt in fp32)
         coef = torch.empty(4, batch, nheads, nchunks * cfg.chunk, dtype=torch.float32, device=x.device)
@@ -437,12 +444,12 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
         ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt),
                   _hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps),
                   (x, dt, coef, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max),
-                   int(heads_per_group), cfg.chunks_per_seg, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
+                   int(heads_per_group), cps, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
                    bool(dt_softplus), bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
     ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps),
               (x, dt, coef, A, B, C, D if D is not None else A, bias,
                initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,
-               float(dt_min), float(dt_max), int(heads_per_group), cfg.chunks_per_seg or nchunks,
+               float(dt_min), float(dt_max), int(heads_per_group), cps,
                cfg.chunk, cfg.block_p, d_state,
                D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
                bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))

@@ -19,8 +19,9 @@ class ScanConfig:
     """Tile sizes and launch plan of one SSMScan call.
 
     chunk: tokens per chunk (power of two); block_p: headdim rows per block (power of two, divides
-    headdim); nseg: sequence segments (1 = the single-launch fused plan); chunks_per_seg: chunks in
-    each segment (the last may have fewer).
+    headdim); nseg: sequence segments (1 = one pass over the sequence: ssd_fused_kernel alone, or
+    ssd_dt_kernel + ssd_scan_kernel when dt_pre); chunks_per_seg: chunks in each segment (the last
+    may have fewer). A config is made for one seqlen: the launch refuses one that does not cover it.
     """
 
     chunk: int
@@ -36,7 +37,7 @@ class ScanConfig:
 
     @property
     def plan(self) -> str:
-        return ("fused" if self.nseg == 1 else "split") + ("+dt" if self.dt_pre else "")
+        return ("single" if self.nseg == 1 else "split") + ("+dt" if self.dt_pre else "")
 
 
 def _default_chunk(problem: SSMScanProblem) -> int:
@@ -61,12 +62,16 @@ DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
 MAX_NSEG = 64
 
-# Relative costs in the plan model, in units of one chunk iteration of the scan kernel: a chunk of
-# pass 1 (state contribution only: ~435 vs ~1270 PTX instructions per iteration in the sm_90
-# build), folding one earlier segment's state into a pass-2 block's entry state, one extra launch.
+# Relative costs in the plan model, in units of one chunk iteration of the scan kernel, fitted to
+# the H200 runs of 2026-11-30 (benchmarks/RESULTS.md, run 4): a chunk of pass 1 (state
+# contribution only: ~435 vs ~1270 PTX instructions per iteration in the sm_90 build); the fixed
+# cost of a block (entry/exit, state load/store, pipeline fill), paid once per wave; folding one
+# earlier segment's state into a pass-2 block's entry state; one extra launch.
 _PASS1_CHUNK_COST = 0.35
+_BLOCK_COST = 2.4
 _FOLD_COST = 0.4
 _LAUNCH_COST = 1.0
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: ssd_dt_kernel puts chunks there
 
 
 def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
@@ -74,13 +79,17 @@ def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
 
     base: (batch, head, p-tile) blocks per segment; slots: blocks resident at once (occupancy x
     SMs). Blocks of one launch take the same time, so a launch costs ceil(blocks / slots) waves of
-    chunks_per_seg iterations; the last pass-2 block also folds nseg - 1 segment states.
+    (chunks_per_seg + block cost); the last pass-2 block also folds nseg - 1 segment states.
+    Checked against run 4 (measured / modelled time relative to the chosen plan): a, 11 segments
+    2.2 / 2.2; b, 13 and 22 segments 1.33 / 1.28 and 1.82 / 1.55; c, 13 segments 2.09 / 1.82;
+    d, 14 and 23 segments 1.04 / 1.11 and 1.05 / 1.04.
     """
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)
-    cost = -(-base * nseg // slots) * cps
+    cost = -(-base * nseg // slots) * (cps + _BLOCK_COST)
     if nseg > 1:
-        cost += _PASS1_CHUNK_COST * (-(-base * (nseg - 1) // slots)) * cps + _FOLD_COST * (nseg - 1) + _LAUNCH_COST
+        cost += (-(-base * (nseg - 1) // slots)) * (_PASS1_CHUNK_COST * cps + _BLOCK_COST)
+        cost += _FOLD_COST * (nseg - 1) + _LAUNCH_COST
     return cost
 
 
@@ -93,7 +102,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; nseg
     minimising :func:`_plan_cost` over 1..MAX_NSEG (wave quantisation matters: on the H200, shape d
-    of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24). Any argument
+    of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24); the dt
+    pre-pass unless the sequence has more than MAX_GRID_Y chunks. Any argument
     given overrides its default (the benchmark's sweeps): ``blocks_per_sm`` instead picks the
     segment count giving about that many blocks per SM; ``occupancy=0`` means no hint.
     """
@@ -107,14 +117,16 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     if nseg is None:
         slots = (occupancy or 1) * sm_count
         if blocks_per_sm:
-            nseg = max(1, -(-(blocks_per_sm * sm_count) // base))
+            nseg = min(MAX_NSEG, max(1, -(-(blocks_per_sm * sm_count) // base)))
         else:
             nseg = min(range(1, min(nchunks, MAX_NSEG) + 1), key=lambda n: (_plan_cost(base, nchunks, n, slots), n))
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment
+    if dt_pre is None:  # the pre-pass grid has the chunks on y (at most 65535: ~4M tokens at chunk 64)
+        dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
-                      state_t=state_t, split_upd=split_upd, dt_pre=DEFAULT_DT_PRE if dt_pre is None else dt_pre,
+                      state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
                       worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None)
 
 
