@@ -73,6 +73,29 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # ----------------------------------------------------------------------------- tile helpers
+def _ct_block_coords(x, heads_per_group):
+    """(b, h, g, pt, seqlen) of a block on a (batch*nheads, *, headdim tiles) grid: batch, head,
+    its group (contiguous heads per group), headdim tile; x is (batch, seqlen, nheads, headdim)."""
+    bh = ct.bid(0)
+    nheads = x.shape[2]
+    h = bh % nheads
+    return bh // nheads, h, h // heads_per_group, ct.bid(2), x.shape[1]
+
+
+def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt):
+    """Rows of chunk c of arr[b, :, j, k*WIDTH...] ((batch, seqlen, heads or groups, width)) as a
+    (CHUNK, WIDTH) tile, zero past seqlen."""
+    return ct.load(arr, index=(b, c, j, k), shape=(1, CHUNK, 1, WIDTH), padding_mode=_ZERO).reshape((CHUNK, WIDTH))
+
+
+def _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS: ConstBool):
+    """clamp(softplus(v), dt_min, dt_max) of the fp32 tile v = dt + dt_bias (softplus passes
+    v > 20 through, as torch and mamba_ssm do)."""
+    if DT_SOFTPLUS:
+        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
+    return ct.minimum(ct.maximum(v, dt_min), dt_max)
+
+
 def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool):
     """(1,)-tiles A[h], D[h] (0 if absent) and dt_bias[h] (0 if absent), fp32."""
     a_h = ct.load(A, index=(h,), shape=(1,)).astype(ct.float32)
@@ -90,11 +113,7 @@ def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool)
 def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt, DT_SOFTPLUS: ConstBool):
     """Step sizes of chunk c: clamp(softplus(dt + dt_bias)), exactly 0 on tokens >= seqlen. (CHUNK,) fp32."""
     v = ct.load(dt, index=(b, c, h), shape=(1, CHUNK, 1), padding_mode=_ZERO).reshape((CHUNK,))
-    v = v.astype(ct.float32) + bias_h
-    if DT_SOFTPLUS:
-        # softplus with the passthrough of torch/mamba_ssm for v > 20
-        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
-    v = ct.minimum(ct.maximum(v, dt_min), dt_max)
+    v = _ct_step_size(v.astype(ct.float32) + bias_h, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     return ct.where(t < seqlen, v, 0.0)
 
@@ -156,12 +175,9 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_
     for c in range(c_begin, c_end):
         delta, cs2, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
                                                         CHUNK, DT_SOFTPLUS, DT_PRE)
-        x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
-                      padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
-        B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
-                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
-        C_c = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
-                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
+        x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
+        B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
+        C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
         xf = x_c.astype(ct.float32)
         # intra-chunk: ((C B^T) * exp(cs_i - cs_j) [i >= j]) @ (delta * x); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
@@ -246,9 +262,7 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     a = ct.load(A, index=(hb,), shape=(BLOCK_H,), padding_mode=_ZERO).astype(ct.float32)
     if HAS_DT_BIAS:
         v = v + ct.load(dt_bias, index=(hb,), shape=(BLOCK_H,), padding_mode=_ZERO).astype(ct.float32)[None, :]
-    if DT_SOFTPLUS:
-        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
-    v = ct.minimum(ct.maximum(v, dt_min), dt_max)
+    v = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where(t[:, None] < seqlen, v, 0.0)
     cs = ct.cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
@@ -274,13 +288,7 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     fp32 state on chip, writes those rows of y for every token and of final_state at the end.
     Absent optional inputs (HAS_* False) are never read: pass any array there.
     """
-    bh = ct.bid(0)
-    pt = ct.bid(2)
-    nheads = x.shape[2]
-    seqlen = x.shape[1]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // heads_per_group
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
@@ -303,14 +311,8 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     the segment's total log2-decay log2(e)*sum(delta*A) -> seg_logdecay[b, h, s] (every p-tile writes the
     same value). The last segment is never needed by pass 2, hence nseg - 1 blocks along axis 1.
     """
-    bh = ct.bid(0)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
     s = ct.bid(1)
-    pt = ct.bid(2)
-    nheads = x.shape[2]
-    seqlen = x.shape[1]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // heads_per_group
     a_h, _, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
@@ -320,10 +322,8 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     for c in range(c_begin, c_end):
         _delta, cs2, w, _ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
                                                           CHUNK, DT_SOFTPLUS, DT_PRE)
-        x_c = ct.load(x, index=(b, c, h, pt), shape=(1, CHUNK, 1, BLOCK_P),
-                      padding_mode=_ZERO).reshape((CHUNK, BLOCK_P))
-        B_c = ct.load(B, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE),
-                      padding_mode=_ZERO).reshape((CHUNK, D_STATE))
+        x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
+        B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
         x_w = (x_c.astype(ct.float32) * w[:, None]).astype(x.dtype)
         state = _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T, SPLIT_UPD)
         logdecay = logdecay + ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
@@ -343,15 +343,9 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
     over segment s's chunks, writing y; the last segment's block writes final_state.
     """
-    bh = ct.bid(0)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
     s = ct.bid(1)
-    pt = ct.bid(2)
     nseg = ct.num_blocks(1)
-    nheads = x.shape[2]
-    seqlen = x.shape[1]
-    b = bh // nheads
-    h = bh % nheads
-    g = h // heads_per_group
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     for sp in range(s):

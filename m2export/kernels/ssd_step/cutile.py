@@ -25,7 +25,7 @@ import cuda.tile as ct
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
 from m2export.kernels.ssd import out_buffers
-from m2export.kernels.ssd.cutile import AotParam, _sm_count, _torch_stream, check_supported
+from m2export.kernels.ssd.cutile import AotParam, _ct_step_size, _sm_count, _torch_stream, check_supported
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -54,9 +54,7 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
     v = ct.load(dt, index=(b, h), shape=(1, 1)).reshape((1,)).astype(f32)
     if HAS_DT_BIAS:
         v = v + ct.load(dt_bias, index=(h,), shape=(1,)).astype(f32)
-    if DT_SOFTPLUS:
-        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
-    delta = ct.minimum(ct.maximum(v, dt_min), dt_max)  # (1,)
+    delta = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)  # (1,)
     x_t = ct.load(x, index=(b, h, pt), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(f32)
     B_t = ct.load(B, index=(b, g, 0), shape=(1, 1, D_STATE)).reshape((D_STATE,)).astype(f32)
     C_t = ct.load(C, index=(b, g, 0), shape=(1, 1, D_STATE)).reshape((D_STATE,)).astype(f32)
