@@ -48,29 +48,29 @@ def _ckpt(tmp_path):
     return random_checkpoint(tmp_path / "ck", seed=2, **TINY)
 
 
-def test_missing_tensor(tmp_path):
+def _tampered_ckpt(tmp_path, edit):
+    """A saved checkpoint whose state dict was changed by ``edit(sd)`` before writing it back."""
     path = _ckpt(tmp_path)
     sd = load_file(str(path / "model.safetensors"))
-    del sd["backbone.layers.1.mixer.A_log"]
+    edit(sd)
     save_file(sd, str(path / "model.safetensors"))
+    return path
+
+
+def test_missing_tensor(tmp_path):
+    path = _tampered_ckpt(tmp_path, lambda sd: sd.pop("backbone.layers.1.mixer.A_log"))
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['backbone.layers.1.mixer.A_log'\]"):
         load_checkpoint(path)
 
 
 def test_extra_tensor(tmp_path):
-    path = _ckpt(tmp_path)
-    sd = load_file(str(path / "model.safetensors"))
-    sd["backbone.layers.2.mixer.D"] = torch.ones(8)
-    save_file(sd, str(path / "model.safetensors"))
+    path = _tampered_ckpt(tmp_path, lambda sd: sd.update({"backbone.layers.2.mixer.D": torch.ones(8)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor.*backbone.layers.2.mixer.D"):
         load_checkpoint(path)
 
 
 def test_misshaped_tensor(tmp_path):
-    path = _ckpt(tmp_path)
-    sd = load_file(str(path / "model.safetensors"))
-    sd["backbone.layers.0.mixer.dt_bias"] = torch.ones(5)
-    save_file(sd, str(path / "model.safetensors"))
+    path = _tampered_ckpt(tmp_path, lambda sd: sd.update({"backbone.layers.0.mixer.dt_bias": torch.ones(5)}))
     with pytest.raises(CheckpointError, match=r"'backbone.layers.0.mixer.dt_bias' has shape \(5,\), expected \(8,\)"):
         load_checkpoint(path)
 
