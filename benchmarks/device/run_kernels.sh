@@ -12,7 +12,7 @@ pip install -q --no-index --no-deps .devcarry/wheels/*.whl >"$OUT/pip.log" 2>&1 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 if [ "$KEXPR" != "skip" ]; then
   t0=$(date +%s)
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -n 12 ${KEXPR:+-k "$KEXPR"} ${TESTS:-tests/kernels tests/plugins} -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -n ${NPROC:-12} ${KEXPR:+-k "$KEXPR"} ${TESTS:-tests/kernels tests/plugins} -p no:cacheprovider \
       2>&1 | tail -40 | tee "$OUT/tests.log"
   echo "tests: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.log"
 fi

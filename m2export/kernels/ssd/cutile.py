@@ -182,7 +182,7 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_
         # intra-chunk: ((C B^T) * exp(cs_i - cs_j) [i >= j]) @ (delta * x); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
         seg = ct.where(causal, cs2[:, None] - cs2[None, :], -math.inf)
-        m = (cb * ct.exp2(seg)).astype(DTYPE)
+        m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
         acc = ct.mma(m, (xf * delta[:, None]).astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
         if HAS_D:
             acc = acc + d_h * xf
@@ -302,14 +302,20 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
 def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay,
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
-                             HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool,
-                             SPLIT_UPD: ConstBool, DT_PRE: ConstBool):
+                             HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
     """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
     chunks [s*chunks_per_seg, (s+1)*chunks_per_seg) -> seg_state[b, h, s, p-tile, :] (fp32), and
     the segment's total log2-decay log2(e)*sum(delta*A) -> seg_logdecay[b, h, s] (every p-tile writes the
     same value). The last segment is never needed by pass 2, hence nseg - 1 blocks along axis 1.
+
+    Unrolling the recurrence state_c = exp(cs_last_c) * state_{c-1} + B_c^T (x_c * w_c), the
+    segment's state is sum_c B_c^T (x_c * w_c * exp(sum of cs_last over the chunks after c)). The
+    block walks its chunks last to first, so that factor is a running scalar and every chunk is a
+    pure accumulation into one product accumulator: no state multiply on the loop's dependency
+    chain. The state is held as (headdim, d_state) (x_w^T @ B_c): measured faster here than the
+    (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6).
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
     s = ct.bid(1)
@@ -317,18 +323,19 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
-    state = _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
-    logdecay = ct.full((1,), 0.0, dtype=ct.float32)
-    for c in range(c_begin, c_end):
-        _delta, cs2, w, _ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
-                                                          CHUNK, DT_SOFTPLUS, DT_PRE)
+    state = _ct_zero_state(BLOCK_P, D_STATE, False)
+    later = ct.full((1,), 0.0, dtype=ct.float32)  # log2-decay of the chunks after c in this segment (<= 0)
+    for i in range(c_end - c_begin):
+        c = c_end - 1 - i
+        _delta, cs2, w, _ecs, _ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
+                                                           CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
-        x_w = (x_c.astype(ct.float32) * w[:, None]).astype(x.dtype)
-        state = _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T, SPLIT_UPD)
-        logdecay = logdecay + ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
-    _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, STATE_T)
-    ct.store(seg_logdecay, index=(b, h, s), tile=logdecay.reshape((1, 1, 1)))
+        x_w = (x_c.astype(ct.float32) * (w * ct.exp2(later))[:, None]).astype(x.dtype)
+        state = ct.mma(x_w.transpose(), B_c, state)
+        later = later + ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
+    _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, False)
+    ct.store(seg_logdecay, index=(b, h, s), tile=later.reshape((1, 1, 1)))
 
 
 @ct.kernel
@@ -439,7 +446,7 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
                   _hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps),
                   (x, dt, coef, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max),
                    int(heads_per_group), cps, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
-                   bool(dt_softplus), bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
+                   bool(dt_softplus), bool(cfg.dt_pre)))
     ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps),
               (x, dt, coef, A, B, C, D if D is not None else A, bias,
                initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,

@@ -63,11 +63,12 @@ DEFAULT_DT_PRE = True
 MAX_NSEG = 64
 
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel, fitted to
-# the H200 runs of 2026-11-30 (benchmarks/RESULTS.md, run 4): a chunk of pass 1 (state
-# contribution only: ~435 vs ~1270 PTX instructions per iteration in the sm_90 build); the fixed
-# cost of a block (entry/exit, state load/store, pipeline fill), paid once per wave; folding one
-# earlier segment's state into a pass-2 block's entry state; one extra launch.
-_PASS1_CHUNK_COST = 0.35
+# the H200 runs of 2026-11-30 (benchmarks/RESULTS.md, run 4 and session 3's run 1): a chunk of
+# pass 1 (state contribution only, accumulated last chunk first: 289 vs 986 SASS instructions per
+# iteration in the sm_90 build; 0.19-0.25 from the measured times of b and d); the fixed cost of
+# a block (entry/exit, state load/store, pipeline fill), paid once per wave; folding one earlier
+# segment's state into a pass-2 block's entry state; one extra launch.
+_PASS1_CHUNK_COST = 0.22
 _BLOCK_COST = 2.4
 _FOLD_COST = 0.4
 _LAUNCH_COST = 1.0
