@@ -40,7 +40,7 @@ def step_bytes(b, h, p, g, n, s=2):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
-    ap.add_argument("--block-p", default="auto", help="comma list of headdim tiles to time (auto = heuristic)")
+    ap.add_argument("--block-p", default="auto", help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic)")
     args = ap.parse_args(argv)
     import triton
     import cuda.tile as ct
@@ -70,10 +70,12 @@ def main(argv=None):
         for bp in args.block_p.split(","):
             if bp == "auto":
                 impls.append(("cutile", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y, state_out=state)))
-            else:
-                impls.append((f"cutile[block_p={bp}]", lambda bp=int(bp): ssm_step_cutile(
+            else:  # "block_p" or "block_p:occupancy"
+                tile, _, occ = bp.partition(":")
+                impls.append((f"cutile[block_p={tile}{', occupancy=' + occ if occ else ''}]",
+                              lambda tile=int(tile), occ=int(occ or 0): ssm_step_cutile(
                     x, dt, A, B, C, D, bias, state, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf),
-                    out=y, state_out=state, block_p=bp)))
+                    out=y, state_out=state, block_p=tile, occupancy=occ or None)))
         impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch")))
         for label, fn in impls:
             te = time_fn(fn, graph=False)

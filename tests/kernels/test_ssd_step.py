@@ -68,7 +68,8 @@ def _check(p: SSMScanProblem, *, seed: int, in_place=False, dt_limit=(0.0, math.
 
 CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64)),
          ("B3_H16_G4", (3, 1, 16, 32, 4, 32)), ("B2_H16_G8", (2, 1, 16, 128, 8, 128)),
-         ("B2_H4_P256_N64", (2, 1, 4, 256, 1, 64)), ("B2_H4_P32_N256", (2, 1, 4, 32, 2, 256))]
+         ("B2_H4_P256_N64", (2, 1, 4, 256, 1, 64)), ("B2_H4_P32_N256", (2, 1, 4, 32, 2, 256)),
+         ("B48_H8_tile64_occ2", (48, 1, 8, 64, 1, 128))]  # enough blocks for the 64-row tile at 2 blocks/SM
 
 
 @pytest.mark.gpu

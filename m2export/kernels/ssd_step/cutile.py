@@ -71,12 +71,24 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
     ct.store(y, index=(b, h, pt), tile=yv.astype(y.dtype).reshape((1, 1, BLOCK_P)))
 
 
+_HINTED: dict[int, Any] = {}  # occupancy -> re-hinted ssd_step_kernel (one JIT cache per hint)
+
+
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
-    """Largest power-of-two headdim tile (<= 4096 state elements) that still gives ~4 blocks per SM."""
+    """Largest power-of-two headdim tile with <= 8192 state elements (32 KiB fp32) per block that
+    still gives >= 2 blocks per SM (measured on the H200, benchmarks/RESULTS.md: at batch 64-128,
+    headdim 64, d_state 128, tile 64 with 2 blocks per SM moves 3.9-4.0 TB/s; tile 32 with no
+    occupancy hint, the previous default, 2.0 TB/s)."""
     bp = headdim
-    while bp > 8 and (bp * d_state > 4096 or batch * nheads * (headdim // bp) < 4 * sm_count):
+    while bp > 8 and (bp * d_state > 8192 or batch * nheads * (headdim // bp) < 2 * sm_count):
         bp //= 2
     return bp
+
+
+def choose_occupancy(block_p: int, d_state: int) -> int:
+    """Blocks-per-SM hint: ~64 KiB of fp32 state tiles in flight per SM (without a hint the
+    compiler gives the kernel 255 registers per thread, i.e. one block per SM)."""
+    return max(1, min(16, 16384 // (block_p * d_state)))
 
 
 def _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min, dt_max, *, block_p, heads_per_group,
@@ -89,8 +101,12 @@ def _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min, dt_m
 
 def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanProblem, dt_softplus: bool,
                     dt_limit: tuple[float, float], out=None, state_out=None, stream=None,
-                    block_p: int | None = None) -> SSMScanOutput:
-    """cuTile decode step on validated arguments (see :func:`m2export.kernels.ssd_step.ssm_step`)."""
+                    block_p: int | None = None, occupancy: int | None = None) -> SSMScanOutput:
+    """cuTile decode step on validated arguments (see :func:`m2export.kernels.ssd_step.ssm_step`).
+
+    ``block_p``/``occupancy`` override the headdim tile and the compiler's blocks-per-SM hint
+    (benchmark sweeps; ``occupancy`` None with an explicit ``block_p``: no hint); both None:
+    :func:`choose_block_p` and :func:`choose_occupancy`."""
     dev = x.device
     launch_stream = _torch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
@@ -104,7 +120,12 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
         if p.batch == 0:
             return SSMScanOutput(y, new_state)
         bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
-        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1), ssd_step_kernel,
+        if occupancy is None and block_p is None:
+            occupancy = choose_occupancy(bp, p.d_state)
+        kernel = ssd_step_kernel
+        if occupancy:
+            kernel = _HINTED.setdefault(occupancy, ssd_step_kernel.replace_hints(occupancy=occupancy))
+        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1), kernel,
                   _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
                              block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
     return SSMScanOutput(y, new_state)
