@@ -124,7 +124,9 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
             occupancy = choose_occupancy(bp, p.d_state)
         kernel = ssd_step_kernel
         if occupancy:
-            kernel = _HINTED.setdefault(occupancy, ssd_step_kernel.replace_hints(occupancy=occupancy))
+            if occupancy not in _HINTED:  # one kernel object per hint: a new one would miss the JIT cache
+                _HINTED[occupancy] = ssd_step_kernel.replace_hints(occupancy=occupancy)
+            kernel = _HINTED[occupancy]
         ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1), kernel,
                   _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
                              block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
