@@ -34,7 +34,8 @@ Launch plans (all share the tile helpers):
 * AOT (TensorRT ``--plugin aot``): :func:`ssd_fused_kernel`, one launch, the coefficients computed
   inline from dt.
 
-Variants (compile-time flags, all tested): ``STATE_T`` keeps the state as (d_state, headdim) so
+Variants of the scan and fused kernels (compile-time flags, all tested; the segment-state kernel
+always holds its state as (headdim, d_state)): ``STATE_T`` keeps the state as (d_state, headdim) so
 the inter-chunk product needs no transpose; ``SPLIT_UPD`` adds each chunk's contribution after
 its own product instead of accumulating onto the decayed state. Defaults (measured, see
 benchmarks/NOTES_ssd.md): STATE_T on, SPLIT_UPD off, chunk 64 (32 for fp32), occupancy hint 2.
@@ -42,7 +43,8 @@ Precision: matrix products take operands in the input dtype with fp32 accumulati
 wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights, x * delta,
 x * w and the state enter the products rounded to the input dtype (mamba_ssm rounds its scaled
 operands cb*decay*dt and B*decay*dt instead; same order of error, checked against the float64
-oracle); segment sums, exponentials and the state are fp32.
+oracle); segment sums, exponentials and the state are fp32 (the intra-chunk decay's exp2 flushes
+results below 2**-126 to zero, which saves ptxas's denormal fix-up around each MUFU.EX2).
 """
 
 from __future__ import annotations

@@ -83,7 +83,9 @@ def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
     (chunks_per_seg + block cost); the last pass-2 block also folds nseg - 1 segment states.
     Checked against run 4 (measured / modelled time relative to the chosen plan): a, 11 segments
     2.2 / 2.2; b, 13 and 22 segments 1.33 / 1.28 and 1.82 / 1.55; c, 13 segments 2.09 / 1.82;
-    d, 14 and 23 segments 1.04 / 1.11 and 1.05 / 1.04.
+    d, 14 and 23 segments 1.04 / 1.11 and 1.05 / 1.04. With the backward pass 1 (session 3, call 1;
+    modelled ms = units x the 2.9 µs per iteration of shape c): b in 3 / 4 / 5 segments 0.609 /
+    0.604 / 0.641 measured vs 0.636 / 0.616 / 0.703 modelled; d in 13 segments 1.216 vs 1.193.
     """
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)
