@@ -439,10 +439,14 @@ def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: S
                    bool(dt_softplus)))
     else:
         coef = A  # never read
-    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x)
-    seg_state = torch.empty(batch, nheads, max(1, cfg.nseg - 1), headdim, d_state, dtype=torch.float32,
-                            device=x.device)
-    seg_logdecay = torch.empty(batch, nheads, max(1, cfg.nseg - 1), dtype=torch.float32, device=x.device)
+    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x);
+    # a single pass never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
+    if cfg.nseg > 1:
+        seg_state = torch.empty(batch, nheads, cfg.nseg - 1, headdim, d_state, dtype=torch.float32, device=x.device)
+        seg_logdecay = torch.empty(batch, nheads, cfg.nseg - 1, dtype=torch.float32, device=x.device)
+    else:
+        seg_state = torch.empty(1, 1, 1, headdim, d_state, dtype=torch.float32, device=x.device)
+        seg_logdecay = torch.empty(1, 1, 1, dtype=torch.float32, device=x.device)
     if cfg.nseg > 1:
         ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt),
                   _hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps),

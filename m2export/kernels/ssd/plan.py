@@ -65,7 +65,8 @@ MAX_NSEG = 64
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel, fitted to
 # the H200 runs of 2026-11-30 (benchmarks/RESULTS.md, run 4 and session 3's run 1): a chunk of
 # pass 1 (state contribution only, accumulated last chunk first: 289 vs 986 SASS instructions per
-# iteration in the sm_90 build; 0.19-0.25 from the measured times of b and d); the fixed cost of
+# iteration in the sm_90 build; fitted to the chosen plans of b and d, 0.19 and 0.25, while b's
+# other measured plans imply 0.06-0.15: a rough number); the fixed cost of
 # a block (entry/exit, state load/store, pipeline fill), paid once per wave; folding one earlier
 # segment's state into a pass-2 block's entry state; one extra launch.
 _PASS1_CHUNK_COST = 0.22
@@ -73,6 +74,10 @@ _BLOCK_COST = 2.4
 _FOLD_COST = 0.4
 _LAUNCH_COST = 1.0
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: ssd_dt_kernel puts chunks there
+# A split plan re-reads x and B and is modelled only to ~10-17% (measured vs modelled split plans
+# of b: 0.641 vs 0.703 ms in 5 segments, 1.82 vs 1.55 relative in 22): split only when the model
+# predicts at least this fraction less time than one pass.
+_SPLIT_MIN_GAIN = 0.10
 
 
 def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
@@ -84,8 +89,9 @@ def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
     Checked against run 4 (measured / modelled time relative to the chosen plan): a, 11 segments
     2.2 / 2.2; b, 13 and 22 segments 1.33 / 1.28 and 1.82 / 1.55; c, 13 segments 2.09 / 1.82;
     d, 14 and 23 segments 1.04 / 1.11 and 1.05 / 1.04. With the backward pass 1 (session 3, call 1;
-    modelled ms = units x the 2.9 µs per iteration of shape c): b in 3 / 4 / 5 segments 0.609 /
-    0.604 / 0.641 measured vs 0.636 / 0.616 / 0.703 modelled; d in 13 segments 1.216 vs 1.193.
+    modelled ms = units x 2.906 µs, shape c's 0.379 ms / 130.4 units): b in 3 / 4 / 5 segments
+    0.609 / 0.604 / 0.641 measured vs 0.636 / 0.616 / 0.703 modelled (3 vs 4 is within the noise);
+    d in 13 segments 1.216 vs 1.193.
     """
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)
@@ -105,7 +111,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; nseg
     minimising :func:`_plan_cost` over 1..MAX_NSEG (wave quantisation matters: on the H200, shape d
-    of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24); the dt
+    of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24), kept only if
+    it is modelled at least _SPLIT_MIN_GAIN faster than one pass; the dt
     pre-pass unless the sequence has more than MAX_GRID_Y chunks. Any argument
     given overrides its default (the benchmark's sweeps): ``blocks_per_sm`` instead picks the
     segment count giving about that many blocks per SM; ``occupancy=0`` means no hint.
@@ -123,6 +130,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
             nseg = min(MAX_NSEG, max(1, -(-(blocks_per_sm * sm_count) // base)))
         else:
             nseg = min(range(1, min(nchunks, MAX_NSEG) + 1), key=lambda n: (_plan_cost(base, nchunks, n, slots), n))
+            if _plan_cost(base, nchunks, nseg, slots) > (1 - _SPLIT_MIN_GAIN) * _plan_cost(base, nchunks, 1, slots):
+                nseg = 1
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment

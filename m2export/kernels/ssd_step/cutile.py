@@ -87,8 +87,9 @@ def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count
 
 def choose_occupancy(block_p: int, d_state: int) -> int:
     """Blocks-per-SM hint: ~64 KiB of fp32 state tiles in flight per SM (without a hint the
-    compiler gives the kernel 255 registers per thread, i.e. one block per SM)."""
-    return max(1, min(16, 16384 // (block_p * d_state)))
+    compiler gives the kernel 255 registers per thread, i.e. one block per SM), at most 8 (the
+    compiler builds 256-thread blocks for this kernel; an SM holds 2048 threads)."""
+    return max(1, min(8, 16384 // (block_p * d_state)))
 
 
 def _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min, dt_max, *, block_p, heads_per_group,
