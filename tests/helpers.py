@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -81,3 +83,26 @@ def cutile_skip_reason() -> str | None:
 _CUTILE_WHY = cutile_skip_reason()
 #: skip marker for tests that launch cuTile kernels
 requires_cutile = pytest.mark.skipif(_CUTILE_WHY is not None, reason=_CUTILE_WHY or "")
+
+
+def tileiras_skip_reason() -> str | None:
+    """Why cuTile kernels cannot be compiled here (no tileiras on PATH nor from the
+    nvidia-cuda-tileiras wheel that cuda.tile finds by itself), or None."""
+    if shutil.which("tileiras"):
+        return None
+    try:
+        import nvidia.cu13 as cu13  # the wheel layout of nvidia-cuda-tileiras
+    except ImportError:
+        cu13 = None
+    for root in getattr(cu13, "__path__", []):
+        if os.access(os.path.join(root, "bin", "tileiras"), os.X_OK):
+            return None
+    return "tileiras (cuTile compiler) not found: not on PATH, no nvidia-cuda-tileiras wheel (pip install 'cuda-tile[tileiras]')"
+
+
+@pytest.fixture
+def no_cuda_home(monkeypatch):
+    """Compile with the wheel's own libnvvm: with CUDA_HOME set, tileiras loads that toolkit's
+    (an older one fails with "Return code 5")."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)

@@ -1,14 +1,13 @@
 """AOT description of the single-launch kernels for the TensorRT plugin (no GPU needed).
 
-Needs ``cuda.tile`` importable (skipped otherwise); the export test also needs the ``tileiras``
-compiler on PATH. The parameter layout asserted here was read off an exported sm_90 cubin
+Needs ``cuda.tile`` importable (skipped otherwise); the export tests also need its compiler
+(``tileiras`` on PATH or the nvidia-cuda-tileiras wheel: ``pip install "cuda-tile[tileiras]"``). The parameter layout asserted here was read off an exported sm_90 cubin
 (EIATTR_KPARAM_INFO: 73 entries, pointers 8 bytes, the rest 4) -- see AotSpec's docstring.
 """
 
 from __future__ import annotations
 
 import io
-import shutil
 
 import pytest
 
@@ -16,6 +15,9 @@ pytest.importorskip("cuda.tile")
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem  # noqa: E402
 from m2export.errors import ContractError  # noqa: E402
+from tests.helpers import no_cuda_home, tileiras_skip_reason  # noqa: E402,F401  (fixture)
+
+needs_tileiras = pytest.mark.skipif(tileiras_skip_reason() is not None, reason=tileiras_skip_reason() or "")
 
 
 def test_prefill_flat_args_order():
@@ -48,7 +50,8 @@ def test_unsupported_dims():
         aot_spec(SSMScanProblem(1, 1, 2, 64, 1, 48), SSMScanAttrs())
 
 
-@pytest.mark.skipif(shutil.which("tileiras") is None, reason="tileiras (cuTile compiler) not on PATH")
+@needs_tileiras
+@pytest.mark.usefixtures("no_cuda_home")
 def test_export_cubin():
     from m2export.kernels.ssd.cutile import aot_spec
 
@@ -58,7 +61,8 @@ def test_export_cubin():
     assert buf.getvalue()[:4] == b"\x7fELF" and symbol.startswith("ssd_fused_kernel")
 
 
-@pytest.mark.skipif(shutil.which("tileiras") is None, reason="tileiras (cuTile compiler) not on PATH")
+@needs_tileiras
+@pytest.mark.usefixtures("no_cuda_home")
 @pytest.mark.parametrize("which", ["prefill", "step"])
 def test_entry_params_match_flat_args(which):
     """The .entry of the PTX embedded in the exported cubin has exactly flat_args() parameters:

@@ -1,0 +1,90 @@
+"""Every cuTile kernel of the JIT path compiles for sm_90 (no GPU needed: tileiras runs on the CPU).
+
+The GPU tests run these kernels on the H200 through the device tool; this file catches compile
+errors on any machine with ``cuda.tile`` and its compiler (``pip install "cuda-tile[tileiras]"``,
+part of the ``test`` extra), CI included. Signatures are the ones ``ct.launch`` derives for
+contiguous tensors (16-byte aligned bases, strides multiples of 16 bytes: the TMA path).
+Skipped when cuda.tile or tileiras is missing.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+ct = pytest.importorskip("cuda.tile")
+
+from tests.helpers import no_cuda_home, tileiras_skip_reason  # noqa: E402,F401  (fixture)
+
+pytestmark = [pytest.mark.skipif(tileiras_skip_reason() is not None, reason=tileiras_skip_reason() or ""),
+              pytest.mark.usefixtures("no_cuda_home")]
+
+_DT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+_SIZE = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def _arr(dtype: str, ndim: int):
+    from cuda.tile.compilation import ArrayConstraint
+
+    inner = 16 // _SIZE[dtype] if ndim > 1 else 1
+    return ArrayConstraint(getattr(ct, _DT[dtype]), ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (ndim - 1) + (1,),
+                           stride_divisible_by=(inner,) * (ndim - 1) + (1,), base_addr_divisible_by=16)
+
+
+def _f32():
+    from cuda.tile.compilation import ScalarConstraint
+
+    return ScalarConstraint(ct.float32)
+
+
+def _i32():
+    from cuda.tile.compilation import ScalarConstraint
+
+    return ScalarConstraint(ct.int32)
+
+
+def _export(kernel, constraints) -> bytes:
+    from cuda.tile.compilation import CallingConvention, KernelSignature, export_kernel
+
+    sig = KernelSignature(constraints, CallingConvention.cutile_python_v1()).with_mangled_symbol(
+        kernel._pyfunc.__name__)
+    buf = io.BytesIO()
+    export_kernel(kernel, [sig], buf, gpu_code="sm_90", output_format="cubin")
+    return buf.getvalue()
+
+
+# (dtype, chunk, headdim tile, d_state): the defaults of choose_config for bf16 and fp32, and fp16 at d_state 256
+CASES = [("bf16", 64, 64, 128), ("f32", 32, 64, 128), ("f16", 64, 32, 256)]
+
+
+@pytest.mark.parametrize("dt,chunk,block_p,d_state", CASES, ids=[f"{c[0]}_Q{c[1]}_N{c[3]}" for c in CASES])
+def test_prefill_kernels_compile(dt, chunk, block_p, d_state):
+    from m2export.kernels.ssd import cutile as K
+
+    occ = K._hinted(K.ssd_scan_kernel, 2)
+    pre = _export(K.ssd_dt_kernel, [_arr(dt, 3), _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _f32(), _f32(),
+                                    chunk, 32, True, True])
+    seg = _export(K._hinted(K.ssd_segment_state_kernel, 2),
+                  [_arr(dt, 4), _arr(dt, 3), _arr("f32", 4), _arr("f32", 1), _arr(dt, 4), _arr("f32", 1),
+                   _arr("f32", 5), _arr("f32", 3), _f32(), _f32(), _i32(), _i32(),
+                   chunk, block_p, d_state, True, True, True])
+    scan = _export(occ, [_arr(dt, 4), _arr(dt, 3), _arr("f32", 4), _arr("f32", 1), _arr(dt, 4), _arr(dt, 4),
+                         _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _arr("f32", 5), _arr("f32", 3), _arr(dt, 4),
+                         _arr("f32", 4), _f32(), _f32(), _i32(), _i32(),
+                         chunk, block_p, d_state, True, True, True, True, True, False, True])
+    for cubin in (pre, seg, scan):
+        assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("block_p,d_state,occupancy", [(64, 128, 2), (8, 64, 8)])
+def test_step_kernel_compiles(block_p, d_state, occupancy):
+    from m2export.kernels.ssd_step import cutile as S
+
+    kernel = S.ssd_step_kernel.replace_hints(occupancy=occupancy)
+    cubin = _export(kernel, [_arr("bf16", 3), _arr("bf16", 2), _arr("f32", 1), _arr("bf16", 3), _arr("bf16", 3),
+                             _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _arr("bf16", 3), _arr("f32", 4),
+                             _f32(), _f32(), _i32(), block_p, d_state, True, True, True, True])
+    assert cubin[:4] == b"\x7fELF"
