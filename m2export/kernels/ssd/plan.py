@@ -129,8 +129,9 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
         if blocks_per_sm:
             nseg = min(MAX_NSEG, max(1, -(-(blocks_per_sm * sm_count) // base)))
         else:
-            nseg = min(range(1, min(nchunks, MAX_NSEG) + 1), key=lambda n: (_plan_cost(base, nchunks, n, slots), n))
-            if _plan_cost(base, nchunks, nseg, slots) > (1 - _SPLIT_MIN_GAIN) * _plan_cost(base, nchunks, 1, slots):
+            cost = {n: _plan_cost(base, nchunks, n, slots) for n in range(1, min(nchunks, MAX_NSEG) + 1)}
+            nseg = min(cost, key=lambda n: (cost[n], n))
+            if cost[nseg] > (1 - _SPLIT_MIN_GAIN) * cost[1]:
                 nseg = 1
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)

@@ -25,7 +25,7 @@ import cuda.tile as ct
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
 from m2export.kernels.ssd import out_buffers
-from m2export.kernels.ssd.cutile import AotParam, _ct_step_size, _sm_count, _torch_stream, check_supported
+from m2export.kernels.ssd.cutile import AotParam, _ct_step_size, _hinted, _sm_count, _torch_stream, check_supported
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -69,9 +69,6 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
         yv = yv + ct.load(D, index=(h,), shape=(1,)).astype(f32) * x_t
     ct.store(state_out, index=(b, h, pt, 0), tile=st.reshape((1, 1, BLOCK_P, D_STATE)))
     ct.store(y, index=(b, h, pt), tile=yv.astype(y.dtype).reshape((1, 1, BLOCK_P)))
-
-
-_HINTED: dict[int, Any] = {}  # occupancy -> re-hinted ssd_step_kernel (one JIT cache per hint)
 
 
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
@@ -123,12 +120,8 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
         bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
         if occupancy is None and block_p is None:
             occupancy = choose_occupancy(bp, p.d_state)
-        kernel = ssd_step_kernel
-        if occupancy:
-            if occupancy not in _HINTED:  # one kernel object per hint: a new one would miss the JIT cache
-                _HINTED[occupancy] = ssd_step_kernel.replace_hints(occupancy=occupancy)
-            kernel = _HINTED[occupancy]
-        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1), kernel,
+        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1),
+                  _hinted(ssd_step_kernel, occupancy or None),
                   _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
                              block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
     return SSMScanOutput(y, new_state)
@@ -160,11 +153,9 @@ class StepAotSpec:
         return AotSpec.signature(self)  # same parameter walk
 
     def export(self, output_file, *, gpu_code: str = "sm_90") -> str:
-        from cuda.tile.compilation import export_kernel
+        from m2export.kernels.ssd.cutile import AotSpec
 
-        sig = self.signature()
-        export_kernel(self.kernel, [sig], output_file, gpu_code=gpu_code, output_format="cubin")
-        return sig.symbol
+        return AotSpec.export(self, output_file, gpu_code=gpu_code)
 
     def compile(self, *, gpu_code: str = "sm_90"):
         from m2export.kernels.ssd.cutile import AotSpec
