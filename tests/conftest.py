@@ -1,4 +1,5 @@
-"""Session fixtures shared by tests/check and tests/cli: one tiny export each, made once per test session."""
+"""Shared fixtures: one tiny export each for tests/check and tests/cli (made once per test session);
+an environment for compiling cuTile kernels on the CPU."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def tiny_out(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_out_bf16(tmp_path_factory):
     return tiny_export_bf16(tmp_path_factory)
+
+
+@pytest.fixture
+def no_cuda_home(monkeypatch):
+    """Compile cuTile kernels with the wheel's own libnvvm: with CUDA_HOME set, tileiras loads that
+    toolkit's (an older one fails with "Return code 5")."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)

@@ -63,6 +63,25 @@ def make_inputs(p: SSMScanProblem, *, seed: int, device="cpu", init_state: bool 
     return {k: (v.to(device) if v is not None else None) for k, v in out.items()}
 
 
+def nan_outputs(p: SSMScanProblem, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """SSMScan output buffers poisoned with NaN before a kernel writes them: y (batch, seqlen,
+    nheads, headdim) in p.dtype and final_state (batch, nheads, headdim, d_state) fp32."""
+    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device=device)
+    return y, torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device=device)
+
+
+def oracle_case(p: SSMScanProblem, *, seed: int, dt_limit: tuple[float, float], device="cuda", **kw):
+    """(ref, dev, y, final_state): the float64 token-by-token oracle's outputs on fresh inputs of ``p``
+    (``make_inputs(p, seed=seed, **kw)``), those inputs contiguous on ``device`` (dict by contract
+    name) and NaN-poisoned output buffers there (:func:`nan_outputs`)."""
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+
+    inp = make_inputs(p, seed=seed, device="cpu", **kw)
+    ref = ssm_scan_recurrent(**inp, dt_limit=dt_limit)
+    dev = {k: (v.to(device).contiguous() if v is not None else None) for k, v in inp.items()}
+    return (ref, dev, *nan_outputs(p, device))
+
+
 #: error bounds of the cuTile SSD forward kernel vs the float64 oracle (rel-L2 of y and final_state), shared by
 #: tests/kernels/test_ssd.py and the plugin tests that run the same kernel (JIT impl body, AOT launch)
 SSD_Y_REL = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
@@ -100,9 +119,11 @@ def tileiras_skip_reason() -> str | None:
     return "tileiras (cuTile compiler) not found: not on PATH, no nvidia-cuda-tileiras wheel (pip install 'cuda-tile[tileiras]')"
 
 
-@pytest.fixture
-def no_cuda_home(monkeypatch):
-    """Compile with the wheel's own libnvvm: with CUDA_HOME set, tileiras loads that toolkit's
-    (an older one fails with "Return code 5")."""
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
+def assert_usage_error(argv: list[str], msg: str, capsys) -> None:
+    """``m2export *argv`` is an argparse usage error: exit 2, ``msg`` in the last stderr line, no traceback."""
+    from m2export.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err, err

@@ -51,6 +51,22 @@ def copy_export(src: Path, dst: Path) -> Path:
     return dst
 
 
+def record_engine(out: Path, profiles: list[dict], *, role: str = "prefill", file: str = "model.plan", gpu: str = "H200",
+                  precision: str = "fp32", payload: bytes | None = b"stand-in"):
+    """List an engine for ``file`` in out/m2export.json as ``m2export build`` records one (TensorRT
+    10.9, sm 9.0, jit plugin, its optimisation ``profiles``) and write ``payload`` as the engine file
+    (None: no file). A stand-in for tests of the manifest plumbing: no TensorRT involved."""
+    from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
+
+    entry = EngineEntry(role, file, file.replace(".plan", ".onnx"), "10.9", gpu, "9.0", "jit", profiles, precision)
+    m = read_manifest(out)
+    m.engines.append(entry)
+    write_manifest(out, m)
+    if payload is not None:
+        (out / file).write_bytes(payload)
+    return entry
+
+
 def set_ssm_scan_attribute(onnx_path: Path, name: str, value) -> int:
     """Rewrite attribute ``name`` of every m2export::SSMScan node; returns how many nodes changed."""
     import onnx

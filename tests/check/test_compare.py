@@ -12,8 +12,8 @@ import pytest
 
 from m2export.check.compare import REPORT_JSON, REPORT_MD, run_check
 from m2export.errors import BackendUnavailable, CheckpointError, ExportError
-from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
-from tests.check.exports import copy_export, scale_initializer, set_ssm_scan_attribute, zero_graph_input
+from m2export.exporter.manifest import read_manifest
+from tests.check.exports import copy_export, record_engine, scale_initializer, set_ssm_scan_attribute, zero_graph_input
 
 QUICK = dict(shapes=[(1, 5), (2, 17)], decode_steps=3)  # partial chunk and chunk + 1 (chunk_size 16)
 
@@ -114,10 +114,7 @@ def test_missing_reference_and_engine(tiny_out, tmp_path):
     out = copy_export(tiny_out, tmp_path / "o")
     with pytest.raises(CheckpointError, match="does not exist"):
         run_check(out, checkpoint=tmp_path / "nowhere", **QUICK)
-    m = read_manifest(out)
-    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit",
-                                 [{"input_ids": {"min": [1, 1], "opt": [2, 64], "max": [4, 256]}}], "fp32"))
-    write_manifest(out, m)
+    entry = record_engine(out, [{"input_ids": {"min": [1, 1], "opt": [2, 64], "max": [4, 256]}}], payload=None)
     with pytest.raises(ExportError, match="model.plan: prefill TensorRT engine listed in m2export.json is missing"):
         run_check(out, **QUICK)
     (out / "model.plan").write_bytes(b"not an engine")
@@ -127,17 +124,13 @@ def test_missing_reference_and_engine(tiny_out, tmp_path):
     with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
         run_check(out, require_trt=True, **QUICK)
     assert read_manifest(out).engines[0].file == "model.plan"
-    assert asdict(m.engines[0])["profiles"]
+    assert asdict(entry)["profiles"]
 
 
 def test_engine_profile_sizes_used(tiny_out, tmp_path):
     """With engines recorded, the prefill sizes are the profile's min/opt/max."""
     out = copy_export(tiny_out, tmp_path / "o")
-    m = read_manifest(out)
-    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit",
-                                 [{"input_ids": {"min": [1, 1], "opt": [2, 20], "max": [3, 40]}}], "fp32"))
-    write_manifest(out, m)
-    (out / "model.plan").write_bytes(b"x")
+    record_engine(out, [{"input_ids": {"min": [1, 1], "opt": [2, 20], "max": [3, 40]}}], payload=b"x")
     report = run_check(out, decode_steps=0)
     assert report.shapes == [[1, 1], [2, 20], [3, 40]] and report.passed
 
@@ -167,13 +160,9 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     from m2export.check.runners import onnxrt_runner
 
     out = copy_export(tiny_out, tmp_path / "o")
-    m = read_manifest(out)
     prof = {"input_ids": {"min": [1, 1], "opt": [2, 16], "max": [2, 33]}}
     for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
-        m.engines.append(EngineEntry(role, f, f.replace(".plan", ".onnx"), "10.9", "H200", "9.0", "jit", [prof],
-                                     "fp32"))
-        (out / f).write_bytes(b"stand-in")
-    write_manifest(out, m)
+        record_engine(out, [prof], role=role, file=f)
     monkeypatch.setattr(cmp, "tensorrt_unavailable_reason", lambda: None)
     monkeypatch.setattr(cmp, "trt_runner", lambda p, name=None: onnxrt_runner(
         Path(p).with_suffix(".onnx"), name=f"trt:{Path(p).name}"))

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from m2export.cli.main import main
-from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
-from tests.check.exports import copy_export, set_ssm_scan_attribute, zero_graph_input
+from tests.check.exports import copy_export, record_engine, set_ssm_scan_attribute, zero_graph_input
+from tests.helpers import assert_usage_error
 
 QUICK = ["--shapes", "1x5,2x17", "--decode-steps", "2"]
 
@@ -88,14 +88,10 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
             args += ["--atol", "logitz:1"]
             msg = "--atol 'logitz:1': no output named 'logitz'"
         else:
-            m = read_manifest(d)
-            m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "H200", "9.0", "jit", [],
-                                         "fp32"))
-            write_manifest(d, m)
+            record_engine(d, [], payload=None if case == "missing_engine" else b"x")
             if case == "missing_engine":
                 msg = "model.plan: prefill TensorRT engine listed in m2export.json is missing"
             else:
-                (d / "model.plan").write_bytes(b"x")
                 args += ["--runtime", "trt"]
                 code, msg = 4, "TensorRT is not installed"
     rc = main(args + QUICK)
@@ -114,10 +110,7 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
                                       (["--seed", "-1"], "argument --seed: -1: expected an integer >= 0")])
 def test_check_bad_numbers_are_usage_errors(tiny_out, capsys, args, msg):
     """Out-of-range numbers are argparse errors (exit 2, one line), not a conv1d RuntimeError (exit 70)."""
-    with pytest.raises(SystemExit) as e:
-        main(["check", str(tiny_out), *args])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert_usage_error(["check", str(tiny_out), *args], msg, capsys)
 
 
 @pytest.mark.parametrize("where", ["proc", "file", "under_file"])

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from m2export.cli.main import main
-from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
-from tests.check.exports import copy_export
+from tests.check.exports import copy_export, record_engine
+from tests.helpers import assert_usage_error
 
 
 @pytest.mark.parametrize("verb", ["check", "generate", "inspect"])
@@ -68,11 +68,8 @@ def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys)
     if tensorrt_available():
         pytest.skip("TensorRT is installed here: the exit-4 path needs it absent")
     d = copy_export(tiny_out, tmp_path / "o")
-    m = read_manifest(d)
     for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
-        m.engines.append(EngineEntry(role, f, f.replace(".plan", ".onnx"), "10.9", "H200", "9.0", "jit", [], "fp32"))
-        (d / f).write_bytes(b"x")
-    write_manifest(d, m)
+        record_engine(d, [], role=role, file=f, payload=b"x")
     assert main(["generate", str(d), "--prompt", "x", "--runtime", "trt"]) == 4
     assert capsys.readouterr().err.startswith("error: TensorRT is not installed")
 
@@ -130,11 +127,8 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert info["functions"][0]["name"] == "SSMScan"
 
     d = copy_export(tiny_out, tmp_path / "o")
-    m = read_manifest(d)
-    m.engines.append(EngineEntry("prefill", "model.plan", "model.onnx", "10.9", "NVIDIA H200", "9.0", "jit",
-                                 [{"input_ids": {"min": [1, 1], "opt": [1, 64], "max": [4, 512]}}], "fp16"))
-    write_manifest(d, m)
-    (d / "model.plan").write_bytes(b"x")
+    record_engine(d, [{"input_ids": {"min": [1, 1], "opt": [1, 64], "max": [4, 512]}}], gpu="NVIDIA H200",
+                  precision="fp16", payload=b"x")
     assert main(["inspect", str(d / "model.plan")]) == 0
     out = capsys.readouterr().out
     assert "built from model.onnx (prefill), precision fp16" in out and "'max': [4, 512]" in out
@@ -178,10 +172,7 @@ def test_generate_prompt_ids_outside_vocab(tiny_out, capsys, ids, bad):
                                       (["--seed", "-1"], "argument --seed: -1: expected an integer >= 0"),
                                       (["--max-new-tokens", "-2"], "argument --max-new-tokens: -2: expected an integer")])
 def test_generate_bad_sampling_numbers_are_usage_errors(tiny_out, capsys, args, msg):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", str(tiny_out), "--prompt", "x", *args])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert_usage_error(["generate", str(tiny_out), "--prompt", "x", *args], msg, capsys)
 
 
 def test_generate_library_rejects_bad_sampling(tiny_out):

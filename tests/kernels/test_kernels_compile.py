@@ -15,7 +15,7 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
-from tests.helpers import no_cuda_home, tileiras_skip_reason  # noqa: E402,F401  (fixture)
+from tests.helpers import tileiras_skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(tileiras_skip_reason() is not None, reason=tileiras_skip_reason() or ""),
               pytest.mark.usefixtures("no_cuda_home")]

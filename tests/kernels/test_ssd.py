@@ -36,7 +36,7 @@ from m2export.kernels.ssd import ssm_scan
 from m2export.kernels.ssd.naive import ssm_scan_recurrent
 from tests.helpers import SSD_STATE_REL as STATE_REL
 from tests.helpers import SSD_Y_REL as Y_REL
-from tests.helpers import TORCH_DTYPES, assert_close, make_inputs, requires_cutile
+from tests.helpers import assert_close, make_inputs, nan_outputs, requires_cutile
 
 MAXABS = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
@@ -56,8 +56,7 @@ def _run_and_check(p: SSMScanProblem, *, seed: int, init_state=True, dt_limit=(0
         inp["dt_bias"] = None
     ref = ssm_scan_recurrent(**inp, dt_limit=dt_limit)
     dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
-    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
-    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    y, fs = nan_outputs(p)
     if stream_obj is not None:  # inputs were written on the current stream: order the launch after them
         stream_obj.wait_stream(torch.cuda.current_stream())
     if config is None:

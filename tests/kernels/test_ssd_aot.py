@@ -15,7 +15,7 @@ pytest.importorskip("cuda.tile")
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem  # noqa: E402
 from m2export.errors import ContractError  # noqa: E402
-from tests.helpers import no_cuda_home, tileiras_skip_reason  # noqa: E402,F401  (fixture)
+from tests.helpers import tileiras_skip_reason  # noqa: E402
 
 needs_tileiras = pytest.mark.skipif(tileiras_skip_reason() is not None, reason=tileiras_skip_reason() or "")
 

@@ -48,6 +48,13 @@ def _ckpt(tmp_path):
     return random_checkpoint(tmp_path / "ck", seed=2, **TINY)
 
 
+def _edit_config(path, fn):
+    """Rewrite path/config.json with ``fn(cfg)`` applied to its parsed contents."""
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
 def _tampered_ckpt(tmp_path, edit):
     """A saved checkpoint whose state dict was changed by ``edit(sd)`` before writing it back."""
     path = _ckpt(tmp_path)
@@ -84,27 +91,22 @@ def test_malformed_json(tmp_path):
 
 def test_unknown_layer_type(tmp_path):
     path = _ckpt(tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["ssm_cfg"]["layer"] = "Mamba1"
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: c["ssm_cfg"].__setitem__("layer", "Mamba1"))
     with pytest.raises(ConfigError, match=r"ssm_cfg.layer='Mamba1' is not supported"):
         load_checkpoint(path)
 
 
 def test_unknown_ssm_cfg_field_is_rejected_not_ignored(tmp_path):
     path = _ckpt(tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["ssm_cfg"]["mystery"] = 3
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: c["ssm_cfg"].__setitem__("mystery", 3))
     with pytest.raises(ConfigError, match=r"unsupported field\(s\) \['mystery'\]"):
         read_config(path)
 
 
 def test_every_ssm_cfg_field_is_honoured(tmp_path):
     path = _ckpt(tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["ssm_cfg"].update(d_state=8, headdim=8, ngroups=4, chunk_size=32, expand=1, d_conv=3, dt_limit=[0.01, 0.2])
-    (path / "config.json").write_text(json.dumps(cfg))
+    _edit_config(path, lambda c: c["ssm_cfg"].update(d_state=8, headdim=8, ngroups=4, chunk_size=32, expand=1, d_conv=3,
+                                                      dt_limit=[0.01, 0.2]))
     c, fmt = read_config(path)
     assert (c.d_state, c.headdim, c.ngroups, c.chunk_size, c.expand, c.d_conv, c.dt_limit) == \
         (8, 8, 4, 32, 1, 3, (0.01, 0.2))
@@ -127,12 +129,6 @@ def test_corrupt_weights(tmp_path):
     (path / "model.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(CheckpointError, match="cannot read tensors"):
         load_checkpoint(path)
-
-
-def _edit_config(path, fn):
-    cfg = json.loads((path / "config.json").read_text())
-    fn(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.mark.parametrize("field,value,match", [

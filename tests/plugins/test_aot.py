@@ -23,7 +23,7 @@ from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanPr
 from m2export.errors import BackendUnavailable, InternalError
 from m2export.plugins import aot
 from m2export.plugins.ssm_scan_trt import aot_launch
-from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, assert_close, make_inputs, requires_cutile
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, assert_close, oracle_case, requires_cutile
 from tests.plugins.fakes import Expr, exprs
 
 DATA = Path(__file__).parent / "data"
@@ -270,17 +270,12 @@ def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
     """Export -> PTX rewritten to TensorRT's order -> driver JIT -> cuLaunchKernel with TensorRT's slots."""
     import torch
 
-    from m2export.kernels.ssd.naive import ssm_scan_recurrent
     from m2export.plugins import _cuda
 
     cc = _cuda.compute_capability(torch.cuda.current_device())
     attrs = SSMScanAttrs(dt_min=dt_limit[0], dt_max=dt_limit[1])
     k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc))
-    inp = make_inputs(p, seed=7, device="cpu")
-    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
-    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
-    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
-    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    ref, dev, y, fs = oracle_case(p, seed=7, dt_limit=attrs.dt_limit)
     torch.cuda.synchronize()
     image, how = k.ptx.encode(), "PTX (driver JIT, as TensorRT loads it)"
     rc = _cuda.try_load_module(image)
@@ -375,7 +370,6 @@ def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
     is ``--aot-ptx-isa`` set to the driver's own ISA (CUDA 13.x drivers: 9.x)."""
     import torch
 
-    from m2export.kernels.ssd.naive import ssm_scan_recurrent
     from m2export.plugins import _cuda
 
     driver = _cuda.driver_version()
@@ -392,11 +386,7 @@ def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
         print(f"\n{p} ISA {aot.ptx_version(k.ptx)}: refused at build time: {e}")
         assert f"CUDA {driver[0]}.{driver[1]}" in str(e) and "--plugin jit" in e.hint
         return
-    inp = make_inputs(p, seed=5, device="cpu")
-    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
-    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
-    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
-    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    ref, dev, y, fs = oracle_case(p, seed=5, dt_limit=attrs.dt_limit)
     torch.cuda.synchronize()
     kern = _cuda.load_kernel(k.ptx.encode(), k.name)
     extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)

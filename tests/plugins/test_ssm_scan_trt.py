@@ -21,7 +21,7 @@ from m2export import contract
 from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanProblem
 from m2export.errors import BackendUnavailable, InternalError
 from m2export.plugins import ssm_scan_trt as plug
-from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, assert_close, make_inputs, requires_cutile
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, assert_close, oracle_case, requires_cutile
 from tests.plugins.fakes import Expr, FakeTensor, fake_tensorrt
 
 CASES = [
@@ -94,15 +94,10 @@ def test_cuda_array_interface_describes_trt_tensors():
 def test_run_jit_plumbing_on_cpu():
     """Inputs in contract order, attributes and outputs reach ssm_scan (torch backend, CPU views)."""
     p = SSMScanProblem(2, 33, 4, 32, 2, 32, "float32")
-    inp = make_inputs(p, seed=3)
     attrs = SSMScanAttrs(chunk_size=16, dt_min=1e-3, dt_max=0.5)
-    y = torch.full(p.shape_of("y"), float("nan"))
-    fs = torch.full(p.shape_of("final_state"), float("nan"))
+    ref, inp, y, fs = oracle_case(p, seed=3, dt_limit=attrs.dt_limit, device="cpu")
     plug.run_jit([FakeTensor(inp[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], attrs, 0,
                  backend="torch", as_tensor=lambda t: t.tensor)
-    from m2export.kernels.ssd.naive import ssm_scan_recurrent
-
-    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
     assert_close("y", ref.y, y, rel=1e-5)
     assert_close("final_state", ref.final_state, fs, rel=1e-5)
     with pytest.raises(InternalError, match="got 7 inputs"):
@@ -215,14 +210,8 @@ Y_REL, STATE_REL = SSD_Y_REL, SSD_STATE_REL
 @pytest.mark.parametrize("p", CASES)
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default_stream", "side_stream"])
 def test_jit_impl_body_vs_reference(p, side_stream):
-    from m2export.kernels.ssd.naive import ssm_scan_recurrent
-
     attrs = SSMScanAttrs(chunk_size=64, dt_min=0.0, dt_max=math.inf)
-    inp = make_inputs(p, seed=11, device="cpu")
-    ref = ssm_scan_recurrent(**inp, dt_limit=attrs.dt_limit)
-    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
-    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
-    fs = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    ref, dev, y, fs = oracle_case(p, seed=11, dt_limit=attrs.dt_limit)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     plug.run_jit([FakeTensor(dev[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], attrs,
