@@ -63,11 +63,34 @@ def make_inputs(p: SSMScanProblem, *, seed: int, device="cpu", init_state: bool 
     return {k: (v.to(device) if v is not None else None) for k, v in out.items()}
 
 
+#: NaN bit patterns the GPU tests poison outputs with (quiet NaNs with a payload no arithmetic produces:
+#: NVIDIA GPU arithmetic returns the canonical NaN, so an element still holding this pattern was never written)
+POISON_BITS = {"float32": (torch.int32, 0x7FE5A5A5), "float16": (torch.int16, 0x7E5A), "bfloat16": (torch.int16, 0x7FE5)}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return {v: k for k, v in TORCH_DTYPES.items()}[t.dtype]
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` (fp32/fp16/bf16) with :data:`POISON_BITS` in place (on the current stream); returns ``t``."""
+    int_dtype, bits = POISON_BITS[_dtype_name(t)]
+    t.view(int_dtype).fill_(bits)
+    return t
+
+
+def count_unwritten(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 tensor (on t's device, no host sync): elements of ``t`` still holding the poison pattern."""
+    int_dtype, bits = POISON_BITS[_dtype_name(t)]
+    return (t.view(int_dtype) == bits).sum()
+
+
 def nan_outputs(p: SSMScanProblem, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """SSMScan output buffers poisoned with NaN before a kernel writes them: y (batch, seqlen,
-    nheads, headdim) in p.dtype and final_state (batch, nheads, headdim, d_state) fp32."""
-    y = torch.full(p.shape_of("y"), float("nan"), dtype=TORCH_DTYPES[p.dtype], device=device)
-    return y, torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device=device)
+    """SSMScan output buffers poisoned with NaN (:func:`poison_`) before a kernel writes them: y (batch,
+    seqlen, nheads, headdim) in p.dtype and final_state (batch, nheads, headdim, d_state) fp32."""
+    y = torch.empty(p.shape_of("y"), dtype=TORCH_DTYPES[p.dtype], device=device)
+    fs = torch.empty(p.shape_of("final_state"), dtype=torch.float32, device=device)
+    return poison_(y), poison_(fs)
 
 
 def oracle_case(p: SSMScanProblem, *, seed: int, dt_limit: tuple[float, float], device="cuda", **kw):

@@ -20,7 +20,6 @@ float32 plugin fields; ``plugin_namespace``/``plugin_version`` select the plugin
 ``chunk_size: int``, ``dt_softplus: int`` (0/1), ``dt_min: float``, ``dt_max: float``.
 """
 
-import contextlib
 import functools
 import logging
 from typing import Any, Callable, List, Sequence, Tuple, Union
@@ -140,19 +139,11 @@ def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, 
                             f"{len(contract.INPUT_NAMES)} and {len(contract.OUTPUT_NAMES)}")
     x, dt, A, B, C, D, dt_bias, initial_state = (as_tensor(t) for t in inputs)
     y, final_state = (as_tensor(t) for t in outputs)
-    ctx = contextlib.nullcontext()
-    if backend == "cutile":
-        import torch
-
-        # TensorRT's stream becomes torch's current stream for the call, so any scratch the kernel
-        # allocates through torch's caching allocator is ordered on the stream that uses it
-        s = (torch.cuda.default_stream(y.device) if int(stream) == 0
-             else torch.cuda.ExternalStream(int(stream), device=y.device))
-        ctx = torch.cuda.stream(s)
-    with ctx:
-        ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=attrs.chunk_size,
-                 dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend,
-                 out=y, final_state_out=final_state, stream=int(stream))
+    # ssm_scan resolves the raw handle (0 = the legacy default stream) and makes it torch's current
+    # stream for the call, so scratch from torch's caching allocator is ordered on TensorRT's stream
+    ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=attrs.chunk_size,
+             dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend,
+             out=y, final_state_out=final_state, stream=int(stream))
 
 
 # ----------------------------------------------------------------------------- AOT impl

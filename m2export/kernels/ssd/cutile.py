@@ -387,10 +387,23 @@ def _hinted(kernel, occupancy: int | None, worker_warps: int | None = None):
 
 
 def _torch_stream(stream, device: torch.device) -> torch.cuda.Stream:
-    """The launch stream as a torch stream: None -> current stream of device; an int -> ExternalStream."""
+    """The launch stream as a torch stream.
+
+    None -> the current stream of ``device``; a torch stream -> itself; a raw ``cudaStream_t``
+    int -> ``torch.cuda.ExternalStream``, except 0 and 1 (``cudaStreamLegacy``), which are the
+    legacy default stream: ``torch.cuda.ExternalStream(0)`` is NOT that stream -- torch treats a
+    null ``stream_ptr`` as "no pointer given" and hands out a fresh non-blocking pool stream, which
+    is ordered neither after the caller's earlier work nor before its later work (that race left
+    y unwritten on the JIT plugin's default-stream path, issue 14). 2 (``cudaStreamPerThread``)
+    is refused: torch has no stream object for it.
+    """
     if stream is None:
         return torch.cuda.current_stream(device)
     if isinstance(stream, int):
+        if stream in (0, 1):
+            return torch.cuda.default_stream(device)
+        if stream == 2:
+            raise ContractError("stream: cudaStreamPerThread (2) is not supported; pass the stream's own handle")
         return torch.cuda.ExternalStream(stream, device=device)
     if getattr(stream, "cuda_stream", None) is None:
         raise TypeError(f"stream: expected None, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream)}")
