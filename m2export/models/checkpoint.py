@@ -1,4 +1,4 @@
-"""Loading and saving Mamba-2 checkpoints in the two formats in the wild.
+"""Loading and saving Mamba-2 checkpoints (two formats) and hybrid checkpoints (HF families).
 
 * ``mamba_ssm``: state-spaces/mamba ``MambaLMHeadModel.save_pretrained`` — ``config.json`` with
   ``d_model, n_layer, vocab_size, ssm_cfg{...}``; tensors ``backbone.embedding.weight``,
@@ -6,8 +6,13 @@
 * ``hf``: HF transformers ``Mamba2ForCausalLM`` — ``config.json`` of ``Mamba2Config``; tensors
   ``backbone.embeddings.weight`` (plural), otherwise the same names.
 
+* HF hybrids: ``nemotron_h``, ``granitemoehybrid``, ``bamba`` (config readers in
+  :mod:`m2export.models.families`, tensor names in :mod:`m2export.models.weights`).
+
 Weights come from ``model.safetensors`` (preferred), a sharded ``model.safetensors.index.json``,
-or ``pytorch_model.bin``. The format is detected from ``config.json``.
+or ``pytorch_model.bin``. The format/family is detected from ``config.json``
+(:func:`m2export.models.families.detect_family`); HF's ``{"__float__": "Infinity"}`` is read as inf.
+Every declared tensor shape is checked against the weight files' headers before the model is built.
 """
 
 from __future__ import annotations
@@ -23,32 +28,41 @@ import torch
 from m2export._paths import replace_hazard
 from m2export.errors import CheckpointError, ConfigError
 from m2export.models.config import PRESETS, Mamba2Config
-from m2export.models.mamba2 import Mamba2LMHeadModel, init_weights_
+from m2export.models.families import READERS, decode_hf_floats, detect_family
+from m2export.models.mamba2 import HybridLM, Mamba2LMHeadModel, Router, init_weights_
+from m2export.models.spec import ModelSpec
+from m2export.models.weights import plan_weights
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-_HF_RENAME = {"backbone.embeddings.weight": "backbone.embedding.weight"}
 
 
 @dataclass
 class LoadedCheckpoint:
-    """A loaded model with where it came from. ``sha256`` hashes config.json and every weight file."""
+    """A loaded model with where it came from. ``sha256`` hashes config.json and every weight file.
 
-    model: Mamba2LMHeadModel
-    config: Mamba2Config
-    format: str  # "mamba_ssm" | "hf"
+    ``format``: "mamba_ssm" | "hf" (a Mamba-2 model: ``model`` is a :class:`Mamba2LMHeadModel`, ``config``
+    its :class:`Mamba2Config`) or a hybrid family ("nemotron_h", "granitemoehybrid", "bamba": ``model`` is a
+    :class:`HybridLM`, ``config`` None). ``spec`` is the layer-stack description of every model.
+    """
+
+    model: HybridLM
+    config: Mamba2Config | None
+    format: str
     path: Path
     files: list[Path]
     sha256: str
+    spec: ModelSpec | None = None
+
+    def __post_init__(self):
+        if self.spec is None:
+            self.spec = self.model.spec
 
 
-def detect_format(cfg: dict) -> str:
-    """'mamba_ssm' if ``cfg`` has d_model/ssm_cfg, 'hf' if it has hidden_size/model_type mamba2."""
-    if "d_model" in cfg or "ssm_cfg" in cfg:
-        return "mamba_ssm"
-    if cfg.get("model_type") == "mamba2" or "hidden_size" in cfg:
-        return "hf"
-    raise ConfigError("config.json: cannot tell the checkpoint format: expected 'd_model'+'ssm_cfg' "
-                      "(mamba_ssm) or 'model_type': 'mamba2'/'hidden_size' (HF transformers)")
+def detect_format(cfg: dict, source: str = "config.json") -> str:
+    """'mamba_ssm' (d_model/ssm_cfg), 'hf' (HF Mamba2) or a hybrid family name (see
+    :func:`m2export.models.families.detect_family`, which refuses unsupported model types by name)."""
+    fam = detect_family(cfg, source)
+    return "hf" if fam == "mamba2" else fam
 
 
 def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
@@ -107,20 +121,30 @@ def _read_json(f: Path) -> dict:
     return cfg
 
 
-def read_config(path: str | os.PathLike) -> tuple[Mamba2Config, str]:
-    """(config, format) of a checkpoint directory or weight file path."""
-    return _config_in(_resolve(path)[0])
+def read_config(path: str | os.PathLike) -> tuple[Mamba2Config | ModelSpec, str]:
+    """(config, format) of a checkpoint directory or weight file path: a :class:`Mamba2Config` for the
+    Mamba-2 formats, the :class:`ModelSpec` for a hybrid family (format = its model_type)."""
+    cfg, spec, fmt = _config_in(_resolve(path)[0])
+    return (cfg if cfg is not None else spec), fmt
 
 
-def _config_in(d: Path) -> tuple[Mamba2Config, str]:
-    raw = _read_json(d / "config.json")
-    fmt = detect_format(raw)
+def read_spec(path: str | os.PathLike) -> tuple[ModelSpec, str]:
+    """(layer-stack description, format) of any supported checkpoint (directory or weight file path)."""
+    _, spec, fmt = _config_in(_resolve(path)[0])
+    return spec, fmt
+
+
+def _config_in(d: Path) -> tuple[Mamba2Config | None, ModelSpec, str]:
+    raw = decode_hf_floats(_read_json(d / "config.json"))
     src = str(d / "config.json")
+    fmt = detect_format(raw, src)
     try:
+        if fmt in READERS:
+            return None, READERS[fmt](raw, src), fmt
         cfg = Mamba2Config.from_mamba_ssm_json(raw, src) if fmt == "mamba_ssm" else Mamba2Config.from_hf_json(raw, src)
     except TypeError as e:  # a field of the wrong JSON type reaching the dataclass
         raise ConfigError(f"{src}: {e}") from None
-    return cfg, fmt
+    return cfg, cfg.to_spec(), fmt
 
 
 def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -170,55 +194,126 @@ def _sha256(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def _tensor_shapes(files: list[Path], weight_map: dict[str, str] | None
+                   ) -> tuple[dict[str, tuple[tuple[int, ...], bool]], dict[str, torch.Tensor] | None]:
+    """name -> (shape, is_float) of every tensor, from the safetensors headers (nothing else is read); for
+    ``.bin`` files the tensors themselves (returned too, so they are read once)."""
+    if all(f.suffix == ".safetensors" for f in files):
+        from safetensors import safe_open
+
+        out: dict[str, tuple[tuple[int, ...], bool]] = {}
+        origin: dict[str, Path] = {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: weight file listed but missing")
+            try:
+                with safe_open(str(f), "pt") as fh:
+                    for k in fh.keys():
+                        if weight_map is not None and weight_map.get(k) != f.name:
+                            continue
+                        if k in out:
+                            raise CheckpointError(f"tensor {k!r} is in both {origin[k]} and {f}: ambiguous checkpoint")
+                        sl = fh.get_slice(k)
+                        out[k], origin[k] = (tuple(sl.get_shape()), sl.get_dtype() in _FLOAT_ST), f
+            except CheckpointError:
+                raise
+            except Exception as e:  # safetensors raises several types on corrupt input
+                raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
+        if weight_map is not None:
+            lost = sorted(k for k in weight_map if k not in out)
+            if lost:
+                raise CheckpointError(f"tensor(s) {lost[:8]} listed in the index are missing from their shard(s)")
+        return out, None
+    sd = _read_tensors(files, weight_map)
+    return {k: (tuple(v.shape), v.is_floating_point()) for k, v in sd.items()}, sd
+
+
+_FLOAT_ST = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> LoadedCheckpoint:
-    """Load a Mamba-2 checkpoint (directory or weight-file path), format auto-detected.
+    """Load a Mamba-2 or hybrid checkpoint (directory or weight-file path), format/family auto-detected.
+
+    The tensor names and shapes in the weight files are checked against config.json before the model is
+    built or any tensor data is read (safetensors).
 
     Args:
         path: checkpoint directory, its config.json, or a weight file next to config.json.
-        dtype: cast the model to this dtype (default: keep fp32 parameters).
+        dtype: build the model in this dtype (default float32). MoE routers stay float32 (as transformers
+            keeps them: ``_keep_in_fp32_modules_strict``).
     Returns:
         LoadedCheckpoint with the model in eval mode.
     Raises:
         CheckpointError: missing/malformed file, missing/unexpected/mis-shaped tensor (named, with
-            expected and found shapes).
-        ConfigError: unsupported or malformed config field.
+            expected and found shapes), tied embeddings with a different lm_head.weight.
+        ConfigError: unsupported model type or unsupported/malformed config field (named).
     """
     d, files, index = _resolve(path)
-    cfg, fmt = _config_in(d)
-    sd = _read_tensors(files, _weight_map(index) if index is not None else None)
-    if fmt == "hf":
-        sd = {_HF_RENAME.get(k, k): v for k, v in sd.items()}
+    cfg, spec, fmt = _config_in(d)
+    wm = _weight_map(index) if index is not None else None
+    shapes, sd = _tensor_shapes(files, wm)
+    family = "mamba2" if fmt == "hf" else fmt
+    plan = plan_weights(family, spec, sorted(shapes))
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in _build(spec, cfg).state_dict().items()}
+    tied_head = None
+    if spec.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+        src = plan.sources.pop("lm_head.weight", None)
+        tied_head = src.keys[0] if src is not None else None
+    where = ", ".join(str(f) for f in files)
+    what = f"a {fmt} model with {spec.n_layer} layers" if cfg is None else f"a {fmt} Mamba-2 with n_layer={cfg.n_layer}"
+    missing = sorted(set(expected) - set(plan.sources))
+    extra = sorted(plan.unmapped + [src.keys[0] for k, src in plan.sources.items() if k not in expected])
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                              f"for {what}")
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) {extra[:8]}{' ...' if len(extra) > 8 else ''} "
+                              f"(config.json describes {what})")
+    for k, shape in expected.items():
+        src = plan.sources[k]
+        found = [shapes[n][0] for n in src.keys]
+        got = (len(found),) + found[0] if src.stacked else found[0]
+        if got != shape or (src.stacked and len(set(found)) != 1):
+            shown = src.keys[0] if not src.stacked else f"{src.keys[0]} (x{len(src.keys)} experts)"
+            raise CheckpointError(f"{where}: tensor {shown!r} has shape {got if not src.stacked else found}, "
+                                  f"expected {shape} from config.json")
+        for n in src.keys:
+            if not shapes[n][1]:
+                raise CheckpointError(f"{where}: tensor {n!r} is not floating-point, expected a float dtype")
+    if tied_head is not None and shapes[tied_head][0] != expected["backbone.embedding.weight"]:
+        raise CheckpointError(f"{where}: tensor {tied_head!r} has shape {shapes[tied_head][0]}, but the "
+                              "embeddings are tied (tie_word_embeddings/tie_embeddings)")
+    if sd is None:
+        sd = _read_tensors(files, wm)
     target = dtype or torch.float32
     prev_default = torch.get_default_dtype()
     torch.set_default_dtype(target)  # build in the target dtype: no fp32 copy of a large model (2.7B: 10.8 GB)
     try:
-        model = Mamba2LMHeadModel(cfg)
+        model = _build(spec, cfg)
     finally:
         torch.set_default_dtype(prev_default)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    where = ", ".join(str(f) for f in files)
-    missing = sorted(set(expected) - set(sd))
-    extra = sorted(set(sd) - set(expected))
-    if missing:
-        raise CheckpointError(f"{where}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                              f"for a {fmt} Mamba-2 with n_layer={cfg.n_layer}")
-    if extra:
-        raise CheckpointError(f"{where}: unexpected tensor(s) {extra[:8]}{' ...' if len(extra) > 8 else ''} "
-                              f"(config.json says n_layer={cfg.n_layer}, {fmt} names)")
-    for k, shape in expected.items():
-        if tuple(sd[k].shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {k!r} has shape {tuple(sd[k].shape)}, expected {tuple(shape)} "
-                                  "from config.json")
-        if not sd[k].is_floating_point():
-            raise CheckpointError(f"{where}: tensor {k!r} has dtype {sd[k].dtype}, expected a float dtype")
-    model.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=False)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()
+    if tied_head is not None:
+        emb = sd[plan.sources["backbone.embedding.weight"].keys[0]]
+        if not torch.equal(sd[tied_head].to(emb.dtype), emb):
+            raise CheckpointError(f"{where}: tensor {tied_head!r} differs from the embedding, but config.json ties "
+                                  "them (tie_word_embeddings/tie_embeddings): which one is meant is unclear",
+                                  hint="set tie_word_embeddings to false if the checkpoint has its own lm_head")
+    params = dict(model.state_dict())
+    with torch.no_grad():
+        for k, src in plan.sources.items():
+            t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
+            params[k].copy_(t)
     model.eval()
-    if dtype is not None:
-        model.to(dtype)
-    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]))
+    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec)
+
+
+def _build(spec: ModelSpec, cfg: Mamba2Config | None) -> HybridLM:
+    return Mamba2LMHeadModel(cfg) if cfg is not None else HybridLM(spec)
 
 
 def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, format: str = "mamba_ssm",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2export.errors import ConfigError
+from m2export.models.spec import LayerSpec, MambaSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,20 @@ class Mamba2Config:
     def vocab_size_padded(self) -> int:
         m = self.pad_vocab_size_multiple
         return -(-self.vocab_size // m) * m
+
+    @property
+    def mamba_spec(self) -> MambaSpec:
+        """The mixer of every layer (mamba_ssm ``Mamba2`` with these fields)."""
+        return MambaSpec(d_model=self.d_model, nheads=self.nheads, headdim=self.headdim, d_state=self.d_state,
+                         ngroups=self.ngroups, d_conv=self.d_conv, chunk_size=self.chunk_size, dt_limit=self.dt_limit,
+                         conv_bias=self.conv_bias, bias=self.bias, gated_norm_epsilon=self.gated_norm_epsilon)
+
+    def to_spec(self) -> ModelSpec:
+        """This model as a layer stack: n_layer pure Mamba-2 layers (family "mamba2")."""
+        layer = LayerSpec(mixer=self.mamba_spec, norm_epsilon=self.norm_epsilon)
+        return ModelSpec(family="mamba2", d_model=self.d_model, vocab_size=self.vocab_size_padded,
+                         layers=(layer,) * self.n_layer, norm_epsilon=self.norm_epsilon,
+                         tie_embeddings=self.tie_embeddings, residual_in_fp32=self.residual_in_fp32)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

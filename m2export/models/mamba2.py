@@ -1,4 +1,9 @@
-"""Mamba-2 in plain PyTorch: the reference model every export is compared against.
+"""Mamba-2 and its hybrids in plain PyTorch: the reference model every export is compared against.
+
+:class:`HybridLM` runs any :class:`~m2export.models.spec.ModelSpec` (Mamba-2 mixers, attention with a KV
+cache, MLP, MoE; the blocks other than the mixer are in :mod:`m2export.models.layers`) through one call,
+``forward_states(input_ids, past) -> (logits, present)``; :class:`Mamba2LMHeadModel` is its pure-Mamba
+case with the per-layer ``conv_states``/``ssm_states`` API. The Mamba-2 mixer:
 
 Follows mamba_ssm/modules/mamba2.py (``Mamba2``) and mamba_ssm/models/mixer_seq_simple.py
 (``MambaLMHeadModel``): parameter names are identical, so state-spaces checkpoints load
@@ -25,6 +30,9 @@ from torch import nn
 
 from m2export.kernels.ssd.naive import ssm_scan_chunked
 from m2export.models.config import Mamba2Config
+from m2export.models.layers import MLP, Attention, MoE, Router
+from m2export.models.spec import (BATCH, PAST, AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec,
+                                  ParallelSpec)
 
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """Signature of an SSMScan implementation: ``fn(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size,
@@ -46,82 +54,260 @@ class RMSNorm(nn.Module):
 
 
 class RMSNormGated(nn.Module):
-    """Gated RMSNorm of mamba_ssm (norm_before_gate=False), normalised per group of ``group_size`` channels:
+    """Gated RMSNorm of mamba_ssm, normalised per group of ``group_size`` channels:
 
-        y = rmsnorm_per_group(x * silu(z)) * weight
+        norm_before_gate=False:  y = rmsnorm_per_group(x * silu(z)) * weight
+        norm_before_gate=True:   y = rmsnorm_per_group(x) * weight * silu(z)
 
-    Source: mamba_ssm/ops/triton/layernorm_gated.py (``rmsnorm_fn`` with group_size = d_inner // ngroups).
-    HF transformers' MambaRMSNormGated normalises over all channels, which equals this only for ngroups=1.
+    Source: mamba_ssm/ops/triton/layernorm_gated.py (``rmsnorm_fn`` with group_size = d_inner // ngroups);
+    transformers 5.24 normalises per group too (``MambaRMSNormGated(group_size=...)``; older releases
+    normalised over all channels, which equals this only for ngroups=1).
     """
 
-    def __init__(self, d: int, group_size: int, eps: float = 1e-5):
+    def __init__(self, d: int, group_size: int, eps: float = 1e-5, norm_before_gate: bool = False):
         super().__init__()
-        self.eps, self.group_size = eps, group_size
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float() * F.silu(z.float())
+        xf = x.float() if self.norm_before_gate else x.float() * F.silu(z.float())
         shp = xf.shape
         g = xf.reshape(*shp[:-1], shp[-1] // self.group_size, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (g.reshape(shp) * self.weight.float()).to(x.dtype)
+        y = g.reshape(shp) * self.weight.float()
+        if self.norm_before_gate:
+            y = y * F.silu(z.float())
+        return y.to(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba-2 mixer (mamba_ssm ``Mamba2`` with d_mlp = 0). ``scan_fn`` is the SSMScan implementation."""
+    """One Mamba-2 mixer (mamba_ssm ``Mamba2`` with d_mlp = 0). ``scan_fn`` is the SSMScan implementation.
 
-    def __init__(self, cfg: Mamba2Config, layer_idx: int):
+    Built from a :class:`~m2export.models.spec.MambaSpec` (a :class:`Mamba2Config` is accepted and means its
+    ``mamba_spec``). Any headdim works (80 included): the torch scan has no tile constraint.
+    """
+
+    def __init__(self, spec: MambaSpec | Mamba2Config, layer_idx: int):
         super().__init__()
-        self.cfg, self.layer_idx = cfg, layer_idx
-        self.in_proj = nn.Linear(cfg.d_model, cfg.d_in_proj, bias=cfg.bias)
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
-        self.dt_bias = nn.Parameter(torch.zeros(cfg.nheads))
-        self.A_log = nn.Parameter(torch.zeros(cfg.nheads))
-        self.D = nn.Parameter(torch.ones(cfg.nheads))
-        self.norm = RMSNormGated(cfg.d_inner, group_size=cfg.d_inner // cfg.ngroups, eps=cfg.gated_norm_epsilon)
-        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+        if isinstance(spec, Mamba2Config):
+            spec = spec.mamba_spec
+        self.cfg = self.spec = spec
+        self.layer_idx = layer_idx
+        s = spec
+        self.in_proj = nn.Linear(s.d_model, s.d_in_proj, bias=s.bias)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.d_conv, groups=s.conv_dim, bias=s.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(s.nheads))
+        self.A_log = nn.Parameter(torch.zeros(s.nheads))
+        self.D = nn.Parameter(torch.ones(s.nheads))
+        if s.norm == "gated_rms":
+            self.norm = RMSNormGated(s.d_inner, group_size=s.norm_group_size, eps=s.gated_norm_epsilon,
+                                     norm_before_gate=s.norm_before_gate)
+        self.out_proj = nn.Linear(s.d_inner, s.d_model, bias=s.bias)
         self.scan_fn: ScanFn = ssm_scan_chunked
 
     def forward(self, u: torch.Tensor, conv_state: torch.Tensor | None = None,
                 ssm_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """u: (batch, seqlen, d_model). Returns (out (batch, seqlen, d_model), conv_state, ssm_state)."""
-        cfg = self.cfg
+        s = self.spec
         batch, seqlen, _ = u.shape
+        if s.in_multiplier != 1.0:
+            u = u * s.in_multiplier
         zxbcdt = self.in_proj(u)
-        z, xBC, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, cfg.nheads], dim=-1)
+        if s.zxbcdt_multipliers is not None:  # Falcon-H1 muP: one scale per slice [z, x, B, C, dt]
+            gs = s.ngroups * s.d_state
+            sizes = [s.d_inner, s.d_inner, gs, gs, s.nheads]
+            scale = torch.cat([torch.full((n,), m, dtype=zxbcdt.dtype, device=zxbcdt.device)
+                               for n, m in zip(sizes, s.zxbcdt_multipliers)])
+            zxbcdt = zxbcdt * scale
+        z, xBC, dt = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.nheads], dim=-1)
         xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
         if conv_state is None:
-            conv_state = xBC.new_zeros(batch, cfg.conv_dim, cfg.d_conv - 1)
+            conv_state = xBC.new_zeros(batch, s.conv_dim, s.d_conv - 1)
         xpad = torch.cat([conv_state.to(xBC.dtype), xBC], dim=2)  # (batch, conv_dim, d_conv - 1 + seqlen)
-        new_conv_state = xpad[:, :, xpad.shape[2] - (cfg.d_conv - 1):]
-        xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=cfg.conv_dim)).transpose(1, 2)
-        x, B, C = torch.split(xBC, [cfg.d_inner, cfg.ngroups * cfg.d_state, cfg.ngroups * cfg.d_state], dim=-1)
+        new_conv_state = xpad[:, :, xpad.shape[2] - (s.d_conv - 1):]
+        xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
+        x, B, C = torch.split(xBC, [s.d_inner, s.ngroups * s.d_state, s.ngroups * s.d_state], dim=-1)
         A = -torch.exp(self.A_log.float())  # fp32: A_log in bf16 would lose the decay's precision
         y, new_ssm_state = self.scan_fn(
-            x.reshape(batch, seqlen, cfg.nheads, cfg.headdim), dt,
-            A, B.reshape(batch, seqlen, cfg.ngroups, cfg.d_state), C.reshape(batch, seqlen, cfg.ngroups, cfg.d_state),
+            x.reshape(batch, seqlen, s.nheads, s.headdim), dt,
+            A, B.reshape(batch, seqlen, s.ngroups, s.d_state), C.reshape(batch, seqlen, s.ngroups, s.d_state),
             self.D.float(), self.dt_bias.float(), None if ssm_state is None else ssm_state.float(),
-            chunk_size=cfg.chunk_size, dt_softplus=True, dt_limit=cfg.dt_limit)
-        y = self.norm(y.reshape(batch, seqlen, cfg.d_inner), z)
-        return self.out_proj(y), new_conv_state, new_ssm_state
+            chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit)
+        y = y.reshape(batch, seqlen, s.d_inner)
+        if s.norm == "gated_rms":
+            y = self.norm(y, z)
+        else:  # "gate": y * silu(z), no norm (Falcon-H1 mamba_rms_norm = false)
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        out = self.out_proj(y)
+        if s.out_multiplier != 1.0:
+            out = out * s.out_multiplier
+        return out, new_conv_state, new_ssm_state
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: residual += hidden; hidden = mixer(norm(residual))."""
+class ParallelMixer(nn.Module):
+    """Falcon-H1: ``attention(x) + mamba(x)`` on the same normed input (each applies its own multipliers)."""
 
-    def __init__(self, cfg: Mamba2Config, layer_idx: int):
+    def __init__(self, spec: ParallelSpec, layer_idx: int):
         super().__init__()
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_epsilon)
-        self.mixer = Mamba2Mixer(cfg, layer_idx)
-        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.attention = Attention(spec.attention)
+        self.mamba = Mamba2Mixer(spec.mamba, layer_idx)
 
-    def forward(self, hidden, residual, conv_state=None, ssm_state=None):
-        residual = hidden if residual is None else residual + hidden
-        if self.residual_in_fp32:
-            residual = residual.float()
-        hidden = self.norm(residual, out_dtype=self.norm.weight.dtype)
-        hidden, conv_state, ssm_state = self.mixer(hidden, conv_state, ssm_state)
-        return hidden, residual, conv_state, ssm_state
+    def forward(self, x, conv_state, ssm_state, key, value):
+        m, conv_state, ssm_state = self.mamba(x, conv_state, ssm_state)
+        a, key, value = self.attention(x, key, value)
+        return a + m, conv_state, ssm_state, key, value
+
+
+def _build_block(spec, layer_idx: int) -> nn.Module:
+    if isinstance(spec, MambaSpec):
+        return Mamba2Mixer(spec, layer_idx)
+    if isinstance(spec, AttentionSpec):
+        return Attention(spec)
+    if isinstance(spec, MLPSpec):
+        return MLP(spec)
+    if isinstance(spec, MoESpec):
+        return MoE(spec)
+    if isinstance(spec, ParallelSpec):
+        return ParallelMixer(spec, layer_idx)
+    raise TypeError(f"no module for {type(spec).__name__}")
+
+
+class Layer(nn.Module):
+    """One :class:`~m2export.models.spec.LayerSpec`: ``h += r * mixer(norm(h))``; ``h += r * ffn(ffn_norm(h))``.
+
+    ``forward(h, states)``: ``states`` are this layer's runtime states in :meth:`LayerSpec.state_specs` order;
+    returns (h, new states). The residual stream h stays in its dtype (float32 under residual_in_fp32);
+    norms hand the blocks the model dtype.
+    """
+
+    def __init__(self, spec: LayerSpec, d_model: int, layer_idx: int):
+        super().__init__()
+        self.spec = spec
+        self.norm = RMSNorm(d_model, eps=spec.norm_epsilon)
+        self.mixer = _build_block(spec.mixer, layer_idx)
+        if spec.ffn is not None:
+            self.ffn_norm = RMSNorm(d_model, eps=spec.norm_epsilon)
+            self.ffn = _build_block(spec.ffn, layer_idx)
+
+    def forward(self, h: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        spec = self.spec
+        x = self.norm(h, out_dtype=self.norm.weight.dtype)
+        m = spec.mixer
+        if isinstance(m, MambaSpec):
+            y, cs, ss = self.mixer(x, states[0], states[1])
+            new = [cs, ss]
+        elif isinstance(m, AttentionSpec):
+            y, k, v = self.mixer(x, states[0], states[1])
+            new = [k, v]
+        elif isinstance(m, ParallelSpec):
+            y, cs, ss, k, v = self.mixer(x, *states)
+            new = [cs, ss, k, v]
+        else:
+            y, new = self.mixer(x), []
+        h = h + (y * spec.residual_multiplier if spec.residual_multiplier != 1.0 else y)
+        if spec.ffn is not None:
+            y = self.ffn(self.ffn_norm(h, out_dtype=self.ffn_norm.weight.dtype))
+            h = h + (y * spec.residual_multiplier if spec.residual_multiplier != 1.0 else y)
+        return h, new
+
+
+class HybridOutput(NamedTuple):
+    """logits (batch, seqlen, vocab_size) in the model dtype; states: the runtime states after the last token,
+    flat, in :meth:`ModelSpec.states` order."""
+
+    logits: torch.Tensor
+    states: list[torch.Tensor]
+
+
+class HybridLM(nn.Module):
+    """A language model built from a :class:`~m2export.models.spec.ModelSpec` (any supported family).
+
+    Module tree (the names the weights are loaded under): ``backbone.embedding``, ``backbone.layers.{i}``
+    (:class:`Layer`: ``norm``, ``mixer``, ``ffn_norm``, ``ffn``), ``backbone.norm_f``, ``lm_head``
+    (the embedding's weight when tied). A pure-Mamba spec gives exactly mamba_ssm's ``MambaLMHeadModel`` names.
+
+    The uniform call every family shares (and one tracing wrapper serves)::
+
+        logits, present = model.forward_states(input_ids, past)
+
+    ``input_ids`` (batch, seqlen) int64; ``past`` the flat state list of :meth:`ModelSpec.states` (shapes and
+    dtypes there; ``None`` = a fresh sequence, i.e. :meth:`zero_states`). ``present`` continues it:
+    ``forward_states(ids[:, :N])`` then ``forward_states(ids[:, N:], present)`` equals
+    ``forward_states(ids)`` on the last M logits.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.backbone = nn.Module()
+        self.backbone.embedding = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.backbone.layers = nn.ModuleList(Layer(L, spec.d_model, i) for i, L in enumerate(spec.layers))
+        self.backbone.norm_f = RMSNorm(spec.d_model, eps=spec.norm_epsilon)
+        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+        self._n_states = [len(spec.layer_states(i)) for i in range(spec.n_layer)]
+
+    @property
+    def mixers(self) -> list[Mamba2Mixer]:
+        """Every Mamba-2 mixer, in layer order (what the export patcher swaps ``scan_fn`` on)."""
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def zero_states(self, batch: int, *, past_len: int = 0, device: torch.device | str | None = None
+                    ) -> list[torch.Tensor]:
+        """The states of an empty sequence: zeros (attention caches with ``past_len`` positions, default 0)."""
+        out = []
+        for st in self.spec.states():
+            shape = tuple(batch if d == BATCH else past_len if d == PAST else d for d in st.shape)
+            out.append(torch.zeros(shape, dtype=torch.float32 if st.dtype == "float32" else self.dtype,
+                                   device=device if device is not None else self.lm_head.weight.device))
+        return out
+
+    def forward_states(self, input_ids: torch.Tensor, past: list[torch.Tensor] | None = None) -> HybridOutput:
+        """See the class docstring. Raises ValueError on a past list of the wrong length."""
+        if past is None:
+            past = self.zero_states(input_ids.shape[0])
+        if len(past) != sum(self._n_states):
+            raise ValueError(f"past: expected {sum(self._n_states)} state tensors (ModelSpec.states()), "
+                             f"got {len(past)}")
+        spec = self.spec
+        h = self.backbone.embedding(input_ids)
+        if spec.embedding_multiplier != 1.0:
+            h = h * spec.embedding_multiplier
+        if spec.residual_in_fp32:
+            h = h.float()
+        present: list[torch.Tensor] = []
+        pos = 0
+        for layer, n in zip(self.backbone.layers, self._n_states):
+            h, new = layer(h, list(past[pos:pos + n]))
+            present.extend(new)
+            pos += n
+        h = self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype)
+        logits = self.lm_head(h)
+        if spec.logits_multiplier != 1.0:
+            logits = logits * spec.logits_multiplier
+        return HybridOutput(logits, present)
+
+    def forward(self, input_ids: torch.Tensor, past: list[torch.Tensor] | None = None) -> HybridOutput:
+        return self.forward_states(input_ids, past)
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation through the state list: returns (batch, max_new_tokens) int64 new token ids."""
+        out = self.forward_states(input_ids)
+        tokens = []
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(max_new_tokens):
+            tokens.append(nxt)
+            if len(tokens) == max_new_tokens:
+                break
+            out = self.forward_states(nxt, out.states)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        return torch.cat(tokens, dim=1) if tokens else input_ids.new_zeros(input_ids.shape[0], 0)
 
 
 class Mamba2Output(NamedTuple):
@@ -132,23 +318,13 @@ class Mamba2Output(NamedTuple):
     ssm_states: list[torch.Tensor]
 
 
-class Mamba2LMHeadModel(nn.Module):
-    """Mamba-2 language model (mamba_ssm ``MambaLMHeadModel`` with Mamba2 mixers, no attention/MLP layers)."""
+class Mamba2LMHeadModel(HybridLM):
+    """Mamba-2 language model (mamba_ssm ``MambaLMHeadModel`` with Mamba2 mixers, no attention/MLP layers):
+    the pure-Mamba case of :class:`HybridLM`, with the per-layer conv/ssm state lists of its own API."""
 
     def __init__(self, cfg: Mamba2Config):
-        super().__init__()
+        super().__init__(cfg.to_spec())
         self.cfg = cfg
-        self.backbone = nn.Module()
-        self.backbone.embedding = nn.Embedding(cfg.vocab_size_padded, cfg.d_model)
-        self.backbone.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.backbone.norm_f = RMSNorm(cfg.d_model, eps=cfg.norm_epsilon)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size_padded, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
-
-    @property
-    def mixers(self) -> list[Mamba2Mixer]:
-        return [blk.mixer for blk in self.backbone.layers]
 
     def forward(self, input_ids: torch.Tensor, conv_states: list[torch.Tensor] | None = None,
                 ssm_states: list[torch.Tensor] | None = None) -> Mamba2Output:
@@ -160,18 +336,15 @@ class Mamba2LMHeadModel(nn.Module):
         Returns:
             Mamba2Output(logits, conv_states, ssm_states) after the last token.
         """
-        hidden = self.backbone.embedding(input_ids)
-        residual = None
-        new_conv, new_ssm = [], []
-        for i, blk in enumerate(self.backbone.layers):
-            hidden, residual, cs, ss = blk(hidden, residual,
-                                           None if conv_states is None else conv_states[i],
-                                           None if ssm_states is None else ssm_states[i])
-            new_conv.append(cs)
-            new_ssm.append(ss)
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.backbone.norm_f(residual, out_dtype=self.lm_head.weight.dtype)
-        return Mamba2Output(self.lm_head(hidden), new_conv, new_ssm)
+        if conv_states is None and ssm_states is None:
+            past = None
+        else:
+            zero = self.zero_states(input_ids.shape[0])
+            conv = conv_states if conv_states is not None else zero[0::2]
+            ssm = ssm_states if ssm_states is not None else zero[1::2]
+            past = [t for pair in zip(conv, ssm) for t in pair]
+        out = self.forward_states(input_ids, past)
+        return Mamba2Output(out.logits, out.states[0::2], out.states[1::2])
 
     def step(self, input_ids: torch.Tensor, conv_states: list[torch.Tensor],
              ssm_states: list[torch.Tensor]) -> Mamba2Output:
@@ -180,49 +353,46 @@ class Mamba2LMHeadModel(nn.Module):
             raise ValueError(f"step: input_ids must be (batch, 1), got {tuple(input_ids.shape)}")
         return self.forward(input_ids, conv_states, ssm_states)
 
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation: returns (batch, max_new_tokens) int64 new token ids."""
-        out = self.forward(input_ids)
-        tokens = []
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(max_new_tokens):
-            tokens.append(nxt)
-            if len(tokens) == max_new_tokens:
-                break
-            out = self.step(nxt, out.conv_states, out.ssm_states)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        return torch.cat(tokens, dim=1) if tokens else input_ids.new_zeros(input_ids.shape[0], 0)
-
 
 @torch.no_grad()
-def init_weights_(model: Mamba2LMHeadModel, seed: int = 0, *, dt_min: float = 1e-3, dt_max: float = 0.1,
-                  dt_init_floor: float = 1e-4, A_init_range: tuple[float, float] = (1.0, 16.0)) -> Mamba2LMHeadModel:
+def init_weights_(model: HybridLM, seed: int = 0, *, dt_min: float = 1e-3, dt_max: float = 0.1,
+                  dt_init_floor: float = 1e-4, A_init_range: tuple[float, float] = (1.0, 16.0)) -> HybridLM:
     """Random initialisation following mamba_ssm (Mamba2.__init__ and mixer_seq_simple._init_weights).
 
     A_log = log(U[A_init_range]); dt = exp(U[log dt_min, log dt_max]) floored at dt_init_floor and
     dt_bias = dt + log(-expm1(-dt)) (inverse softplus); D = 1; embedding N(0, 0.02); Linear/conv1d
-    PyTorch defaults; out_proj rescaled by 1/sqrt(n_layer) (GPT-2 prenorm-residual scheme).
+    PyTorch defaults (uniform +-1/sqrt(fan_in)); stacked expert weights the same per expert; router
+    N(0, 0.02) with zero score-correction bias; every mixer's out_proj rescaled by 1/sqrt(n_layer)
+    (GPT-2 prenorm-residual scheme); norms 1. For a pure-Mamba model the draws are those of earlier releases.
     """
-    cfg = model.cfg
+    n_layer = model.spec.n_layer
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() >= 2:
+        if name.endswith(("experts_in", "experts_out")):
+            bound = 1.0 / math.sqrt(p.shape[2])
+            p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+        elif p.dim() >= 2:
             bound = 1.0 / math.sqrt(p.shape[1] * (p.shape[2] if p.dim() > 2 else 1))
             p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
         elif name.endswith("bias"):
             p.zero_()
     nn.init.normal_(model.backbone.embedding.weight, std=0.02, generator=gen)
     for m in model.mixers:
-        dt = torch.exp(torch.rand(cfg.nheads, generator=gen) * (math.log(dt_max) - math.log(dt_min))
+        nh = m.spec.nheads
+        dt = torch.exp(torch.rand(nh, generator=gen) * (math.log(dt_max) - math.log(dt_min))
                        + math.log(dt_min)).clamp(min=dt_init_floor)
         m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         lo, hi = A_init_range
-        m.A_log.copy_(torch.log(torch.empty(cfg.nheads).uniform_(lo, hi, generator=gen)))
+        m.A_log.copy_(torch.log(torch.empty(nh).uniform_(lo, hi, generator=gen)))
         m.D.fill_(1.0)
-        m.out_proj.weight.div_(math.sqrt(cfg.n_layer))
-        m.norm.weight.fill_(1.0)
-    for blk in model.backbone.layers:
-        blk.norm.weight.fill_(1.0)
-    model.backbone.norm_f.weight.fill_(1.0)
+        m.out_proj.weight.div_(math.sqrt(n_layer))
+        if hasattr(m, "norm"):
+            m.norm.weight.fill_(1.0)
+    for mod in model.modules():
+        if isinstance(mod, Router):
+            nn.init.normal_(mod.weight, std=0.02, generator=gen)
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.zero_()
+        if isinstance(mod, RMSNorm) and mod is not None:
+            mod.weight.fill_(1.0)
     return model

@@ -1,0 +1,116 @@
+"""Tiny random checkpoints written by transformers itself (``XConfig(...)``, ``XForCausalLM(cfg).save_pretrained``),
+for comparing m2export's models and exports with transformers. Shared by tests/models and the export tests.
+
+Every maker gives the Mamba parameters A_log, dt_bias, D and every norm weight random non-default values
+(transformers initialises them to constants), so a test cannot pass by accident of the defaults, and keeps
+softplus(dt + dt_bias) well above 1e-3 (transformers' Nemotron-H/Zamba2 clamp dt at time_step_min in
+prefill only; see m2export.models.families).
+
+``make(name, dir)`` -> (checkpoint dir, the transformers model in eval mode, float32). Names: :data:`CASES`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: case name -> (transformers config class name, model class name, config kwargs)
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Nemotron-H: pattern starts with attention then MoE; ngroups 2; head dim 10 (not a power of two);
+    # d_inner = 6*10 = 60 != expand*hidden = 64; MoE top-2 of 4 in 2 groups + shared expert; GQA 4/2
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=96, hidden_size=32, layers_block_type=["full_attention", "moe", "linear_attention", "mlp",
+                                                          "linear_attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=40, mamba_num_heads=6,
+        mamba_head_dim=10, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, use_conv_bias=True, tie_word_embeddings=False,
+        layer_norm_epsilon=1e-5)),
+    # legacy hybrid_override_pattern, MoE first, latent MoE projection, MLP bias
+    "nemotron_h_latent": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=80, hidden_size=24, hybrid_override_pattern="EM*M", num_attention_heads=2,
+        num_key_value_heads=1, head_dim=12, intermediate_size=32, mamba_num_heads=4, mamba_head_dim=12, n_groups=1,
+        ssm_state_size=16, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        moe_shared_expert_intermediate_size=12, moe_latent_size=16, n_group=1, topk_group=1, mlp_bias=True,
+        norm_topk_prob=False)),
+    # Granite 4.0-H: attention first, RoPE, all multipliers non-unit, MoE top-2 of 4 + shared MLP, ngroups 2
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4,
+        layer_types=["full_attention", "mamba", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=16, shared_intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8,
+        position_embedding_type="rope", embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5, tie_word_embeddings=True)),
+    # Granite dense (num_local_experts 0), no positional encoding, untied
+    "granitemoehybrid_dense": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=16, shared_intermediate_size=40,
+        num_local_experts=0, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8,
+        position_embedding_type=None, embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.1,
+        logits_scaling=3.0, tie_word_embeddings=False)),
+    # Bamba: attention at 0 and 2, partial RoPE, SwiGLU, ngroups 2
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, attn_layer_indices=[0, 2], num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=8, tie_word_embeddings=False)),
+    # plain Mamba-2 saved by transformers 5 (time_step_limit written as {"__float__": "Infinity"}), ngroups 2
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2, state_size=8,
+        chunk_size=8, tie_word_embeddings=False)),
+}
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Non-default values for what transformers initialises to constants: A_log, dt_bias, D, every norm
+    weight, MoE score-correction biases; plus larger embeddings so the logits are far from uniform."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g)))
+        elif leaf == "dt_bias":
+            p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=g))
+        elif leaf == "D":
+            p.copy_(torch.empty(p.shape).uniform_(0.5, 2.0, generator=g))
+        elif "norm" in name and leaf == "weight":
+            p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=g))
+        elif p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 / math.sqrt(p.shape[-1])))
+        elif leaf == "bias":
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+def make(name: str, outdir: str | Path, seed: int = 0, **overrides) -> tuple[Path, torch.nn.Module]:
+    """Write case ``name`` (with config ``overrides``) to ``outdir`` with transformers; returns (dir, model)."""
+    import transformers
+
+    cfg_cls, model_cls, kwargs = CASES[name]
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    randomize_(model, seed)
+    out = Path(outdir)
+    model.save_pretrained(out)
+    return out, model
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits (batch, seqlen, vocab) of one full forward, float32."""
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' ``generate`` (greedy, exactly n new tokens, its own cache): (batch, n) new ids."""
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None)
+    return out[:, ids.shape[1]:]
+

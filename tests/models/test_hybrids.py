@@ -1,0 +1,205 @@
+"""Hybrid families against transformers 5.24: logits, prefill + decode through the state list, greedy
+generation, the state description, and the config reader's refusals. Checkpoints: tests/models/hf_checkpoints.py.
+
+Bound: fp32 logits within 2e-5 absolute of transformers' (observed <= 1.5e-6 on these cases: the two
+compute the same formulas in a different summation order; logits are O(1)).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from m2export.errors import CheckpointError, ConfigError
+from m2export.models.checkpoint import load_checkpoint, read_spec
+from m2export.models.layers import MoE
+from m2export.models.spec import BATCH, PAST
+from tests.models.hf_checkpoints import CASES, hf_greedy, hf_logits, make
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one intra-op thread is ~20x faster than two on a shared 2-core CI box (measured here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory, one_thread):
+    path, hf = make(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, hf, load_checkpoint(path)
+
+
+def _ids(vocab, batch, n, seed=1):
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(case):
+    name, _, hf, ck = case
+    ids = _ids(ck.spec.vocab_size, 2, 13)  # 13: more than one chunk (8), not a multiple
+    with torch.no_grad():
+        got = ck.model.forward_states(ids).logits
+    err = (got - hf_logits(hf, ids)).abs().max().item()
+    assert err <= ATOL, f"{name}: max |ours - transformers| = {err:.3g} > {ATOL}"
+
+
+def test_prefill_then_decode_equals_one_prefill(case):
+    name, _, _, ck = case
+    ids = _ids(ck.spec.vocab_size, 2, 15, seed=2)
+    m = ck.model
+    with torch.no_grad():
+        full = m.forward_states(ids).logits
+        out = m.forward_states(ids[:, :9])
+        pieces = [out.logits]
+        out = m.forward_states(ids[:, 9:12], out.states)  # a multi-token continuation
+        pieces.append(out.logits)
+        for t in range(12, 15):  # then single decode steps
+            out = m.forward_states(ids[:, t:t + 1], out.states)
+            pieces.append(out.logits)
+    err = (torch.cat(pieces, 1) - full).abs().max().item()
+    assert err <= 1e-5, f"{name}: prefill(9)+3+1+1+1 differs from prefill(15) by {err:.3g}"
+
+
+def test_greedy_32_equals_transformers_generate(case):
+    name, _, hf, ck = case
+    ids = _ids(ck.spec.vocab_size, 2, 7, seed=3)
+    ours = ck.model.generate_greedy(ids, 32)
+    theirs = hf_greedy(hf, ids, 32)
+    assert torch.equal(ours, theirs), f"{name}: greedy tokens differ:\n{ours}\n{theirs}"
+
+
+def test_states_follow_the_description(case):
+    name, _, _, ck = case
+    ids = _ids(ck.spec.vocab_size, 3, 5)
+    with torch.no_grad():
+        present = ck.model.forward_states(ids).states
+    specs = ck.spec.states()
+    assert len(present) == len(specs) > 0
+    for st, t in zip(specs, present):
+        shape = tuple(3 if d == BATCH else 5 if d == PAST else d for d in st.shape)
+        assert tuple(t.shape) == shape, f"{name}: layer {st.layer} {st.kind}"
+        assert t.dtype == torch.float32, st  # an fp32 model: both state dtypes are float32 (bf16: next test)
+    kinds = [s.kind for s in specs]
+    assert kinds.count("conv_state") == kinds.count("ssm_state") == len(ck.spec.mamba_layers)
+    assert kinds.count("key") == kinds.count("value") == len(ck.spec.attention_layers)
+
+
+def test_state_dtypes_in_bf16(tmp_path):
+    path, _ = make("bamba", tmp_path / "b")
+    m = load_checkpoint(path, dtype=torch.bfloat16).model
+    with torch.no_grad():
+        present = m.forward_states(_ids(96, 1, 4)).states
+    for st, t in zip(m.spec.states(), present):
+        assert t.dtype == (torch.float32 if st.dtype == "float32" else torch.bfloat16), st
+
+
+def test_nemotron_dims_from_its_own_fields(case):
+    name, _, _, ck = case
+    if name != "nemotron_h":
+        pytest.skip("Nemotron-H case only")
+    mb = ck.spec.layers[2].mamba
+    assert (mb.nheads, mb.headdim, mb.d_inner, mb.ngroups, mb.norm_group_size) == (6, 10, 60, 2, 30)
+    assert ck.spec.layers[0].attention_in() is not None and ck.spec.layers[0].attention_in().rope is None
+    assert ck.spec.layers[1].mixer.top_k == 2 and ck.spec.layers[1].mixer.shared is not None
+
+
+def test_transformers5_mamba2_save_reads_infinity(tmp_path):
+    path, _ = make("mamba2", tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["time_step_limit"][1] == {"__float__": "Infinity"}  # what transformers 5 writes
+    spec, fmt = read_spec(path)
+    assert fmt == "hf" and spec.layers[0].mamba.dt_limit == (0.0, math.inf)
+
+
+@pytest.mark.parametrize("impl", ["dense", "gather"])
+def test_moe_impls_agree(case, impl):
+    name, _, _, ck = case
+    moes = [m for m in ck.model.modules() if isinstance(m, MoE)]
+    if not moes:
+        pytest.skip("no MoE block")
+    ids = _ids(ck.spec.vocab_size, 2, 6)
+    with torch.no_grad():
+        ref = ck.model.forward_states(ids).logits
+        for m in moes:
+            m.impl = impl
+        try:
+            got = ck.model.forward_states(ids).logits
+        finally:
+            for m in moes:
+                m.impl = "loop"
+    assert (got - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mamba", "jamba", "falcon_mamba"])
+def test_unsupported_model_types_refused_by_name(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 8}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"model_type '{model_type}' is not supported.*'nemotron_h'"):
+        load_checkpoint(tmp_path)
+
+
+def _edited(tmp_path, name, edit):
+    path, _ = make(name, tmp_path / name)
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("name,edit,match", [
+    ("nemotron_h", lambda c: c.update(hybrid_override_pattern="*EMM-M"), r"hybrid_override_pattern conflicts"),
+    ("nemotron_h", lambda c: c.update(num_hidden_layers=5), r"num_hidden_layers=5 conflicts"),
+    ("nemotron_h", lambda c: c.update(attention_bias=True), r"attention_bias=true is not supported"),
+    ("nemotron_h", lambda c: c.update(mlp_hidden_act="gelu"), r"'mlp_hidden_act'='gelu' is not supported"),
+    ("nemotron_h", lambda c: c.update(layers_block_type=["mamba2"] * 6), r"'mamba2' is not a supported layer"),
+    ("nemotron_h", lambda c: c.update(mamba_n_groups=3), r"conflicting 'mamba_n_groups'=3 and 'n_groups'=2"),
+    ("nemotron_h", lambda c: c.update(n_shared_experts=2), r"n_shared_experts=2 is not supported"),
+    ("granitemoehybrid", lambda c: c.update(mamba_d_head=8), r"conflicts with mamba_expand \* hidden_size"),
+    ("granitemoehybrid", lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn"}),
+     r"rope_type='yarn' is not supported"),
+    ("granitemoehybrid", lambda c: c.update(mystery_knob=3), r"unsupported field\(s\) \['mystery_knob'\]"),
+    ("bamba", lambda c: c.update(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 1.0}),
+     r"partial_rotary_factor=1.0 is not supported"),
+    ("bamba", lambda c: c.update(quantization_config={"quant_method": "fp8"}), r"quantization_config"),
+    ("bamba", lambda c: c.update(attn_layer_indices=[7]), r"attn_layer_indices=\[7\]"),
+])
+def test_config_refusals_name_the_key(tmp_path, name, edit, match):
+    path = _edited(tmp_path, name, edit)
+    with pytest.raises(ConfigError, match=match):
+        load_checkpoint(path)
+
+
+def test_legacy_layer_names_accepted(tmp_path):
+    path = _edited(tmp_path, "granitemoehybrid",
+                   lambda c: c.update(layer_types=["attention", "mamba", "linear_attention", "full_attention"]))
+    spec, _ = read_spec(path)
+    assert [s.kind for s in spec.states()][:2] == ["key", "value"] and spec.attention_layers == (0, 3)
+
+
+def test_shapes_checked_before_building(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = make("nemotron_h", tmp_path / "n")
+    sd = load_file(str(path / "model.safetensors"))
+    sd["backbone.layers.1.mixer.experts.2.up_proj.weight"] = torch.zeros(17, 32)
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts.0.up_proj.weight \(x4 experts\)' has shape"):
+        load_checkpoint(path)
+
+
+def test_tied_embeddings_with_a_different_head_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _edited(tmp_path, "bamba", lambda c: c.update(tie_word_embeddings=True))
+    sd = load_file(str(path / "model.safetensors"))
+    assert "lm_head.weight" in sd
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="differs from the embedding"):
+        load_checkpoint(path)
