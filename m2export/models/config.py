@@ -83,11 +83,11 @@ class Mamba2Config:
 
     @property
     def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.ngroups * self.d_state
+        return self.mamba_spec.conv_dim
 
     @property
     def d_in_proj(self) -> int:
-        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+        return self.mamba_spec.d_in_proj
 
     @property
     def vocab_size_padded(self) -> int:
