@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export import backends
+from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError
 
 RUNTIMES = ("torch", "ort", "onnx-reference", "trt")
 
@@ -43,15 +44,15 @@ class FileTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise M2ExportError(f"--tokenizer {path}: the 'tokenizers' package is not installed",
-                                hint="pip install tokenizers, or pass token ids with --prompt-ids") from None
+            raise M2ExportError(f"`tokenizer` {path}: the 'tokenizers' package is not installed",
+                                hint="pip install tokenizers, or pass token ids (`prompt_ids`)") from None
         p = Path(path)
         if not p.is_file():
-            raise M2ExportError(f"--tokenizer {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
+            raise ParameterError(f"`tokenizer` {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
         try:
             self.tok = Tokenizer.from_file(str(p))
         except Exception as e:  # tokenizers raises a bare Exception subclass on malformed files
-            raise M2ExportError(f"--tokenizer {p}: not a tokenizers JSON file ({e})") from None
+            raise ParameterError(f"`tokenizer` {p}: not a tokenizers JSON file ({e})") from None
         self.name = p.name
 
     def encode(self, text: str) -> list[int]:
@@ -65,15 +66,15 @@ def choose_tokenizer(vocab_size: int, tokenizer_file: str | Path | None):
     """The tokenizer for a model: the file when given, else bytes when the vocabulary has 256 entries.
 
     Raises:
-        M2ExportError: no tokenizer file and vocab_size != 256 (use --tokenizer or --prompt-ids).
+        ParameterError: no tokenizer file and vocab_size != 256 (pass a tokenizer or token ids).
     """
     if tokenizer_file:
         return FileTokenizer(tokenizer_file)
     if vocab_size == 256:
         return ByteTokenizer()
-    raise M2ExportError(f"the model's vocabulary has {vocab_size} tokens, not 256 bytes: text needs a tokenizer",
-                        hint="pass --tokenizer tokenizer.json (needs the 'tokenizers' package), or token ids with "
-                             "--prompt-ids 1,2,3")
+    raise ParameterError(f"the model's vocabulary has {vocab_size} tokens, not 256 bytes: text needs a tokenizer",
+                         hint="pass a tokenizer.json (`tokenizer`; needs the 'tokenizers' package), or token ids "
+                              "(`prompt_ids`)")
 
 
 # ----------------------------------------------------------------------------------------------- runtimes
@@ -91,22 +92,22 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
     """Prefill and decode runners of ``runtime`` for ``source`` (an export OUTDIR, or a checkpoint for torch).
 
     Raises:
-        ExportError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
+        ExportFolderError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
         BackendUnavailable: trt where TensorRT is not usable (not installed, no CUDA GPU): exit 4, checked
-            before the engines (as in ``m2export check --runtime trt``); with TensorRT usable, missing
-            engines are an ExportError (exit 1).
+            before the engines (as in ``m2export check``); with TensorRT usable, missing engines are an
+            ExportFolderError (exit 1).
     """
-    from m2export.check import runners
     from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
     from m2export.exporter.configs import MANIFEST_FILE
-    from m2export.exporter.manifest import read_manifest
+    from m2export.exporter.manifest import REEXPORT_HINT, read_manifest
 
     if runtime not in RUNTIMES:
-        raise M2ExportError(f"runtime {runtime!r}: expected one of {list(RUNTIMES)}")
+        raise ParameterError(f"`runtime` {runtime!r}: expected one of {list(RUNTIMES)}")
     src = Path(source)
     if not src.exists():
-        raise ExportError(f"{src}: no such file or directory",
-                          hint="pass an OUTDIR written by 'm2export export' (or a checkpoint with --runtime torch)")
+        raise ExportFolderError(f"{src}: no such file or directory",
+                                hint="pass an OUTDIR written by 'm2export export' (or a checkpoint with "
+                                     "`runtime='torch'`)")
     is_outdir = src.is_dir() and (src / MANIFEST_FILE).is_file()
     if runtime == "torch":
         if is_outdir:
@@ -119,40 +120,40 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
         cfg = ck().config
         return _Session("torch", label, TorchRunner(ck, role="prefill"), TorchRunner(ck, role="decode"), cfg, "fp32")
     if not is_outdir:
-        raise ExportError(f"{src}: not an m2export output folder (no {MANIFEST_FILE})",
-                          hint=f"--runtime {runtime} needs an OUTDIR from 'm2export export'; a checkpoint works with "
-                               "--runtime torch")
+        raise ExportFolderError(f"{src}: not an m2export output folder (no {MANIFEST_FILE})",
+                                hint=f"`runtime='{runtime}'` needs an OUTDIR from 'm2export export'; a checkpoint "
+                                     "works with `runtime='torch'`")
     m = read_manifest(src)
     cfg = m.model_config()
     if runtime in ("ort", "onnx-reference"):
         if runtime == "ort" and m.dtype == "bf16":
             raise BackendUnavailable("a bf16 export cannot run on ONNX Runtime's CPU provider (no bfloat16 "
                                      "MatMul/Conv kernels)",
-                                     hint="use --runtime onnx-reference (ONNX's reference evaluator, slow), trt on a "
-                                          "GPU, or export --dtype fp16")
+                                     hint="use `runtime='onnx-reference'` (ONNX's reference evaluator, slow), trt "
+                                          "on a GPU, or export with `dtype='fp16'`")
         files = []
         for role in ("prefill", "decode"):
             f = src / m.graph(role, ssm_impl).file
             if not f.is_file():
-                raise ExportError(f"{f}: graph listed in {MANIFEST_FILE} is missing",
-                                  hint="re-export with 'm2export export CHECKPOINT -o OUTDIR --force'")
+                raise ExportFolderError(f"{f}: graph listed in {MANIFEST_FILE} is missing",
+                                        hint=REEXPORT_HINT)
             files.append(f)
         if runtime == "onnx-reference":
             return _Session(runtime, f"onnx-reference ({files[0].name} + {files[1].name})",
                             OnnxReferenceRunner(files[0]), OnnxReferenceRunner(files[1]), cfg, m.dtype)
         return _Session("ort", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
                         onnxrt_runner(files[1]), cfg, m.dtype)
-    why = runners.tensorrt_unavailable_reason()
-    if why:
-        raise runners.tensorrt_unavailable_error(why, "run TensorRT engines")
+    why = backends.tensorrt_unavailable_reason()
+    if why:  # exit 4 before anything about the engines (one rule with check)
+        raise backends.tensorrt_unavailable_error(why, "run TensorRT engines")
     engines = [m.engine("prefill"), m.engine("decode")]
     if any(e is None for e in engines):
-        raise ExportError(f"{src}: no TensorRT engines (model.plan, decode.plan) in {MANIFEST_FILE}",
-                          hint="build them with 'm2export build OUTDIR' on a machine with a GPU and TensorRT")
+        raise ExportFolderError(f"{src}: no TensorRT engines (model.plan, decode.plan) in {MANIFEST_FILE}",
+                                hint="build them with 'm2export build OUTDIR' on a machine with a GPU and TensorRT")
     for e in engines:
         if not (src / e.file).is_file():
-            raise ExportError(f"{src / e.file}: engine listed in {MANIFEST_FILE} is missing",
-                              hint="rebuild with 'm2export build OUTDIR'")
+            raise ExportFolderError(f"{src / e.file}: engine listed in {MANIFEST_FILE} is missing",
+                                    hint="rebuild with 'm2export build OUTDIR'")
     return _Session("trt", f"trt ({engines[0].file} + {engines[1].file})", trt_runner(src / engines[0].file),
                     trt_runner(src / engines[1].file), cfg, m.dtype)
 
@@ -189,17 +190,18 @@ def sample_next(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.r
     return int(rng.choice(len(p), p=p))
 
 
-def check_prompt_ids(ids: Sequence[int], vocab_size: int, *, flag: str | None = None) -> None:
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, *, param: str | None = None) -> None:
     """Every prompt token id must be in ``[0, vocab_size)``.
 
     Raises:
-        M2ExportError: an empty prompt, or ids outside the vocabulary (the first few named).
+        ParameterError: an empty prompt, or ids outside the vocabulary (the first few named; the message
+            starts with ``param`` when given).
     """
     if not ids:
-        raise M2ExportError("empty prompt: give at least one token", hint="pass --prompt TEXT or --prompt-ids 1,2,3")
+        raise ParameterError("empty prompt: give at least one token", hint="pass a `prompt` or `prompt_ids`")
     bad = [int(i) for i in ids if not 0 <= int(i) < vocab_size]
     if bad:
-        raise M2ExportError(f"{flag + ': ' if flag else ''}token id(s) {', '.join(map(str, bad[:5]))}"
+        raise ParameterError(f"{'`' + param + '`: ' if param else ''}token id(s) {', '.join(map(str, bad[:5]))}"
                             f"{' ...' if len(bad) > 5 else ''} outside the vocabulary: ids must be in [0, {vocab_size})",
                             hint=f"the model has {vocab_size} tokens" + (" (bytes 0..255)" if vocab_size == 256 else ""))
 
@@ -224,13 +226,13 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         GenerationResult (new token ids, prefill and decode times).
     """
     if max_new_tokens < 0:
-        raise M2ExportError(f"--max-new-tokens {max_new_tokens}: expected >= 0")
+        raise ParameterError(f"`max_new_tokens` {max_new_tokens}: expected >= 0")
     if not (np.isfinite(temperature) and temperature >= 0):
-        raise M2ExportError(f"--temperature {temperature}: expected a finite number >= 0 (0 is greedy)")
+        raise ParameterError(f"`temperature` {temperature}: expected a finite number >= 0 (0 is greedy)")
     if top_k < 0:
-        raise M2ExportError(f"--top-k {top_k}: expected >= 0 (0: all tokens)")
+        raise ParameterError(f"`top_k` {top_k}: expected >= 0 (0: all tokens)")
     if seed < 0:
-        raise M2ExportError(f"--seed {seed}: expected >= 0")
+        raise ParameterError(f"`seed` {seed}: expected >= 0")
     s = session or open_runtime(source, runtime, ssm_impl=ssm_impl)
     cfg = s.cfg
     ids = [int(i) for i in prompt_ids]

@@ -12,31 +12,33 @@ from pathlib import Path
 from typing import Any
 
 from m2export.contract import OP_DOMAIN, OP_NAME
-from m2export.errors import ExportError
+from m2export import backends
+from m2export.errors import ExportFolderError, RuntimeLoadError
 from m2export.exporter.configs import MANIFEST_FILE
+from m2export.exporter.manifest import REEXPORT_HINT
 
 
 def describe(path: str | Path) -> dict[str, Any]:
     """Describe ``path``: an OUTDIR, a ``.onnx`` graph, or a ``.plan``/``.engine`` TensorRT engine.
 
     Raises:
-        ExportError: path missing, a folder without m2export.json, or a file that is neither.
+        ExportFolderError: path missing, a folder without m2export.json, or a file that is neither.
     """
     p = Path(path)
     if not p.exists():
-        raise ExportError(f"{p}: no such file or directory",
-                          hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
+        raise ExportFolderError(f"{p}: no such file or directory",
+                                hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
     if p.is_dir():
         if not (p / MANIFEST_FILE).is_file():
-            raise ExportError(f"{p}: not an m2export output folder (no {MANIFEST_FILE})",
-                              hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
+            raise ExportFolderError(f"{p}: not an m2export output folder (no {MANIFEST_FILE})",
+                                    hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
         return describe_outdir(p)
     if p.suffix == ".onnx":
         return describe_onnx(p)
     if p.suffix in (".plan", ".engine"):
         return describe_engine(p)
-    raise ExportError(f"{p}: not an ONNX graph (.onnx), a TensorRT engine (.plan) or an OUTDIR",
-                      hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
+    raise ExportFolderError(f"{p}: not an ONNX graph (.onnx), a TensorRT engine (.plan) or an OUTDIR",
+                            hint="pass an OUTDIR written by 'm2export export', a .onnx graph or a .plan engine")
 
 
 def _dims(type_proto) -> list[Any]:
@@ -50,7 +52,7 @@ def load_onnx_structure(path: str | Path):
     """``onnx.load`` of the graph without its external data (structure only).
 
     Raises:
-        ExportError: the file cannot be read or is not an ONNX model (protobuf DecodeError and friends).
+        ExportFolderError: the file cannot be read or is not an ONNX model (protobuf DecodeError and friends).
     """
     import onnx
 
@@ -58,8 +60,8 @@ def load_onnx_structure(path: str | Path):
     try:
         return onnx.load(str(p), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
-        raise ExportError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
-                          hint="re-export with 'm2export export ... --force'") from None
+        raise ExportFolderError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
+                                hint=REEXPORT_HINT) from None
 
 
 def describe_onnx(path: str | Path) -> dict[str, Any]:
@@ -116,8 +118,6 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
     """What the manifest records about the engine, plus its IO and profiles when TensorRT is installed."""
     from dataclasses import asdict
 
-    from m2export.check.runners import tensorrt_unavailable_reason
-
     p = Path(path)
     out: dict[str, Any] = {"kind": "engine", "path": str(p), "bytes": p.stat().st_size}
     m = _manifest_near(p)
@@ -127,7 +127,7 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
         out["manifest_note"] = f"no {MANIFEST_FILE} next to the engine"
     elif entry is None:
         out["manifest_note"] = f"{MANIFEST_FILE} does not list {p.name} (built outside 'm2export build'?)"
-    why = tensorrt_unavailable_reason()
+    why = backends.tensorrt_unavailable_reason()
     if why:
         out["tensorrt"] = f"{why}: TensorRT (and a GPU) are needed to read the engine itself (IO tensors, profiles)"
         return out
@@ -140,8 +140,8 @@ def describe_engine(path: str | Path) -> dict[str, Any]:
     logger = trt.Logger(trt.Logger.ERROR)
     engine = trt.Runtime(logger).deserialize_cuda_engine(p.read_bytes())
     if engine is None:
-        raise ExportError(f"{p}: TensorRT {trt.__version__} cannot deserialise this engine (built with another "
-                          "TensorRT version or GPU, or not an engine)", hint="rebuild with 'm2export build OUTDIR'")
+        raise RuntimeLoadError(f"{p}: TensorRT {trt.__version__} cannot deserialise this engine (built with another "
+                               "TensorRT version or GPU, or not an engine)", hint="rebuild with 'm2export build OUTDIR'")
     tensors = []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)

@@ -37,7 +37,7 @@ def test_main_job_export_build_check_generate(tmp_path, capsys):
     assert main(["export", str(CHECKPOINT), "-o", str(out), "--ssm-impl", "both", "-q"]) == 0
     capsys.readouterr()
 
-    from m2export.check.runners import tensorrt_available
+    from m2export.backends import tensorrt_available
 
     rc = main(["build", str(out)])
     err = capsys.readouterr().err

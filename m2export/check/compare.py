@@ -35,12 +35,12 @@ import numpy as np
 
 from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
                                  zero_states)
-from m2export.check.runners import (ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner,
-                                    tensorrt_unavailable_error, tensorrt_unavailable_reason, trt_runner)
+from m2export import backends
+from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
-from m2export.errors import CheckpointError, ExportError, M2ExportError
+from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
 from m2export.exporter.configs import Mamba2OnnxConfig
-from m2export.exporter.manifest import Manifest, read_manifest
+from m2export.exporter.manifest import REEXPORT_HINT, Manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,15 @@ ALL_RUNTIMES = ("onnxrt", "onnx-reference", "trt")
 
 # ----------------------------------------------------------------------------------------------- tolerances
 def parse_tolerances(values: list[str] | None, base: dict[str, float], output_names: list[str],
-                     flag: str) -> dict[str, float]:
+                     param: str) -> dict[str, float]:
     """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.
 
     NAME may be a glob (``present_ssm_state.*``); it is expanded to the exact output names Polygraphy
     needs. Later values win.
 
     Raises:
-        M2ExportError: a malformed value, or a NAME that matches no output (with the names available).
+        ParameterError: a malformed value, or a NAME that matches no output (with the names available);
+            the message names ``param`` ("atol" / "rtol").
     """
     out = dict(base)
     for v in values or []:
@@ -72,13 +73,13 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
             if not x >= 0:
                 raise ValueError
         except ValueError:
-            raise M2ExportError(f"{flag} {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
+            raise ParameterError(f"`{param}` {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
         if not sep:
             out[""] = x
             continue
         matched = [n for n in output_names if fnmatch.fnmatchcase(n, name)]
         if not matched:
-            raise M2ExportError(f"{flag} {v!r}: no output named {name!r}",
+            raise ParameterError(f"`{param}` {v!r}: no output named {name!r}",
                                 hint=f"Note: outputs are {_abbrev_names(output_names)}; globs like "
                                      "'present_ssm_state.*' work")
         for n in matched:
@@ -244,8 +245,8 @@ class _Runtime:
 def _graph_path(outdir: Path, file: str, what: str) -> Path:
     p = outdir / file
     if not p.is_file():
-        raise ExportError(f"{p}: {what} listed in m2export.json is missing",
-                          hint="re-export with 'm2export export CHECKPOINT -o OUTDIR --force'")
+        raise ExportFolderError(f"{p}: {what} listed in m2export.json is missing",
+                                hint=REEXPORT_HINT)
     return p
 
 
@@ -256,7 +257,7 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
     Returns (runtimes with the reference first, skipped-lines).
 
     Raises:
-        ExportError: a graph or engine listed in the manifest is missing (exit 1); ``require_trt`` with
+        ExportFolderError: a graph or engine listed in the manifest is missing (exit 1); ``require_trt`` with
             TensorRT usable but no engines built (exit 1).
         BackendUnavailable: ``require_trt`` and TensorRT is not usable here (not installed, no CUDA GPU):
             exit 4, checked before the engines.
@@ -279,7 +280,7 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
             pre = _graph_path(outdir, g.file, f"{impl} prefill graph")
             try:
                 dg = manifest.graph("decode", impl)
-            except ExportError:
+            except ExportFolderError:
                 dg = None
             dec = _graph_path(outdir, dg.file, f"{impl} decode graph") if dg else None
             files = pre.name + (f"+{dec.name}" if dec else "")
@@ -289,16 +290,16 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
     if "trt" in runtimes:
         pre_e, dec_e = manifest.engine("prefill"), manifest.engine("decode")
         engines = [e for e in (pre_e, dec_e) if e is not None]
-        why = tensorrt_unavailable_reason()
-        if require_trt and why:  # one rule with 'generate --runtime trt': no usable TensorRT -> exit 4, first
-            raise tensorrt_unavailable_error(why, "check the TensorRT engines")
+        why = backends.tensorrt_unavailable_reason()
+        if require_trt and why:  # one rule with generate's trt runtime: no usable TensorRT -> exit 4, first
+            raise backends.tensorrt_unavailable_error(why, "check the TensorRT engines")
         for e in engines:
             _graph_path(outdir, e.file, f"{e.role} TensorRT engine")
         if not engines:
             msg = (f"TensorRT: skipped: {why} (and no engines in this folder)" if why else
                    "TensorRT: skipped: no engines in this folder (build them with 'm2export build OUTDIR')")
             if require_trt:
-                raise ExportError(f"{outdir}: no TensorRT engines to check (none recorded in m2export.json)",
+                raise ExportFolderError(f"{outdir}: no TensorRT engines to check (none recorded in m2export.json)",
                                   hint="build them with 'm2export build OUTDIR'")
             skipped.append(msg)
         elif why:
@@ -360,17 +361,18 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         check_report.json, check_report.md, check_errors.png (with matplotlib), check_data_loader.py.
 
     Raises:
-        ExportError, CheckpointError: the folder or the reference is unusable (exit 1).
+        ParameterError: a bad argument; ExportFolderError, CheckpointError, RuntimeLoadError: the folder, the
+            reference or a graph is unusable (exit 1); OutputFolderError: `report_dir` is not writable.
         BackendUnavailable: ``require_trt`` where TensorRT is not usable (exit 4).
     """
     from polygraphy.comparator import Comparator
     from polygraphy.exception import PolygraphyException
     from polygraphy.logger import G_LOGGER
 
-    for flag, value, low in (("--decode-steps", decode_steps, 0), ("--prompt-len", prompt_len, 1),
-                             ("--max-seq-len", max_seqlen, 1), ("--seed", seed, 0)):
+    for param, value, low in (("decode_steps", decode_steps, 0), ("prompt_len", prompt_len, 1),
+                              ("max_seqlen", max_seqlen, 1), ("seed", seed, 0)):
         if value is not None and value < low:
-            raise M2ExportError(f"{flag} {value}: expected an integer >= {low}")
+            raise ParameterError(f"`{param}` {value}: expected an integer >= {low}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
     cfg = manifest.model_config()
@@ -380,13 +382,13 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
     if not ck_path.exists():
         raise CheckpointError(f"reference checkpoint {ck_path} (from m2export.json) does not exist",
-                              hint="pass the checkpoint the export was made from with --checkpoint")
+                              hint="pass the checkpoint the export was made from (`checkpoint`)")
     reference = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
 
     out_names = list(Mamba2OnnxConfig(cfg).outputs(decode=False))
     atol_d, rtol_d = default_tolerances(dtype)
-    atol_d = parse_tolerances(atol, atol_d, out_names, "--atol")
-    rtol_d = parse_tolerances(rtol, rtol_d, out_names, "--rtol")
+    atol_d = parse_tolerances(atol, atol_d, out_names, "atol")
+    rtol_d = parse_tolerances(rtol, rtol_d, out_names, "rtol")
     compare_func = make_compare_func(atol_d, rtol_d)
 
     shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
@@ -394,8 +396,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=reference)
     rts, skipped = build_runtimes(outdir, manifest, reference, runtimes=runtimes, require_trt=require_trt)
     if len(rts) < 2:
-        raise M2ExportError(f"{outdir}: nothing to compare with the reference (runtimes={list(runtimes)})",
-                            hint="keep 'onnxrt' in --runtime")
+        raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
+                             hint="keep 'onnxrt' in `runtimes`")
     scan = reference().model.mixers[0].scan_fn  # load now: a bad checkpoint fails before any runtime starts
     rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
     comparisons = [(i, 0) for i in range(1, len(rts))]
@@ -449,8 +451,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         report.write_json(report_dir / REPORT_JSON)
         (report_dir / REPORT_MD).write_text(report.to_markdown())
     except OSError as e:
-        raise M2ExportError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
-                            hint="pass a writable folder with --report-dir DIR") from None
+        raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
+                                hint="pass a writable folder as `report_dir`") from None
     return report
 
 
@@ -458,11 +460,11 @@ def _writable_report_dir(path: Path, *, explicit: bool) -> Path:
     """``path``, created if needed, after proving a file can be written there (before the long run).
 
     Raises:
-        M2ExportError: it cannot be created or written (exit 1), with the OS's reason.
+        OutputFolderError: it cannot be created or written (exit 1), with the OS's reason.
     """
     import tempfile
 
-    what = f"--report-dir {path}" if explicit else f"{path}"
+    what = f"`report_dir` {path}" if explicit else f"{path}"
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -471,8 +473,8 @@ def _writable_report_dir(path: Path, *, explicit: bool) -> Path:
         reason = e.strerror or str(e)
         if isinstance(e, FileExistsError) or (path.exists() and not path.is_dir()):
             reason = "a file, not a folder"
-        raise M2ExportError(f"{what}: cannot write the check reports there ({reason})",
-                            hint="pass a writable folder with --report-dir DIR") from None
+        raise OutputFolderError(f"{what}: cannot write the check reports there ({reason})",
+                                hint="pass a writable folder as `report_dir`") from None
     return path
 
 

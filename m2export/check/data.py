@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from m2export.errors import BackendUnavailable, M2ExportError
+from m2export.errors import BackendUnavailable, M2ExportError, ParameterError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.models.config import Mamba2Config
 
@@ -51,7 +51,7 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
             break
     if not out:
         raise M2ExportError(f"no Python sources found under {root} for the default corpus",
-                            hint="pass a text file with --text FILE")
+                            hint="pass a text file as `text`")
     return b"".join(out)[:max_bytes]
 
 
@@ -59,17 +59,17 @@ def read_corpus(text_file: str | Path | None) -> bytes:
     """The bytes of ``text_file``, or :func:`stdlib_corpus` when None.
 
     Raises:
-        M2ExportError: the file is missing or shorter than 2 bytes.
+        ParameterError: the file is missing or shorter than 2 bytes.
     """
     if text_file is None:
         return stdlib_corpus()
     p = Path(text_file)
     if not p.is_file():
-        raise M2ExportError(f"--text {p}: no such file", hint="pass a UTF-8 text file, or omit --text for the "
-                            "default corpus (the Python stdlib sources)")
+        raise ParameterError(f"`text` {p}: no such file", hint="pass a UTF-8 text file, or omit `text` for the "
+                             "default corpus (the Python stdlib sources)")
     data = p.read_bytes()
     if len(data) < 2:
-        raise M2ExportError(f"--text {p}: only {len(data)} bytes; need at least 2")
+        raise ParameterError(f"`text` {p}: only {len(data)} bytes; need at least 2")
     return data
 
 
@@ -119,8 +119,8 @@ def np_dtype(dtype: str):
     """
     if dtype not in NP_DTYPES:
         raise BackendUnavailable(f"a {dtype} export cannot be run here: numpy and ONNX Runtime's CPU provider have "
-                                 "no bfloat16 support", hint="export with --dtype fp16 or fp32 to check or generate "
-                                                             "on the CPU")
+                                 "no bfloat16 support", hint="export with `dtype='fp16'` or fp32 to check or "
+                                                             "generate on the CPU")
     return NP_DTYPES[dtype]
 
 
@@ -155,8 +155,8 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             if b < 1 or s < 1:
                 raise ValueError
         except ValueError:
-            raise M2ExportError(f"--shapes: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
-                                "e.g. 1x1,2x64") from None
+            raise ParameterError(f"`shapes`: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
+                                 "e.g. 1x1,2x64") from None
         out.append((b, s))
     return out
 
@@ -191,7 +191,7 @@ class TokenDataLoader:
         self.reference = reference
         self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
         if self.past_len < 1:
-            raise M2ExportError(f"past_len {self.past_len}: expected >= 1")
+            raise ParameterError(f"`past_len` {self.past_len}: expected >= 1")
 
     @property
     def labels(self) -> list[str]:

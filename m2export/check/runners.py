@@ -18,7 +18,6 @@ calling it does the work (:class:`ModelFromCheckpoint`).
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -28,9 +27,11 @@ from polygraphy import util as pg_util
 from polygraphy.backend.base import BaseLoader, BaseRunner
 from polygraphy.common import TensorMetadata
 
+from m2export import backends
 from m2export.check.data import feed_dtype
-from m2export.errors import BackendUnavailable, CheckpointError, ExportError
+from m2export.errors import CheckpointError, RuntimeLoadError
 from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.manifest import REEXPORT_HINT
 
 ROLES = ("prefill", "decode")
 
@@ -62,7 +63,7 @@ class ModelFromCheckpoint(BaseLoader):
             raise CheckpointError(
                 f"{self.checkpoint}: sha256 {ck.sha256[:12]}... differs from the exported checkpoint's "
                 f"{self.expected_sha256[:12]}... (m2export.json)",
-                hint="pass the checkpoint the export was made from with --checkpoint, or re-export")
+                hint="pass the checkpoint the export was made from (`checkpoint`), or re-export")
         ck.model.eval()
         self._cache["ck"] = ck
         return ck
@@ -192,16 +193,15 @@ class OnnxReferenceRunner(BaseRunner):
         del self.evaluator, self._graph_dtypes, self._dims, self._outputs
 
 
-def _unloadable(path: Path, what: str, e: Exception) -> ExportError:
+def _unloadable(path: Path, what: str, e: Exception) -> RuntimeLoadError:
     first = (str(e).strip().splitlines() or [""])[0]
-    return ExportError(f"{path}: {what} ({type(e).__name__}: {first})".replace(": )", ")"),
-                       hint="the file is damaged or not an m2export graph: re-export with "
-                            "'m2export export CHECKPOINT -o OUTDIR --force'")
+    return RuntimeLoadError(f"{path}: {what} ({type(e).__name__}: {first})".replace(": )", ")"),
+                            hint=f"the file is damaged or not an m2export graph: {REEXPORT_HINT}")
 
 
 class _CpuSessionFromOnnx(BaseLoader):
     """Polygraphy's ``SessionFromOnnx(path, providers=["cpu"])``; a graph ONNX Runtime cannot load (corrupt
-    file, unknown op, ...) becomes an :class:`ExportError` naming the file instead of ORT's traceback."""
+    file, unknown op, ...) becomes an :class:`RuntimeLoadError` naming the file instead of ORT's traceback."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -221,49 +221,12 @@ def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
     """Polygraphy ``OnnxrtRunner`` on ``SessionFromOnnx(onnx_path, providers=["cpu"])``.
 
     The path (not bytes) is passed so external-data files next to the graph are found. A graph ONNX Runtime
-    cannot load raises :class:`ExportError` (exit 1) when the runner is activated.
+    cannot load raises :class:`RuntimeLoadError` (exit 1) when the runner is activated.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
     p = Path(onnx_path)
     return OnnxrtRunner(_CpuSessionFromOnnx(p), name=name or f"onnxrt:{p.name}")
-
-
-def tensorrt_unavailable_reason() -> str | None:
-    """Why TensorRT engines cannot run here ("TensorRT not installed", "no CUDA GPU", ...), or None."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return "TensorRT not installed"
-    try:
-        import tensorrt  # noqa: F401
-    except Exception as e:  # a broken install raises OSError/ImportError from its shared libraries
-        return f"TensorRT does not import ({type(e).__name__}: {e})"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    return None
-
-
-TRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com tensorrt, on a machine with an NVIDIA GPU"
-
-
-def tensorrt_unavailable_error(why: str, purpose: str) -> BackendUnavailable:
-    """The exit-4 error for ``why`` (from :func:`tensorrt_unavailable_reason`) when TensorRT is needed to
-    ``purpose`` ("run the engines", "check the engines").
-
-    One rule for ``m2export check --runtime trt`` and ``m2export generate --runtime trt``: TensorRT being
-    unusable here (not installed, not importable, no CUDA GPU) is exit 4 and is reported before anything
-    about the engines; with TensorRT usable, missing engines are exit 1.
-    """
-    if why == "TensorRT not installed":
-        return BackendUnavailable(f"TensorRT is not installed; cannot {purpose}", hint=TRT_INSTALL_HINT)
-    return BackendUnavailable(f"cannot {purpose} here: {why}",
-                              hint="run on a machine with an NVIDIA GPU and a working TensorRT install")
-
-
-def tensorrt_available() -> bool:
-    """True when TensorRT imports and a CUDA GPU is visible."""
-    return tensorrt_unavailable_reason() is None
 
 
 def trt_runner(engine_path: str | Path, *, name: str | None = None):
@@ -275,9 +238,7 @@ def trt_runner(engine_path: str | Path, *, name: str | None = None):
     Raises:
         BackendUnavailable: ``tensorrt`` is not installed or the plugin cannot be registered (exit code 4).
     """
-    why = tensorrt_unavailable_reason()
-    if why:
-        raise tensorrt_unavailable_error(why, "run TensorRT engines")
+    backends.require_tensorrt("run TensorRT engines")
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 

@@ -8,7 +8,7 @@ Polygraphy, no torch), so the help text can be generated from it.
 
 from __future__ import annotations
 
-from m2export.errors import ExportError
+from m2export.errors import ExportFolderError
 
 #: default rtol per export dtype (atol comes from Mamba2OnnxConfig.ATOL)
 DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
@@ -24,11 +24,11 @@ def default_tolerances(dtype: str) -> tuple[dict[str, float], dict[str, float]]:
     """(atol, rtol) dicts with only the ``""`` default key, for an export ``dtype``.
 
     Raises:
-        ExportError: an unknown dtype (m2export.json is not from this version).
+        ExportFolderError: an unknown dtype (m2export.json is not from this version).
     """
     atol = _atol_table()
     if dtype not in atol or dtype not in DEFAULT_RTOL:
-        raise ExportError(f"m2export.json: unknown dtype {dtype!r}; expected one of {sorted(atol)}")
+        raise ExportFolderError(f"m2export.json: unknown dtype {dtype!r}; expected one of {sorted(atol)}")
     return {"": atol[dtype]}, {"": float(DEFAULT_RTOL[dtype])}
 
 

@@ -47,6 +47,7 @@ examples:
 
 
 TOLERANCES_TOKEN = "@DEFAULT_TOLERANCES@"
+PARAM_FLAGS = {"max_seqlen": "--max-seq-len"}  # run_check's parameter -> this verb's flag, where the names differ
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

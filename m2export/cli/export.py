@@ -25,6 +25,9 @@ examples:
 """
 
 
+PARAM_FLAGS = {"outdir": "--output"}  # export_model's parameter -> this verb's flag, where the names differ
+
+
 def add_arguments(p):
     g = p.add_argument_group("Required arguments")
     g.add_argument("checkpoint", help="checkpoint directory (config.json + weights) or weight file")

@@ -80,7 +80,7 @@ def run(args) -> int:
     else:
         tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
         ids = tok.encode(args.prompt)
-    check_prompt_ids(ids, session.cfg.vocab_size, flag="--prompt-ids" if args.prompt_ids is not None else None)
+    check_prompt_ids(ids, session.cfg.vocab_size, param="prompt_ids" if args.prompt_ids is not None else None)
     on_token = None
     if isinstance(tok, ByteTokenizer):  # stream bytes as they come, decoding UTF-8 incrementally
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")

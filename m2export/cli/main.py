@@ -4,9 +4,9 @@ Each verb module defines ``HELP`` (one line), ``DESCRIPTION`` (its --help text, 
 ``add_arguments(parser)`` and ``run(args) -> int``; heavy libraries are imported inside ``run``.
 A verb whose module fails to import is listed as unavailable with the reason, so ``--help`` works.
 
-Exit codes: 0 success; 1 user error (bad input, printed as one line + hint); 2 bad command line;
-3 accuracy check failed; 4 a required backend (TensorRT, CUDA, cuTile) is unavailable;
-70 internal error (a bug: traceback printed).
+Exit codes: the table :class:`m2export.errors.ExitCode` (``--help`` prints it). Library errors name
+parameters in backquotes (:func:`m2export.errors.render`); :func:`flag_mapper` shows them as the
+verb's flags (``text`` -> ``--text``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from m2export.errors import M2ExportError
+from m2export.errors import ExitCode, M2ExportError, exit_codes_text
 
 VERBS = {
     "export": "m2export.cli.export",
@@ -27,7 +27,6 @@ VERBS = {
     "inspect": "m2export.cli.inspect",
     "random-checkpoint": "m2export.cli.random_checkpoint",
 }
-EXIT_INTERNAL = 70
 log = logging.getLogger("m2export")
 
 
@@ -40,8 +39,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="m2export", description="Export Mamba-2 checkpoints to ONNX and TensorRT engines and check their accuracy.",
-        epilog="Run 'm2export VERB --help' for a verb's options and examples. " + __doc__.split("Exit codes:")[1].strip()
-        .replace("\n", " ").join(["Exit codes: ", ""]), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="Run 'm2export VERB --help' for a verb's options and examples.\n\nexit codes:\n  "
+               + exit_codes_text("\n  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"m2export {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, modname in VERBS.items():
@@ -55,8 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         _add_logging_args(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _module=mod)
     return parser
+
+
+def flag_mapper(parser: argparse.ArgumentParser, verb: str):
+    """``name -> flag`` for the backquoted parameters of library errors: the running verb's option whose
+    ``dest`` is ``name`` (or that the verb's ``PARAM_FLAGS`` names), else another verb's, else None
+    (the message then shows the Python name)."""
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    order = [verb] + [v for v in subs.choices if v != verb]
+    table: dict[str, str | None] = {}
+    for v in order:
+        p = subs.choices[v]
+        for name, flag in getattr(p.get_default("_module"), "PARAM_FLAGS", {}).items():
+            table.setdefault(name, flag)
+        for a in p._actions:
+            longs = [o for o in a.option_strings if o.startswith("--")]
+            if a.dest in ("help", "verbose", "quiet") or (v != verb and not longs):
+                continue
+            table.setdefault(a.dest, longs[0] if longs else None)  # this verb's positional: keep the name
+    return table.get
 
 
 def _version() -> str:
@@ -72,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verb is None:
         parser.print_help()
-        return 2
+        return ExitCode.USAGE
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
-        return 4
+        return ExitCode.BACKEND_UNAVAILABLE
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO)
     logging.basicConfig(level=level, format="%(message)s")
     t0 = time.perf_counter()
@@ -85,19 +104,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             import traceback
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_code
+        message, hint = e.render(flag_mapper(parser, args.verb))
+        print(f"error: {message}", file=sys.stderr)
+        if hint:
+            print(f"hint: {hint}", file=sys.stderr)
+        return int(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     except Exception:
         import traceback
         traceback.print_exc()
         print(f"internal error in 'm2export {args.verb}' after {time.perf_counter() - t0:.1f}s: this is a bug, "
               "please report it with the traceback above", file=sys.stderr)
-        return EXIT_INTERNAL
+        return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def run(args) -> int:
 
     import torch
 
-    from m2export.errors import CheckpointError, ConfigError
+    from m2export.errors import ConfigError, OutputFolderError
     from m2export.models.checkpoint import random_checkpoint
 
     fields = {k: getattr(args, k) for k in ("d_model", "n_layer", "vocab_size", "d_state", "headdim", "ngroups",
@@ -43,14 +43,14 @@ def run(args) -> int:
 
     out = Path(args.output)
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out}: exists and is not a directory", hint="choose another -o")
+        raise OutputFolderError(f"{out}: exists and is not a directory", hint="choose another -o")
     if out.exists() and not args.force and any(out.iterdir()):
-        raise ConfigError(f"{out}: exists and is not empty", hint="pass --force to replace it, or choose another -o")
+        raise OutputFolderError(f"{out}: exists and is not empty", hint="pass --force to replace it, or choose another -o")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     try:
         out = random_checkpoint(out, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype, **fields)
     except OSError as e:
-        raise CheckpointError(f"{out}: cannot write the checkpoint ({e.strerror or e})",
-                              hint="choose a writable -o") from None
+        raise OutputFolderError(f"{out}: cannot write the checkpoint ({e.strerror or e})",
+                                hint="choose a writable -o") from None
     logging.getLogger("m2export").info("wrote %s", out)
     return 0

@@ -23,7 +23,7 @@ from typing import Any
 
 from m2export import contract
 from m2export._paths import replace_hazard
-from m2export.errors import ExportError
+from m2export.errors import ExportError, InternalError, OutputFolderError, ParameterError
 from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
 from m2export.exporter.manifest import GraphEntry, Manifest, write_manifest
 
@@ -56,22 +56,23 @@ def tool_versions() -> dict[str, str]:
 
 def _check_outdir(outdir: Path, force: bool, checkpoint: Path) -> None:
     if outdir.exists() and not outdir.is_dir():
-        raise ExportError(f"{outdir}: exists and is not a directory", hint="choose another -o OUTDIR")
+        raise OutputFolderError(f"{outdir}: exists and is not a directory", hint="choose another output folder (`outdir`)")
     if outdir.is_dir() and any(outdir.iterdir()):
         if not force:
-            raise ExportError(f"{outdir}: exists and is not empty",
-                              hint="pass --force (force=True) to replace it, or choose another -o OUTDIR")
+            raise OutputFolderError(f"{outdir}: exists and is not empty",
+                                    hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")
         hazard = replace_hazard(outdir, checkpoint=checkpoint)
         if hazard:
-            raise ExportError(f"{outdir}: {hazard}; --force would delete it", hint="choose a new or dedicated -o OUTDIR")
+            raise OutputFolderError(f"{outdir}: {hazard}; `force` would delete it",
+                                    hint="choose a new or dedicated output folder (`outdir`)")
     parent = outdir.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ExportError(f"{outdir}: {parent} is not a directory", hint="choose another -o OUTDIR")
+        raise OutputFolderError(f"{outdir}: {parent} is not a directory", hint="choose another output folder (`outdir`)")
     if not os.access(parent, os.W_OK | os.X_OK) or (outdir.is_dir() and not os.access(outdir, os.W_OK)):
-        raise ExportError(f"{outdir}: cannot write there (no write permission on {parent})",
-                          hint="choose a writable -o OUTDIR")
+        raise OutputFolderError(f"{outdir}: cannot write there (no write permission on {parent})",
+                                hint="choose a writable output folder (`outdir`)")
 
 
 class _GraphModule:
@@ -173,7 +174,7 @@ def _inline(model) -> None:
     model.opset_imports.pop(contract.OP_DOMAIN, None)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain == contract.OP_DOMAIN:
-            raise ExportError(f"internal: {node.op_type} left in the plugin-free graph after inlining")
+            raise InternalError(f"{node.op_type} left in the plugin-free graph after inlining")
 
 
 def _model_nbytes(model) -> int:
@@ -245,19 +246,21 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     Returns:
         The :class:`Manifest` written to ``outdir/m2export.json``.
     Raises:
-        ExportError: bad argument, ``outdir`` not empty without ``force`` or not writable, export failure.
+        ParameterError: a bad ``ssm_impl``, ``dtype`` or ``opset``.
+        OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace, or not writable.
+        ExportError: the ONNX export itself failed (nothing is left behind).
         CheckpointError, ConfigError: the checkpoint cannot be loaded or its config is unsupported.
     """
     if ssm_impl not in SSM_IMPL_CHOICES:
-        raise ExportError(f"ssm_impl: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
+        raise ParameterError(f"`ssm_impl`: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
     if dtype not in DTYPES:
-        raise ExportError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+        raise ParameterError(f"`dtype`: expected one of {list(DTYPES)}, got {dtype!r}")
     opset = Mamba2OnnxConfig.DEFAULT_OPSET if opset is None else int(opset)
     import onnx
 
     if not 18 <= opset <= onnx.defs.onnx_opset_version():
-        raise ExportError(f"opset {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
-                          f"(the newest this onnx {onnx.__version__} knows)", hint="omit --opset for the default")
+        raise ParameterError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
+                             f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
     _check_outdir(Path(outdir), force, Path(checkpoint))
     outdir = Path(outdir).resolve()  # '.' has no name and no parent to put the temporary sibling in
 
@@ -268,13 +271,13 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     try:
         outdir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ExportError(f"{outdir.parent}: cannot create it ({e.strerror})", hint="choose a writable -o OUTDIR") \
-            from None
+        raise OutputFolderError(f"{outdir.parent}: cannot create it ({e.strerror})",
+                                hint="choose a writable output folder (`outdir`)") from None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
     except OSError as e:
-        raise ExportError(f"{outdir}: cannot create a temporary folder next to it ({e.strerror})",
-                          hint="choose a writable -o OUTDIR") from None
+        raise OutputFolderError(f"{outdir}: cannot create a temporary folder next to it ({e.strerror})",
+                                hint="choose a writable output folder (`outdir`)") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2export.errors import ExportError
+from m2export.errors import ExportFolderError
 from m2export.exporter.configs import MANIFEST_FILE
 from m2export.models.config import Mamba2Config
 
@@ -79,9 +79,9 @@ class Manifest:
             if g.role == role and (ssm_impl is None or g.ssm_impl == ssm_impl):
                 return g
         have = [(g.role, g.ssm_impl) for g in self.graphs]
-        raise ExportError(f"{MANIFEST_FILE}: no {role} graph" + (f" with ssm_impl={ssm_impl}" if ssm_impl else "")
-                          + f"; the export has {have}",
-                          hint="re-export with --ssm-impl both to get both flavours")
+        raise ExportFolderError(f"{MANIFEST_FILE}: no {role} graph" + (f" with ssm_impl={ssm_impl}" if ssm_impl else "")
+                                + f"; the export has {have}",
+                                hint="re-export with both graph flavours (`ssm_impl='both'`)")
 
     def ssm_impls(self) -> list[str]:
         return sorted({g.ssm_impl for g in self.graphs})
@@ -100,24 +100,28 @@ class Manifest:
         return cls(**d)
 
 
+#: the remedy for a damaged or incomplete export folder
+REEXPORT_HINT = "re-export with 'm2export export CHECKPOINT -o OUTDIR --force'"
+
+
 def read_manifest(outdir: str | Path) -> Manifest:
     """Read OUTDIR/m2export.json.
 
     Raises:
-        ExportError: OUTDIR or the manifest is missing or malformed (named, with a hint to run export).
+        ExportFolderError: OUTDIR or the manifest is missing or malformed (named, with a hint to run export).
     """
     d = Path(outdir)
     if not d.is_dir():
-        raise ExportError(f"{d}: not a directory", hint="pass the OUTDIR written by 'm2export export'")
+        raise ExportFolderError(f"{d}: not a directory", hint="pass the OUTDIR written by 'm2export export'")
     f = d / MANIFEST_FILE
     if not f.is_file():
-        raise ExportError(f"{f}: missing; {d} is not an m2export output folder",
-                          hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
+        raise ExportFolderError(f"{f}: missing; {d} is not an m2export output folder",
+                                hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
     try:
         return Manifest.from_dict(json.loads(f.read_text()))
     except (ValueError, TypeError, KeyError) as e:
-        raise ExportError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
-                          hint="re-export with 'm2export export ... --force'") from None
+        raise ExportFolderError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
+                                hint=REEXPORT_HINT) from None
 
 
 def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:

@@ -70,7 +70,7 @@ def ort_session(path: str | os.PathLike, *, providers: Sequence[str] | None = No
         raise BackendUnavailable(
             f"{Path(path).name}: a bf16 export does not run on ONNX Runtime's CPUExecutionProvider (no bfloat16 "
             "MatMul/Conv kernels)", hint="run bf16 graphs with TensorRT or ORT's CUDA provider, with "
-            f"providers=['{REFERENCE_PROVIDER}'] (slow, tiny models), or export --dtype fp16")
+            f"providers=['{REFERENCE_PROVIDER}'] (slow, tiny models), or export with `dtype='fp16'`")
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads

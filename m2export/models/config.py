@@ -253,7 +253,7 @@ def _with_source(source: str, make):
     try:
         return make()
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}", hint=e.hint) from None
+        raise ConfigError(f"{source}: {e.raw_message}", hint=e.raw_hint) from None
     except TypeError as e:
         raise ConfigError(f"{source}: {e}") from None
 

@@ -356,11 +356,11 @@ def check_target(ptx: str, *, cc: tuple[int, int], driver: tuple[int, int],
             f"{isa[0]}.{isa[1]} emitted by cuda-tile's tileiras; an engine embedding it would build and then "
             "fail or compute garbage when TensorRT loads the kernel",
             hint="update the NVIDIA driver to one supporting that PTX ISA (or install a cuda-tile whose tileiras "
-                 "is not newer than the driver), or build with --plugin jit")
+                 "is not newer than the driver), or build with the JIT plugin (`plugin='jit'`)")
     raise BackendUnavailable(
         f"{kernel} AOT kernel: the CUDA driver (CUDA {driver[0]}.{driver[1]}) rejects the PTX "
         f"(ISA {isa[0]}.{isa[1]}, target {target}) with {result_name(rc)}",
-        hint="build with --plugin jit, or report this with 'm2export build -v' output")
+        hint="build with the JIT plugin (`plugin='jit'`), or report this with 'm2export build -v' output")
 
 
 # ----------------------------------------------------------------------------- compile
@@ -471,7 +471,8 @@ def static_size(value: Any, what: str) -> int:
     if callable(is_const) and is_const():
         return int(value.constant_value())
     raise BackendUnavailable(f"SSMScan AOT plugin: {what} must be static (a fixed size in the ONNX graph), got {value}",
-                             hint="build with --plugin jit for graphs with dynamic nheads/headdim/ngroups/d_state")
+                             hint="build with the JIT plugin (`plugin='jit'`) for graphs with dynamic "
+                                  "nheads/headdim/ngroups/d_state")
 
 
 __all__ = ["ArgumentMap", "AotKernel", "PTX_SECTION", "PtxEntry", "argument_map", "build_aot_kernel",

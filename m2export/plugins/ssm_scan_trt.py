@@ -24,7 +24,7 @@ import functools
 import logging
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
-from m2export import contract
+from m2export import backends, contract
 from m2export.contract import SSMScanAttrs
 from m2export.errors import BackendUnavailable, InternalError
 
@@ -35,9 +35,6 @@ PLUGIN_ID = f"{contract.PLUGIN_NAMESPACE}::{contract.OP_NAME}"
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
 #: contract attribute type -> the Python type the plugin's attribute is annotated with
 ATTRIBUTE_TYPES = {"int": int, "float": float}
-#: first TensorRT with tensorrt.plugin, and with plugins taking precedence over same-named ONNX local
-#: functions (onnx-tensorrt 10.7 release notes; model.onnx carries SSMScan as a local function too)
-MIN_TENSORRT = (10, 7)
 
 
 # ----------------------------------------------------------------------------- shape / dtype / autotune
@@ -241,10 +238,6 @@ def _recorded(what: str, fn: Callable, *args, **kwargs):
         raise
 
 
-def tensorrt_version(trt: Any) -> Tuple[int, ...]:
-    return tuple(int(p) for p in str(trt.__version__).split(".")[:2] if p.isdigit())
-
-
 def register(*, trt: Any = None, trtp: Any = None) -> dict:
     """Register ``m2export::SSMScan`` (descriptor, autotune, JIT impl and, where supported, AOT impl).
 
@@ -259,15 +252,11 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
     if _REGISTERED:
         return dict(_REGISTERED)
     if trt is None or trtp is None:
-        try:
-            import tensorrt as trt
-            import tensorrt.plugin as trtp
-        except ImportError as e:
-            raise BackendUnavailable(f"TensorRT is not installed ({e})", hint=INSTALL_HINT) from None
-    if tensorrt_version(trt) < MIN_TENSORRT:
-        raise BackendUnavailable(f"TensorRT {trt.__version__} is too old for the SSMScan plugin: need >= "
-                                 f"{'.'.join(map(str, MIN_TENSORRT))} (tensorrt.plugin, plugins over local functions)",
-                                 hint=INSTALL_HINT)
+        trt = backends.require_tensorrt("register the SSMScan plugin", need_gpu=False)
+        import tensorrt.plugin as trtp
+    old = backends.tensorrt_too_old(trt)
+    if old:
+        raise BackendUnavailable(f"cannot register the SSMScan plugin: {old}", hint=backends.TENSORRT_INSTALL_HINT)
     has_aot = hasattr(trtp, "aot_impl") and hasattr(trt, "QuickPluginCreationRequest")
 
     @trtp.register(PLUGIN_ID)
@@ -336,8 +325,3 @@ def _param_names(fn: Callable) -> List[str]:
     import inspect
 
     return list(inspect.signature(fn).parameters)
-
-
-INSTALL_HINT = ("pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12 "
-                "(or tensorrt-cu13 for CUDA 13 drivers), on a machine with an NVIDIA GPU")
-

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export import backends
+from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError,
+                             RuntimeLoadError)
 from m2export.exporter.configs import DECODE_FILE, MANIFEST_FILE, PREFILL_FILE
-from m2export.exporter.manifest import EngineEntry, Manifest, read_manifest, write_manifest
-from m2export.plugins.ssm_scan_trt import INSTALL_HINT, MIN_TENSORRT
+from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ class ShapeRange:
 
     def __post_init__(self):
         if not (1 <= self.min <= self.opt <= self.max):
-            raise M2ExportError(f"shape range: expected 1 <= min <= opt <= max, got min={self.min}, "
-                                f"opt={self.opt}, max={self.max}")
+            raise ParameterError(f"shape range: expected 1 <= min <= opt <= max, got min={self.min}, "
+                                 f"opt={self.opt}, max={self.max}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
     """What to build for ``path``: an OUTDIR (its manifest's primary graphs of ``roles``) or one ``.onnx``.
 
     Raises:
-        ExportError: the path does not exist, is neither an OUTDIR nor an ONNX file, or a graph is missing.
+        ExportFolderError: the path does not exist, is neither an OUTDIR nor an ONNX file, or a graph is missing.
     """
     p = Path(path)
     if p.is_dir():
@@ -89,8 +90,8 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
             g = manifest.graph(role)
             onnx_path = p / g.file
             if not onnx_path.is_file():
-                raise ExportError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing",
-                                  hint="re-export with 'm2export export ... --force'")
+                raise ExportFolderError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing",
+                                        hint=REEXPORT_HINT)
             targets.append(BuildTarget(role, onnx_path, p / plan_name(g.file)))
         return p, manifest, targets
     if p.is_file() and p.suffix == ".onnx":
@@ -103,9 +104,9 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
             role = "decode" if p.name.startswith(Path(DECODE_FILE).stem) else "prefill"
         return outdir, manifest, [BuildTarget(role, p, outdir / plan_name(p.name))]
     if not p.exists():
-        raise ExportError(f"{p}: no such file or directory",
-                          hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}/{DECODE_FILE}")
-    raise ExportError(f"{p}: expected an m2export output folder or an .onnx file")
+        raise ExportFolderError(f"{p}: no such file or directory",
+                                hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}/{DECODE_FILE}")
+    raise ExportFolderError(f"{p}: expected an m2export output folder or an .onnx file")
 
 
 def onnx_inputs(onnx_path: str | Path) -> dict[str, list[int | str]]:
@@ -156,9 +157,9 @@ def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRan
             elif d == SEQ_SYMBOL:
                 rng = ShapeRange(1, 1, 1) if role == "decode" else seq
             else:
-                raise ExportError(f"input {name!r} has dynamic dimension {d!r}; m2export build knows only "
-                                  f"{BATCH_SYMBOL!r} and {SEQ_SYMBOL!r}",
-                                  hint="export the graph with 'm2export export' (it names the dynamic axes)")
+                raise BuildError(f"input {name!r} has dynamic dimension {d!r}; m2export build knows only "
+                                 f"{BATCH_SYMBOL!r} and {SEQ_SYMBOL!r}",
+                                 hint="export the graph with 'm2export export' (it names the dynamic axes)")
             for k in shapes:
                 shapes[k].append(getattr(rng, k))
         prof[name] = shapes
@@ -169,7 +170,7 @@ def parse_size(text: str) -> int:
     """Bytes from ``4G``, ``512M``, ``1024K``, ``2GiB`` or a plain integer."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
     if m is None:
-        raise M2ExportError(f"size: expected e.g. 4G, 512M or a number of bytes, got {text!r}")
+        raise ParameterError(f"`workspace`: expected e.g. 4G, 512M or a number of bytes, got {text!r}")
     mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * mult)
 
@@ -195,17 +196,9 @@ def check_kernel_support(manifest: Manifest | None) -> None:
 
 
 def require_tensorrt():
-    """``import tensorrt``, or BackendUnavailable with the install hint."""
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        raise BackendUnavailable(f"TensorRT is not installed ({e})", hint=INSTALL_HINT) from None
-    from m2export.plugins.ssm_scan_trt import tensorrt_version
-
-    if tensorrt_version(trt) < MIN_TENSORRT:
-        raise BackendUnavailable(f"TensorRT {trt.__version__} is too old: m2export build needs >= "
-                                 f"{'.'.join(map(str, MIN_TENSORRT))}", hint=INSTALL_HINT)
-    return trt
+    """``tensorrt`` for building (no GPU check: :func:`require_gpu` names the device), or BackendUnavailable
+    (exit 4) with the install hint; the check is :func:`m2export.backends.tensorrt_unavailable_reason`."""
+    return backends.require_tensorrt("build engines", need_gpu=False)
 
 
 def require_gpu() -> tuple[str, str]:
@@ -233,7 +226,7 @@ def _require_plugin(plugin: str) -> None:
         import tensorrt as trt
 
         raise BackendUnavailable(f"TensorRT {trt.__version__} has no AOT Python plugins (tensorrt.plugin.aot_impl)",
-                                 hint="use --plugin jit, or install a newer TensorRT")
+                                 hint="use `plugin='jit'`, or install a newer TensorRT")
 
 
 def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile: dict, workspace: int | None,
@@ -272,8 +265,8 @@ def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile:
         if errors and isinstance(errors[0], M2ExportError):
             raise errors[0]
         cause = f" (the SSMScan plugin raised {type(errors[0]).__name__}: {errors[0]})" if errors else ""
-        raise ExportError(f"TensorRT failed to build an engine from {target.onnx}: {failure}{cause}",
-                          hint="rerun with -v for TensorRT's log")
+        raise BuildError(f"TensorRT failed to build an engine from {target.onnx}: {failure}{cause}",
+                         hint="rerun with -v for TensorRT's log")
     log.info("built %s engine from %s in %.1fs (%.1f MB)", target.role, target.onnx.name,
              time.perf_counter() - t0, len(engine) / 1e6)
     return bytes(engine)
@@ -303,12 +296,14 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
 
     Raises:
         BackendUnavailable: no TensorRT (with the install command), no GPU, no plugin, no AOT support.
-        ExportError: bad path, unparsable graph (naming the failing node), engine build failure.
+        ParameterError: a bad ``plugin`` or ``opt_level``.
+        ExportFolderError: a bad path or a missing graph.
+        BuildError: an unparsable graph (naming the failing node), an engine build failure.
     """
     if plugin not in ("jit", "aot"):
-        raise M2ExportError(f"plugin: expected 'jit' or 'aot', got {plugin!r}")
+        raise ParameterError(f"`plugin`: expected 'jit' or 'aot', got {plugin!r}")
     if opt_level is not None and not 0 <= opt_level <= 5:
-        raise M2ExportError(f"opt_level: expected 0..5, got {opt_level}")
+        raise ParameterError(f"`opt_level`: expected 0..5, got {opt_level}")
     outdir, manifest, targets = resolve_targets(path, roles)
     profiles = {t.role: graph_profile(onnx_inputs(t.onnx), t.role, batch, seq) for t in targets}
     from m2export.trt.loader import count_ssm_scan_nodes
@@ -361,10 +356,10 @@ def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1
     manifest = read_manifest(outdir)
     engine = manifest.engine(role)
     if engine is None:
-        raise ExportError(f"{outdir}: no {role} engine in {MANIFEST_FILE}", hint=f"run 'm2export build {outdir}'")
+        raise ExportFolderError(f"{outdir}: no {role} engine in {MANIFEST_FILE}", hint=f"run 'm2export build {outdir}'")
     if engine.plugin_mode == "jit":
-        raise ExportError(f"{outdir / engine.file} was built with --plugin jit: trtexec cannot run it "
-                          "(the plugin calls back into Python)", hint=f"m2export build {outdir} --plugin aot")
+        raise BuildError(f"{outdir / engine.file} was built with the JIT plugin: trtexec cannot run it "
+                         "(the plugin calls back into Python)", hint="rebuild it with `plugin='aot'`")
     g = next(g for g in manifest.graphs if g.file == engine.onnx_file)
     shapes = []
     for name, dims in onnx_inputs(outdir / g.file).items():
@@ -376,7 +371,7 @@ def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1
 
 def load_engine(plan: str | Path, *, register_plugin: bool = True) -> Any:
     """Deserialize ``plan`` (registering the SSMScan plugin first, which JIT engines need)."""
-    trt = require_tensorrt()
+    trt = backends.require_tensorrt("load a TensorRT engine", need_gpu=False)
     if register_plugin:
         from m2export import plugins
 
@@ -386,6 +381,6 @@ def load_engine(plan: str | Path, *, register_plugin: bool = True) -> Any:
     runtime = trt.Runtime(trt_util.get_trt_logger())
     engine = runtime.deserialize_cuda_engine(Path(plan).read_bytes())
     if engine is None:
-        raise ExportError(f"{plan}: TensorRT could not deserialize the engine",
-                          hint="engines are specific to the TensorRT version and GPU they were built with")
+        raise RuntimeLoadError(f"{plan}: TensorRT could not deserialize the engine",
+                               hint="engines are specific to the TensorRT version and GPU they were built with")
     return engine

@@ -20,7 +20,7 @@ from pathlib import Path
 from polygraphy.backend.base import BaseLoader
 
 from m2export import contract
-from m2export.errors import BackendUnavailable, ExportError
+from m2export.errors import BackendUnavailable, BuildError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def network_flags(trt, plugin_mode: str | None) -> int:
         if flag is None:
             if plugin_mode == "aot":
                 raise BackendUnavailable(f"TensorRT {trt.__version__} has no AOT Python plugins ({name})",
-                                         hint="use --plugin jit, or install a newer TensorRT")
+                                         hint="use `plugin='jit'`, or install a newer TensorRT")
         else:
             flags |= 1 << int(flag)
     return flags
@@ -88,7 +88,7 @@ class NetworkFromOnnxPathWithPlugin(BaseLoader):
 
         expected = count_ssm_scan_nodes(self.path)
         if expected and self.plugin_mode is None:
-            raise ExportError(f"{self.path}: has {expected} SSMScan node(s) but no plugin mode was given")
+            raise InternalError(f"{self.path}: has {expected} SSMScan node(s) but no plugin mode was given")
         builder = trt.Builder(trt_util.get_trt_logger())
         network = builder.create_network(network_flags(trt, self.plugin_mode if expected else None))
         parser = trt.OnnxParser(network, trt_util.get_trt_logger())
@@ -100,7 +100,7 @@ class NetworkFromOnnxPathWithPlugin(BaseLoader):
 
                 hint = ("the SSMScan plugin is not registered: " + (plugins.unavailable_reason() or "?")
                         + "; or build the plugin-free flavour (export --ssm-impl both, then build *.std.onnx)")
-            raise ExportError(msg, hint=hint)
+            raise BuildError(msg, hint=hint)
         plugin_layers = sum(1 for i in range(network.num_layers)
                             if network.get_layer(i).type == trt.LayerType.PLUGIN_V3)
         if expected and plugin_layers < expected:

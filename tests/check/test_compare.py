@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from m2export.check.compare import REPORT_JSON, REPORT_MD, run_check
-from m2export.errors import BackendUnavailable, CheckpointError, ExportError
+from m2export.errors import BackendUnavailable, CheckpointError, ExportFolderError
 from m2export.exporter.manifest import read_manifest
 from tests.check.exports import copy_export, record_engine, scale_initializer, set_ssm_scan_attribute, zero_graph_input
 
@@ -115,7 +115,7 @@ def test_missing_reference_and_engine(tiny_out, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         run_check(out, checkpoint=tmp_path / "nowhere", **QUICK)
     entry = record_engine(out, [{"input_ids": {"min": [1, 1], "opt": [2, 64], "max": [4, 256]}}], payload=None)
-    with pytest.raises(ExportError, match="model.plan: prefill TensorRT engine listed in m2export.json is missing"):
+    with pytest.raises(ExportFolderError, match="model.plan: prefill TensorRT engine listed in m2export.json is missing"):
         run_check(out, **QUICK)
     (out / "model.plan").write_bytes(b"not an engine")
     report = run_check(out, **QUICK)  # TensorRT absent here: skipped with a reason, ORT still checked
@@ -157,13 +157,14 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     a trt runtime for model.plan + decode.plan to both sections. The stand-in runner is ONNX Runtime on the
     matching .onnx file, renamed; it proves the plumbing, not any TensorRT result."""
     import m2export.check.compare as cmp
+    from m2export import backends
     from m2export.check.runners import onnxrt_runner
 
     out = copy_export(tiny_out, tmp_path / "o")
     prof = {"input_ids": {"min": [1, 1], "opt": [2, 16], "max": [2, 33]}}
     for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
         record_engine(out, [prof], role=role, file=f)
-    monkeypatch.setattr(cmp, "tensorrt_unavailable_reason", lambda: None)
+    monkeypatch.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: None)
     monkeypatch.setattr(cmp, "trt_runner", lambda p, name=None: onnxrt_runner(
         Path(p).with_suffix(".onnx"), name=f"trt:{Path(p).name}"))
     report = run_check(out, runtimes=("trt",), decode_steps=2)

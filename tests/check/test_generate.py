@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError
 from m2export.generate import ByteTokenizer, choose_tokenizer, generate, open_runtime, sample_next
 from m2export.models.checkpoint import load_checkpoint
 
@@ -69,25 +69,25 @@ def test_tokenizer_file(tmp_path):
 
 
 def test_errors(tiny_out, tiny_ck, tmp_path, monkeypatch):
-    from m2export.check import runners
+    from m2export import backends
 
-    with pytest.raises(ExportError, match="no such file or directory"):
+    with pytest.raises(ExportFolderError, match="no such file or directory"):
         open_runtime(tmp_path / "missing", "ort")
-    with pytest.raises(ExportError, match="not an m2export output folder"):
+    with pytest.raises(ExportFolderError, match="not an m2export output folder"):
         open_runtime(tiny_ck, "ort")
     # no engines: exit 4 while TensorRT is unusable (checked first), exit 1 once it is usable
     with monkeypatch.context() as mp:
-        mp.setattr(runners, "tensorrt_unavailable_reason", lambda: "no CUDA GPU")
+        mp.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: "no CUDA GPU")
         with pytest.raises(BackendUnavailable, match="cannot run TensorRT engines here: no CUDA GPU"):
             open_runtime(tiny_out, "trt")
-        mp.setattr(runners, "tensorrt_unavailable_reason", lambda: None)
-        with pytest.raises(ExportError, match="no TensorRT engines"):
+        mp.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: None)
+        with pytest.raises(ExportFolderError, match="no TensorRT engines"):
             open_runtime(tiny_out, "trt")
     with pytest.raises(M2ExportError, match="outside the vocabulary"):
         generate(tiny_out, [300], runtime="ort", max_new_tokens=1)
     with pytest.raises(M2ExportError, match="empty prompt"):
         generate(tiny_out, [], runtime="ort", max_new_tokens=1)
-    from m2export.check.runners import tensorrt_available
+    from m2export.backends import tensorrt_available
 
     if not tensorrt_available():
         from m2export.check.runners import trt_runner

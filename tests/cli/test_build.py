@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from m2export.cli.main import main
-from m2export.errors import BackendUnavailable, ExportError, M2ExportError
+from m2export.errors import BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError
 from m2export.exporter.manifest import GraphEntry, Manifest, read_manifest, write_manifest
 from m2export.trt import build as B
 from m2export.trt.loader import count_ssm_scan_nodes, format_parser_errors, network_flags
@@ -136,7 +136,7 @@ def test_resolve_targets(tmp_path):
     _, _, (t,) = B.resolve_targets(out, roles=("decode",))
     assert t.role == "decode"
     (out / "model.onnx").unlink()
-    with pytest.raises(ExportError, match="listed in m2export.json but missing"):
+    with pytest.raises(ExportFolderError, match="listed in m2export.json but missing"):
         B.resolve_targets(out)
     assert B.plan_name("decode.std.onnx") == "decode.std.plan"
 
@@ -152,9 +152,9 @@ def test_graph_profiles(tmp_path):
     # a decode graph that left sequence_length symbolic still gets 1
     assert B.graph_profile({"input_ids": ["batch_size", "sequence_length"]}, "decode", batch, seq)["input_ids"][
         "max"] == [8, 1]
-    with pytest.raises(ExportError, match="dynamic dimension 'n'"):
+    with pytest.raises(BuildError, match="dynamic dimension 'n'"):
         B.graph_profile({"x": ["batch_size", "n"]}, "prefill", batch, seq)
-    with pytest.raises(M2ExportError, match="min <= opt <= max"):
+    with pytest.raises(ParameterError, match="min <= opt <= max"):
         B.ShapeRange(4, 2, 8)
 
 
@@ -180,7 +180,7 @@ def test_kernel_support_checked_before_building(tmp_path):
 def test_parse_size():
     assert B.parse_size("4G") == 4 << 30 and B.parse_size("512M") == 512 << 20 and B.parse_size("2GiB") == 2 << 30
     assert B.parse_size("1000") == 1000 and B.parse_size("1.5K") == 1536
-    with pytest.raises(M2ExportError, match="expected e.g. 4G"):
+    with pytest.raises(ParameterError, match="expected e.g. 4G"):
         B.parse_size("lots")
 
 
@@ -196,7 +196,7 @@ def test_trtexec_command_for_aot_engines_only(tmp_path):
     cmd = B.trtexec_command(out, "prefill", batch=2, seq=64)
     assert cmd == (f"trtexec --loadEngine={out / 'model.plan'} --shapes=input_ids:2x64,past_conv_state.0:2x192x3,"
                    "past_ssm_state.0:2x4x32x32")
-    with pytest.raises(ExportError, match="trtexec cannot run it"):
+    with pytest.raises(BuildError, match="trtexec cannot run it"):
         B.trtexec_command(out, "decode")
 
 

@@ -63,7 +63,7 @@ def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
 
 
 def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys):
-    from m2export.check.runners import tensorrt_available
+    from m2export.backends import tensorrt_available
 
     if tensorrt_available():
         pytest.skip("TensorRT is installed here: the exit-4 path needs it absent")
@@ -79,11 +79,9 @@ def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys)
 def test_trt_runtime_exit_codes_one_rule(verb, why, tiny_out, monkeypatch, capsys):
     """check and generate --runtime trt on a folder without engines follow one rule: TensorRT unusable here
     -> exit 4 (before anything about the engines); TensorRT usable but no engines -> exit 1."""
-    import m2export.check.compare as cmp
-    from m2export.check import runners
+    from m2export import backends
 
-    monkeypatch.setattr(runners, "tensorrt_unavailable_reason", lambda: why)
-    monkeypatch.setattr(cmp, "tensorrt_unavailable_reason", lambda: why)
+    monkeypatch.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: why)
     extra = ["--prompt", "x"] if verb == "generate" else ["--shapes", "1x3", "--decode-steps", "0"]
     rc = main([verb, str(tiny_out), "--runtime", "trt", *extra])
     err = capsys.readouterr().err
@@ -132,7 +130,7 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert main(["inspect", str(d / "model.plan")]) == 0
     out = capsys.readouterr().out
     assert "built from model.onnx (prefill), precision fp16" in out and "'max': [4, 512]" in out
-    from m2export.check.runners import tensorrt_available
+    from m2export.backends import tensorrt_available
 
     if not tensorrt_available():
         assert "TensorRT not installed: TensorRT (and a GPU) are needed to read the engine itself" in out
@@ -176,13 +174,15 @@ def test_generate_bad_sampling_numbers_are_usage_errors(tiny_out, capsys, args, 
 
 
 def test_generate_library_rejects_bad_sampling(tiny_out):
-    from m2export.errors import M2ExportError
+    """The library names its parameters (top_k), not the CLI's flags (--top-k)."""
+    from m2export.errors import ParameterError
     from m2export.generate import generate
 
-    for kw, msg in ((dict(temperature=-1.0), "--temperature -1.0"), (dict(top_k=-5), "--top-k -5"),
-                    (dict(seed=-1), "--seed -1")):
-        with pytest.raises(M2ExportError, match=msg):
+    for kw, msg in ((dict(temperature=-1.0), "temperature -1.0"), (dict(top_k=-5), "top_k -5"),
+                    (dict(seed=-1), "seed -1")):
+        with pytest.raises(ParameterError, match=msg) as e:
             generate(tiny_out, [1, 2], max_new_tokens=1, **kw)
+        assert "--" not in str(e.value)
 
 
 @pytest.mark.parametrize("verb,runtime,what", [("check", None, "ONNX Runtime cannot load the graph (InvalidProtobuf"),

@@ -252,30 +252,36 @@ def test_unsupported_config_field(tiny_g2, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_existing_outdir_without_force(tiny_g2, tmp_path):
-    from m2export.errors import ExportError
+def test_existing_outdir_without_force(tiny_g2, tmp_path, capsys):
+    """The library's hint names its parameter (force=True), the CLI's the flag (--force): neither leaks the other."""
+    from m2export.cli.main import main
+    from m2export.errors import OutputFolderError
     from m2export.exporter import export_model
 
     (tmp_path / "x.txt").write_text("")
-    with pytest.raises(ExportError, match="exists and is not empty") as e:
+    with pytest.raises(OutputFolderError, match="exists and is not empty") as e:
         export_model(tiny_g2, tmp_path)
-    assert "--force" in e.value.hint
+    assert "force=True" in e.value.hint and "--force" not in e.value.hint
+    assert main(["export", str(tiny_g2), "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "hint: pass --force to replace it, or choose another output folder (--output)" in err, err
+    assert "force=True" not in err and "`" not in err
 
 
 def test_bad_arguments_and_unwritable(tiny_g2, tmp_path):
-    from m2export.errors import ExportError
+    from m2export.errors import OutputFolderError, ParameterError
     from m2export.exporter import export_model
 
-    with pytest.raises(ExportError, match="ssm_impl"):
+    with pytest.raises(ParameterError, match="ssm_impl"):
         export_model(tiny_g2, tmp_path / "a", ssm_impl="trt")
-    with pytest.raises(ExportError, match="dtype"):
+    with pytest.raises(ParameterError, match="dtype"):
         export_model(tiny_g2, tmp_path / "a", dtype="int8")
     (tmp_path / "file").write_text("")
-    with pytest.raises(ExportError, match="not a directory"):
+    with pytest.raises(OutputFolderError, match="not a directory"):
         export_model(tiny_g2, tmp_path / "file")
-    with pytest.raises(ExportError, match="file is not a directory"):
+    with pytest.raises(OutputFolderError, match="file is not a directory"):
         export_model(tiny_g2, tmp_path / "file" / "out")
-    with pytest.raises(ExportError, match="holds the checkpoint"):
+    with pytest.raises(OutputFolderError, match="holds the checkpoint"):
         export_model(tiny_g2, Path(tiny_g2).parent, force=True)
 
 
