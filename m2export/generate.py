@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from m2export import backends
+from m2export import backends, names
 from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError
 
-RUNTIMES = ("torch", "ort", "onnx-reference", "trt")
+RUNTIMES = tuple(names.RUNTIMES)  # torch, onnxrt, onnx-reference, trt (m2export/names.py)
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -101,6 +101,7 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
     from m2export.exporter.configs import MANIFEST_FILE
     from m2export.exporter.manifest import REEXPORT_HINT, read_manifest
 
+    runtime = names.canonical("runtime", runtime)
     if runtime not in RUNTIMES:
         raise ParameterError(f"`runtime` {runtime!r}: expected one of {list(RUNTIMES)}")
     src = Path(source)
@@ -125,8 +126,8 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
                                      "works with `runtime='torch'`")
     m = read_manifest(src)
     cfg = m.model_config()
-    if runtime in ("ort", "onnx-reference"):
-        if runtime == "ort" and m.dtype == "bf16":
+    if runtime in ("onnxrt", "onnx-reference"):
+        if runtime == "onnxrt" and m.dtype == "bf16":
             raise BackendUnavailable("a bf16 export cannot run on ONNX Runtime's CPU provider (no bfloat16 "
                                      "MatMul/Conv kernels)",
                                      hint="use `runtime='onnx-reference'` (ONNX's reference evaluator, slow), trt "
@@ -141,7 +142,7 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
         if runtime == "onnx-reference":
             return _Session(runtime, f"onnx-reference ({files[0].name} + {files[1].name})",
                             OnnxReferenceRunner(files[0]), OnnxReferenceRunner(files[1]), cfg, m.dtype)
-        return _Session("ort", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
+        return _Session("onnxrt", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
                         onnxrt_runner(files[1]), cfg, m.dtype)
     why = backends.tensorrt_unavailable_reason()
     if why:  # exit 4 before anything about the engines (one rule with check)
@@ -206,7 +207,7 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, *, param: str | None =
                             hint=f"the model has {vocab_size} tokens" + (" (bytes 0..255)" if vocab_size == 256 else ""))
 
 
-def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "ort", max_new_tokens: int = 64,
+def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "onnxrt", max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, ssm_impl: str | None = None,
              session: _Session | None = None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
     """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with one runtime (batch 1).
@@ -214,11 +215,12 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
     Args:
         source: export OUTDIR (any runtime) or checkpoint (``runtime="torch"``).
         prompt_ids: at least one token id < vocab_size.
-        runtime: "torch" | "ort" | "onnx-reference" (ONNX's reference evaluator: any dtype, slow) | "trt".
+        runtime: "torch" | "onnxrt" | "onnx-reference" (ONNX's reference evaluator: any dtype, slow) | "trt"
+            (m2export/names.py; the old "ort" is accepted with a DeprecationWarning).
         temperature: 0 (default) is greedy; > 0 samples from softmax(logits / temperature).
         top_k: sample only among the k largest logits (0: all).
         seed: sampling seed.
-        ssm_impl: graph flavour for "ort" ("plugin" | "onnx"; default the primary model.onnx).
+        ssm_impl: graph flavour for the ONNX runtimes ("ssmscan" | "std"; default the primary model.onnx).
         session: runners from :func:`open_runtime` to reuse (``source``/``runtime``/``ssm_impl`` then unused).
         on_token: called with each new token id as soon as it is chosen (for streaming output).
 
@@ -233,7 +235,7 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         raise ParameterError(f"`top_k` {top_k}: expected >= 0 (0: all tokens)")
     if seed < 0:
         raise ParameterError(f"`seed` {seed}: expected >= 0")
-    s = session or open_runtime(source, runtime, ssm_impl=ssm_impl)
+    s = session or open_runtime(source, names.canonical("runtime", runtime), ssm_impl=ssm_impl)
     cfg = s.cfg
     ids = [int(i) for i in prompt_ids]
     check_prompt_ids(ids, cfg.vocab_size)

@@ -62,12 +62,12 @@ def test_main_job_export_build_check_generate(tmp_path, capsys):
     assert len(report["rows"]) == 2 * 2 * n_out and all(r["passed"] for r in report["rows"])
 
     texts = {}
-    for runtime in ("ort", "torch"):
+    for runtime in ("onnxrt", "torch"):
         assert main(["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", "48", "--runtime", runtime,
                      "-q"]) == 0
         texts[runtime] = capsys.readouterr().out
-    assert texts["ort"] == texts["torch"]
-    new = texts["ort"][len(PROMPT):]
+    assert texts["onnxrt"] == texts["torch"]
+    new = texts["onnxrt"][len(PROMPT):]
     # a model trained on Python sources continues in plausible Python: printable ASCII, some line structure
     assert sum(c.isprintable() or c in "\n\t" for c in new) >= 0.95 * len(new)
-    assert texts["ort"].startswith(PROMPT)
+    assert texts["onnxrt"].startswith(PROMPT)

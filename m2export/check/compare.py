@@ -35,7 +35,7 @@ import numpy as np
 
 from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
                                  zero_states)
-from m2export import backends
+from m2export import backends, names
 from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
@@ -48,9 +48,9 @@ REPORT_JSON = "check_report.json"
 REPORT_MD = "check_report.md"
 REPORT_PNG = "check_errors.png"
 DATA_LOADER_SCRIPT = "check_data_loader.py"
-REFERENCE = "torch"
+REFERENCE = names.REFERENCE_RUNTIME
 RUNTIMES = ("onnxrt", "trt")  # the defaults; "onnx-reference" on request, and instead of onnxrt for bf16
-ALL_RUNTIMES = ("onnxrt", "onnx-reference", "trt")
+ALL_RUNTIMES = tuple(r for r in names.RUNTIMES if r != REFERENCE)  # what check can compare with the reference
 
 
 # ----------------------------------------------------------------------------------------------- tolerances
@@ -373,6 +373,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                               ("max_seqlen", max_seqlen, 1), ("seed", seed, 0)):
         if value is not None and value < low:
             raise ParameterError(f"`{param}` {value}: expected an integer >= {low}")
+    runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
+    unknown = [r for r in runtimes if r not in ALL_RUNTIMES]
+    if unknown:
+        raise ParameterError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
     cfg = manifest.model_config()

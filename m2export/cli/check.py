@@ -63,6 +63,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_arguments(p):
+    from m2export import names
     from m2export.cli.argtypes import non_negative_int, positive_int
 
     p.formatter_class = _HelpFormatter
@@ -71,7 +72,8 @@ def add_arguments(p):
     g = p.add_argument_group("Reference and runtimes")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="reference checkpoint (default: the one recorded in m2export.json; hashes must match)")
-    g.add_argument("--runtime", dest="runtimes", action="append", choices=["onnxrt", "onnx-reference", "trt"],
+    g.add_argument("--runtime", dest="runtimes", action="append", choices=[r for r in names.RUNTIMES if r != names.REFERENCE_RUNTIME],
+                   type=names.cli_type("runtime", "--runtime"),
                    help="runtime(s) to compare with the reference (repeatable; default: onnxrt, and trt when "
                         "engines and TensorRT exist; naming trt makes its absence an error). onnx-reference: "
                         "ONNX's Python reference evaluator (slow; used instead of onnxrt for bf16 exports)")

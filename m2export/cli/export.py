@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-HELP = "export a checkpoint to ONNX (prefill + decode graphs, SSMScan plugin node or standard ops)"
+HELP = "export a checkpoint to ONNX (prefill + decode graphs; SSMScan custom-op or standard-op flavour)"
 DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) to ONNX:
 
   OUTDIR/model.onnx     prefill graph: input_ids [batch_size, sequence_length] + past states -> logits + present states
   OUTDIR/decode.onnx    decode graph: the same with sequence_length fixed to 1
-  OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, ssm-impl, input/output names and shapes, versions
-  OUTDIR/*.std.onnx     the standard-op flavour as well, with --ssm-impl both
+  OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
+  OUTDIR/*.std.onnx     the std flavour as well, with --ssm-impl both
 
 Both graphs take every layer's past_conv_state.{i} / past_ssm_state.{i} (zeros start a fresh sequence)
 and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float32 whatever --dtype.
 
---ssm-impl plugin (default): one m2export::SSMScan node per layer carrying plugin_namespace/plugin_version
-  (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
-  (ONNX Runtime runs it as is). --ssm-impl onnx: standard ONNX ops only (no custom domain, no CumSum).
+graph flavours (both are ONNX graphs; --ssm-impl picks):
+  ssmscan  (default) one m2export::SSMScan custom-op node per layer carrying plugin_namespace/plugin_version
+           (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
+           (ONNX Runtime runs it as is)
+  std      standard ONNX ops only (no custom domain, no CumSum): any runtime, no plugin
+  both     ssmscan as model.onnx/decode.onnx and std as model.std.onnx/decode.std.onnx
+  (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)
+
 --dtype bf16 graphs do not run in ONNX Runtime's CPU provider (it has no bf16 MatMul/Conv); build them
   with TensorRT, or export fp16 for ORT on CPU.
 
@@ -29,13 +34,16 @@ PARAM_FLAGS = {"outdir": "--output"}  # export_model's parameter -> this verb's 
 
 
 def add_arguments(p):
+    from m2export import names
+
     g = p.add_argument_group("Required arguments")
     g.add_argument("checkpoint", help="checkpoint directory (config.json + weights) or weight file")
     g.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="output folder (must be empty or new)")
     g = p.add_argument_group("Optional arguments")
-    g.add_argument("--ssm-impl", choices=["plugin", "onnx", "both"], default="plugin",
-                   help="SSMScan as a custom-op node with a local function (plugin), standard ops (onnx), or both "
-                        "(default: %(default)s)")
+    g.add_argument("--ssm-impl", choices=[*names.FLAVOURS, names.BOTH], type=names.cli_type("flavour", "--ssm-impl"),
+                   default=names.PRIMARY_FLAVOUR, metavar="{ssmscan,std,both}",
+                   help="graph flavour: SSMScan custom-op node + local function (ssmscan), standard ops (std), or "
+                        "both (default: %(default)s)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; scan internals and ssm states stay fp32 (default: %(default)s)")
     g.add_argument("--opset", type=int, default=None, help="default-domain ONNX opset (default: 18)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-HELP = "generate text from a prompt with the exported graphs (ort), engines (trt) or PyTorch (torch)"
+HELP = "generate text from a prompt with the exported graphs (onnxrt), engines (trt) or PyTorch (torch)"
 DESCRIPTION = """Continue a prompt: the prefill graph reads it, the decode graph then produces one token per step,
 feeding its present_*_state outputs back as past_*_state inputs. Greedy by default; --temperature > 0
 samples (optionally among the --top-k largest logits, reproducibly with --seed).
@@ -13,11 +13,11 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
-exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to ort/trt, a bad prompt (e.g. an id
+exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to onnxrt/trt, a bad prompt (e.g. an id
 outside the vocabulary), or --runtime trt with TensorRT usable but no engines built; 2 a bad option
 value; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
 engines exist: checked after SOURCE itself, before the engines (the same rule as 'm2export check'),
-or ort on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference).
+or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference).
 
 examples:
   m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200
@@ -29,6 +29,7 @@ examples:
 
 
 def add_arguments(p):
+    from m2export import names
     from m2export.cli.argtypes import non_negative_float, non_negative_int
 
     g = p.add_argument_group("Required arguments")
@@ -40,11 +41,12 @@ def add_arguments(p):
                    help="prompt as comma-separated token ids, each in [0, vocab_size)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
     g = p.add_argument_group("Runtime")
-    g.add_argument("--runtime", choices=["torch", "ort", "onnx-reference", "trt"], default=None,
-                   help="default: ort for an OUTDIR, torch for a checkpoint; onnx-reference runs the graphs in "
-                        "ONNX's reference evaluator (any dtype, bf16 included; slow)")
-    g.add_argument("--ssm-impl", choices=["plugin", "onnx"], default=None,
-                   help="ort: which graph flavour (default: the primary model.onnx/decode.onnx)")
+    g.add_argument("--runtime", choices=list(names.RUNTIMES), type=names.cli_type("runtime", "--runtime"),
+                   default=None, help="default: onnxrt for an OUTDIR, torch for a checkpoint; onnx-reference runs "
+                        "the graphs in ONNX's reference evaluator (any dtype, bf16 included; slow)")
+    g.add_argument("--ssm-impl", choices=list(names.FLAVOURS), type=names.cli_type("flavour", "--ssm-impl"),
+                   default=None, help="onnxrt/onnx-reference: which graph flavour, ssmscan (SSMScan custom op) or std "
+                        "(standard ops) (default: the primary model.onnx/decode.onnx)")
     g = p.add_argument_group("Decoding")
     g.add_argument("--max-new-tokens", type=non_negative_int, default=64, metavar="N", help="(default: %(default)s)")
     g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
@@ -67,7 +69,7 @@ def run(args) -> int:
 
     quiet_polygraphy(args.verbose)
     src = Path(args.source)
-    runtime = args.runtime or ("ort" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
+    runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
     tok = None
     if args.prompt_ids is not None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m2export.models.config import Mamba2Config
+from m2export.names import FLAVOURS
 
 PREFILL_FILE = "model.onnx"
 DECODE_FILE = "decode.onnx"
 MANIFEST_FILE = "m2export.json"
-SSM_IMPLS = ("plugin", "onnx")
+SSM_IMPLS = tuple(FLAVOURS)  # graph flavours ("ssmscan", "std"): m2export/names.py
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 

@@ -3,8 +3,8 @@
 Steps (one progress-bar tick each): load the checkpoint in the export dtype; per role (prefill, decode)
 trace with ``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatcher` routes every scan
 through ``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node); attach the
-model-local function body; save (external data above 2 GB); for ``--ssm-impl onnx`` inline the function
-(a plugin-free graph); ``onnx.checker`` full check of every file; write the manifest. Everything is written
+model-local function body; save (external data above 2 GB); for the ``std`` flavour inline the function
+(standard ops only); ``onnx.checker`` full check of every file; write the manifest. Everything is written
 into a temporary sibling of OUTDIR and renamed into place at the end: a failed export leaves nothing.
 """
 
@@ -26,10 +26,11 @@ from m2export._paths import replace_hazard
 from m2export.errors import ExportError, InternalError, OutputFolderError, ParameterError
 from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
 from m2export.exporter.manifest import GraphEntry, Manifest, write_manifest
+from m2export.names import BOTH, FLAVOURS, PRIMARY_FLAVOUR, canonical
 
 log = logging.getLogger("m2export")
 
-SSM_IMPL_CHOICES = ("plugin", "onnx", "both")
+SSM_IMPL_CHOICES = (*FLAVOURS, BOTH)
 #: protobuf's hard limit; above it weights go to ``<file>.data`` next to the graph
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 #: example sizes used for tracing; tests run other sizes to prove the axes are dynamic
@@ -227,7 +228,7 @@ def _io_entry(onnx_cfg: Mamba2OnnxConfig, decode: bool, dtype_name: str) -> tupl
     return ins, outs
 
 
-def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ssm_impl: str = "plugin",
+def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ssm_impl: str = PRIMARY_FLAVOUR,
                  dtype: str = "fp32", opset: int | None = None, force: bool = False, check: bool = True,
                  progress: bool = False) -> Manifest:
     """Export a Mamba-2 checkpoint to ONNX prefill and decode graphs in ``outdir``.
@@ -235,9 +236,10 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     Args:
         checkpoint: checkpoint directory (config.json + weights) or weight file, mamba_ssm or HF format.
         outdir: output folder; layout in :mod:`m2export.exporter.manifest`.
-        ssm_impl: "plugin" (one m2export::SSMScan node per layer + its model-local function),
-            "onnx" (standard ops only), or "both" (plugin as model.onnx/decode.onnx, the standard-op
-            flavour as model.std.onnx/decode.std.onnx).
+        ssm_impl: graph flavour (m2export/names.py): "ssmscan" (one m2export::SSMScan custom-op node per
+            layer + its model-local function), "std" (standard ops only), or "both" (ssmscan as
+            model.onnx/decode.onnx, std as model.std.onnx/decode.std.onnx). The old spellings "plugin" and
+            "onnx" are accepted with a DeprecationWarning.
         dtype: "fp32" | "fp16" | "bf16": weights and activations; scan internals and ssm states stay fp32.
         opset: default ONNX opset (default :attr:`Mamba2OnnxConfig.DEFAULT_OPSET`).
         force: replace an existing non-empty ``outdir``.
@@ -251,6 +253,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         ExportError: the ONNX export itself failed (nothing is left behind).
         CheckpointError, ConfigError: the checkpoint cannot be loaded or its config is unsupported.
     """
+    ssm_impl = canonical("flavour", ssm_impl)
     if ssm_impl not in SSM_IMPL_CHOICES:
         raise ParameterError(f"`ssm_impl`: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
     if dtype not in DTYPES:
@@ -264,7 +267,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     _check_outdir(Path(outdir), force, Path(checkpoint))
     outdir = Path(outdir).resolve()  # '.' has no name and no parent to put the temporary sibling in
 
-    impls = {"plugin": ["plugin"], "onnx": ["onnx"], "both": ["plugin", "onnx"]}[ssm_impl]
+    impls = list(FLAVOURS) if ssm_impl == BOTH else [ssm_impl]  # ssmscan first: inlining is in place
     roles = ("prefill", "decode")
     n_steps = 1 + len(roles) * (2 + len(impls) * (1 + int(check))) + 1
     bar = _Progress(progress, n_steps)
@@ -302,11 +305,11 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                 bar.step(f"attaching the SSMScan function to {role}")
                 _attach_function(model, opset)
                 ins, outs = _io_entry(onnx_cfg, decode, DTYPES[dtype])
-                for impl in impls:  # plugin first: inlining mutates the model in place
+                for impl in impls:  # ssmscan first: inlining mutates the model in place
                     primary = impl == impls[0]
                     fname = graph_file(role, impl, primary)
                     bar.step(f"saving {fname}")
-                    if impl == "onnx":
+                    if impl == "std":
                         _inline(model)
                     data = _save(model, tmp / fname)
                     if check:

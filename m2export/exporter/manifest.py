@@ -5,9 +5,12 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
 :meth:`Manifest.graph`. Layout of OUTDIR::
 
     m2export.json            this manifest
-    model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; plugin by default)
+    model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; ssmscan by default)
     model.onnx.data ...      external data, only when a graph exceeds 2 GB
-    model.std.onnx  decode.std.onnx   the plugin-free flavour, when exported alongside (--ssm-impl both)
+    model.std.onnx  decode.std.onnx   the std (standard-op) flavour, when both are exported
+
+Graph flavours are named as in :mod:`m2export.names`; a manifest written with the old names
+(``plugin``/``onnx``) is read with the new ones.
     model.plan  decode.plan  TensorRT engines written by ``m2export build``
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 from m2export.errors import ExportFolderError
 from m2export.exporter.configs import MANIFEST_FILE
 from m2export.models.config import Mamba2Config
+from m2export.names import canonical
 
 MANIFEST_VERSION = 1
 ROLES = ("prefill", "decode")
@@ -28,7 +32,7 @@ ROLES = ("prefill", "decode")
 
 @dataclass
 class GraphEntry:
-    """One ONNX graph: ``role`` prefill|decode, ``ssm_impl`` plugin|onnx, ``file`` relative to OUTDIR,
+    """One ONNX graph: ``role`` prefill|decode, ``ssm_impl`` (the flavour) ssmscan|std, ``file`` relative to OUTDIR,
     ``inputs``/``outputs``: name -> {"dtype": str, "shape": [int | symbol]}."""
 
     role: str
@@ -75,6 +79,7 @@ class Manifest:
 
     def graph(self, role: str, ssm_impl: str | None = None) -> GraphEntry:
         """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx / decode.onnx)."""
+        ssm_impl = canonical("flavour", ssm_impl)
         for g in self.graphs:
             if g.role == role and (ssm_impl is None or g.ssm_impl == ssm_impl):
                 return g
@@ -96,6 +101,8 @@ class Manifest:
     def from_dict(cls, d: dict[str, Any]) -> "Manifest":
         d = dict(d)
         d["graphs"] = [GraphEntry(**g) for g in d.get("graphs", [])]
+        for g in d["graphs"]:  # manifests from before the names of m2export/names.py
+            g.ssm_impl = canonical("flavour", g.ssm_impl, warn=False)
         d["engines"] = [EngineEntry(**e) for e in d.get("engines", [])]
         return cls(**d)
 

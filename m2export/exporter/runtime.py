@@ -141,13 +141,13 @@ def ort_generate_greedy(outdir: str | os.PathLike, input_ids, max_new_tokens: in
 
     Args:
         input_ids: (batch, seqlen) int (numpy, list or torch tensor).
-        ssm_impl: "plugin" | "onnx" | None (the primary flavour of the export).
+        ssm_impl: "ssmscan" | "std" | None (the primary flavour of the export).
         return_logits: also return the (batch, max_new_tokens, vocab_padded) logits each token was chosen from.
     Returns:
         (batch, max_new_tokens) int64 numpy array of new tokens (same convention as
         ``Mamba2LMHeadModel.generate_greedy``), or ``(tokens, logits)``.
     Raises:
-        ExportError: ``outdir`` is not an export folder or lacks the flavour.
+        ExportFolderError: ``outdir`` is not an export folder or lacks the flavour.
         BackendUnavailable: a bf16 export on the CPU provider.
     """
     if hasattr(input_ids, "detach"):

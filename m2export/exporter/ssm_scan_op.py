@@ -12,7 +12,7 @@
   chunked SSD (arXiv:2405.21060, Sec. 6, Listing 1) in standard ONNX ops, so ONNX Runtime (and any
   runtime without the plugin) runs the plugin flavour. Its attributes are *referenced* inside the body
   (``Constant(value_int=@chunk_size)`` etc.), so one function serves every node, whatever attribute
-  values each layer carries. Inlining it (``--ssm-impl onnx``) gives the plugin-free graph.
+  values each layer carries. Inlining it gives the ``std`` flavour (standard ops only).
 
 Design of the body (every step in float32, Cast islands at entry/exit for fp16/bf16 graphs):
 

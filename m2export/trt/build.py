@@ -191,7 +191,7 @@ def check_kernel_support(manifest: Manifest | None) -> None:
         if v is not None and int(v) not in SUPPORTED_DIMS:
             raise BackendUnavailable(
                 f"the SSMScan plugin's cuTile kernel supports {name} in {SUPPORTED_DIMS}; this model has {name}={v}",
-                hint="build the plugin-free flavour: m2export export ... --ssm-impl both, then "
+                hint="build the std flavour (standard ops, no plugin): m2export export ... --ssm-impl both, then "
                      "m2export build OUTDIR/model.std.onnx (and decode.std.onnx)")
 
 

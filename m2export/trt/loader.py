@@ -73,7 +73,7 @@ def format_parser_errors(parser, onnx_path: str | Path) -> str:
 class NetworkFromOnnxPathWithPlugin(BaseLoader):
     """Parse ``path`` into a strongly typed network with the SSMScan plugin in ``plugin_mode``.
 
-    ``plugin_mode`` None: the graph must have no SSMScan node (the plugin-free ``.std.onnx`` flavour).
+    ``plugin_mode`` None: the graph must have no SSMScan node (the ``std`` flavour, ``.std.onnx``).
     """
 
     def __init__(self, path: str | Path, *, plugin_mode: str | None):
@@ -99,7 +99,7 @@ class NetworkFromOnnxPathWithPlugin(BaseLoader):
                 from m2export import plugins
 
                 hint = ("the SSMScan plugin is not registered: " + (plugins.unavailable_reason() or "?")
-                        + "; or build the plugin-free flavour (export --ssm-impl both, then build *.std.onnx)")
+                        + "; or build the std flavour (export both flavours (`ssm_impl='both'`), then build *.std.onnx)")
             raise BuildError(msg, hint=hint)
         plugin_layers = sum(1 for i in range(network.num_layers)
                             if network.get_layer(i).type == trt.LayerType.PLUGIN_V3)

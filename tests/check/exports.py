@@ -24,7 +24,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 def tiny_export(tmp_path_factory) -> Path:
-    """OUTDIR of the tiny checkpoint exported with ssm_impl="both" (model.onnx plugin, model.std.onnx)."""
+    """OUTDIR of the tiny checkpoint exported with ssm_impl="both" (model.onnx ssmscan, model.std.onnx std)."""
     from m2export.exporter import export_model
 
     d = tmp_path_factory.getbasetemp() / "m2check_tiny_export"

@@ -13,10 +13,10 @@ from m2export.models.checkpoint import load_checkpoint
 PROMPT = list(b"def main(argv):\n    ")
 
 
-@pytest.mark.parametrize("ssm_impl", ["plugin", "onnx"])
+@pytest.mark.parametrize("ssm_impl", ["ssmscan", "std"])
 def test_ort_greedy_equals_torch_greedy(tiny_out, tiny_ck, ssm_impl):
     n = 24
-    ort = generate(tiny_out, PROMPT, runtime="ort", ssm_impl=ssm_impl, max_new_tokens=n)
+    ort = generate(tiny_out, PROMPT, runtime="onnxrt", ssm_impl=ssm_impl, max_new_tokens=n)
     pt = generate(tiny_out, PROMPT, runtime="torch", max_new_tokens=n)
     ref = load_checkpoint(tiny_ck).model.generate_greedy(torch.tensor([PROMPT]), n)[0].tolist()
     assert ort.new_ids == pt.new_ids == ref
@@ -32,10 +32,10 @@ def test_torch_from_checkpoint_and_sampling(tiny_ck, tiny_out):
     greedy = generate(tiny_ck, PROMPT, runtime="torch", max_new_tokens=8, session=s)
     top1 = generate(tiny_ck, PROMPT, runtime="torch", max_new_tokens=8, temperature=1.0, top_k=1, session=s)
     assert top1.new_ids == greedy.new_ids  # top-k 1 is greedy
-    a = generate(tiny_out, PROMPT, runtime="ort", max_new_tokens=12, temperature=1.5, seed=7)
-    b = generate(tiny_out, PROMPT, runtime="ort", max_new_tokens=12, temperature=1.5, seed=7)
+    a = generate(tiny_out, PROMPT, runtime="onnxrt", max_new_tokens=12, temperature=1.5, seed=7)
+    b = generate(tiny_out, PROMPT, runtime="onnxrt", max_new_tokens=12, temperature=1.5, seed=7)
     assert a.new_ids == b.new_ids  # seeded
-    assert generate(tiny_out, PROMPT, runtime="ort", max_new_tokens=0).new_ids == []
+    assert generate(tiny_out, PROMPT, runtime="onnxrt", max_new_tokens=0).new_ids == []
 
 
 def test_sample_next():
@@ -72,9 +72,9 @@ def test_errors(tiny_out, tiny_ck, tmp_path, monkeypatch):
     from m2export import backends
 
     with pytest.raises(ExportFolderError, match="no such file or directory"):
-        open_runtime(tmp_path / "missing", "ort")
+        open_runtime(tmp_path / "missing", "onnxrt")
     with pytest.raises(ExportFolderError, match="not an m2export output folder"):
-        open_runtime(tiny_ck, "ort")
+        open_runtime(tiny_ck, "onnxrt")
     # no engines: exit 4 while TensorRT is unusable (checked first), exit 1 once it is usable
     with monkeypatch.context() as mp:
         mp.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: "no CUDA GPU")
@@ -84,9 +84,9 @@ def test_errors(tiny_out, tiny_ck, tmp_path, monkeypatch):
         with pytest.raises(ExportFolderError, match="no TensorRT engines"):
             open_runtime(tiny_out, "trt")
     with pytest.raises(M2ExportError, match="outside the vocabulary"):
-        generate(tiny_out, [300], runtime="ort", max_new_tokens=1)
+        generate(tiny_out, [300], runtime="onnxrt", max_new_tokens=1)
     with pytest.raises(M2ExportError, match="empty prompt"):
-        generate(tiny_out, [], runtime="ort", max_new_tokens=1)
+        generate(tiny_out, [], runtime="onnxrt", max_new_tokens=1)
     from m2export.backends import tensorrt_available
 
     if not tensorrt_available():
@@ -99,6 +99,6 @@ def test_errors(tiny_out, tiny_ck, tmp_path, monkeypatch):
 def test_bf16_generate(tiny_out_bf16):
     """bf16: ORT refuses (exit-4 error, with the alternative); ONNX's reference evaluator runs it."""
     with pytest.raises(BackendUnavailable, match="bf16 export cannot run on ONNX Runtime"):
-        open_runtime(tiny_out_bf16, "ort")
+        open_runtime(tiny_out_bf16, "onnxrt")
     res = generate(tiny_out_bf16, PROMPT, runtime="onnx-reference", max_new_tokens=6)
     assert len(res.new_ids) == 6 and all(0 <= t < 256 for t in res.new_ids)

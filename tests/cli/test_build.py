@@ -60,7 +60,7 @@ def make_outdir(tmp: Path, dtype: str = "fp32") -> Path:
     tp = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}[dtype]
     _graph(out / "model.onnx", decode=False, dtype=tp, nodes=2)
     _graph(out / "decode.onnx", decode=True, dtype=tp, nodes=2)
-    graphs = [GraphEntry(role=r, ssm_impl="plugin", file=f, inputs={}, outputs={})
+    graphs = [GraphEntry(role=r, ssm_impl="ssmscan", file=f, inputs={}, outputs={})
               for r, f in (("prefill", "model.onnx"), ("decode", "decode.onnx"))]
     write_manifest(out, Manifest(source_checkpoint="ck", checkpoint_format="mamba_ssm", checkpoint_sha256="0",
                                  config={}, dtype=dtype, opset=18, graphs=graphs, tool_versions={}))

@@ -83,7 +83,7 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
         args.append(str(d))
         if case == "missing_graph":
             (d / "decode.std.onnx").unlink()
-            msg = "decode.std.onnx: onnx decode graph listed in m2export.json is missing"
+            msg = "decode.std.onnx: std decode graph listed in m2export.json is missing"
         elif case == "bad_tol":
             args += ["--atol", "logitz:1"]
             msg = "--atol 'logitz:1': no output named 'logitz'"

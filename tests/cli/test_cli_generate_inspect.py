@@ -23,15 +23,15 @@ def test_help_has_examples(verb, capsys):
 
 def test_generate_ort_equals_torch(tiny_out, capsys):
     texts = {}
-    for rt in ("ort", "torch"):
+    for rt in ("onnxrt", "torch"):
         assert main(["generate", str(tiny_out), "--prompt", "import os\n", "--max-new-tokens", "16",
                      "--runtime", rt, "--ids"]) == 0
         out, err = capsys.readouterr()
         assert out.startswith("import os\n")
         assert "tokens/s" in err and "greedy" in err
         texts[rt] = out
-    assert texts["ort"] == texts["torch"]
-    assert len(texts["ort"].splitlines()[-1].split()) == 2 + 16  # "new ids:" + 16 ids
+    assert texts["onnxrt"] == texts["torch"]
+    assert len(texts["onnxrt"].splitlines()[-1].split()) == 2 + 16  # "new ids:" + 16 ids
 
 
 def test_generate_checkpoint_default_torch_and_ids(tiny_ck, capsys):
@@ -48,10 +48,10 @@ def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
         args += [str(tmp_path / "nope"), "--prompt", "x"]
         msg = "nope: no such file or directory"
     elif case == "wrong_file":
-        args += [str(tiny_out / "model.onnx"), "--prompt", "x", "--runtime", "ort"]
+        args += [str(tiny_out / "model.onnx"), "--prompt", "x", "--runtime", "onnxrt"]
         msg = "model.onnx: not an m2export output folder"
     elif case == "ort_on_checkpoint":
-        args += [str(tiny_ck), "--prompt", "x", "--runtime", "ort"]
+        args += [str(tiny_ck), "--prompt", "x", "--runtime", "onnxrt"]
         msg = "not an m2export output folder (no m2export.json)"
     else:
         args += [str(tiny_out), "--prompt-ids", "1,x"]
@@ -112,7 +112,7 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert main(["inspect", str(tiny_out)]) == 0
     out = capsys.readouterr().out
     assert "m2export output folder, dtype fp32, opset 18" in out
-    assert "model.std.onnx   prefill  ssm_impl=onnx" in out and "0 SSMScan" in out
+    assert "model.std.onnx   prefill  ssm_impl=std" in out and "0 SSMScan" in out
     assert "2 x chunk_size=16, dt_max=inf, dt_min=0.0, dt_softplus=1" in out
     assert "past_ssm_state.0         float32  [batch_size, 8, 16, 16]" in out
     assert "engines: none" in out
@@ -186,7 +186,7 @@ def test_generate_library_rejects_bad_sampling(tiny_out):
 
 
 @pytest.mark.parametrize("verb,runtime,what", [("check", None, "ONNX Runtime cannot load the graph (InvalidProtobuf"),
-                                               ("generate", "ort", "ONNX Runtime cannot load the graph (InvalidProtobuf"),
+                                               ("generate", "onnxrt", "ONNX Runtime cannot load the graph (InvalidProtobuf"),
                                                ("generate", "onnx-reference", "ONNX cannot load the graph (DecodeError")])
 def test_corrupt_graph_is_a_clean_error(verb, runtime, what, tiny_out, tmp_path, capsys):
     """A damaged model.onnx: one error line naming the file (exit 1), as in inspect/build, not ORT's or

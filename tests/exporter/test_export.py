@@ -30,7 +30,7 @@ CHUNK = 8
 # (batch, seqlen): none equals the export example (2, 7)
 PREFILL_CASES = {"L1": (1, 1), "L_lt_chunk": (1, 5), "L_eq_chunk": (1, CHUNK), "L_k_chunk_plus_1": (1, 2 * CHUNK + 1),
                  "B3_L25": (3, 3 * CHUNK + 1)}
-IMPLS = ["plugin", "onnx"]
+IMPLS = ["ssmscan", "std"]
 
 
 def _model(ck, dtype=None):
@@ -57,7 +57,7 @@ def test_plugin_graph_structure(export_fp32_both, tiny_g2):
     want_attrs = {**SSMScanAttrs(chunk_size=cfg.chunk_size, dt_min=cfg.dt_limit[0], dt_max=cfg.dt_limit[1])
                   .onnx_attributes(), "plugin_namespace": "m2export", "plugin_version": "1"}
     for role in ("prefill", "decode"):
-        g = m.graph(role, "plugin")
+        g = m.graph(role, "ssmscan")
         model = onnx.load(export_fp32_both / g.file)
         scans = [n for n in model.graph.node if n.op_type == "SSMScan"]
         assert len(scans) == cfg.n_layer
@@ -74,7 +74,7 @@ def test_plugin_graph_structure(export_fp32_both, tiny_g2):
 def test_onnx_graph_structure(export_fp32_both):
     m = read_manifest(export_fp32_both)
     for role in ("prefill", "decode"):
-        model = onnx.load(export_fp32_both / m.graph(role, "onnx").file)
+        model = onnx.load(export_fp32_both / m.graph(role, "std").file)
         assert not model.functions
         assert {o.domain for o in model.opset_import} == {""}
         assert not [n for n in model.graph.node if n.domain not in ("", "ai.onnx")]
@@ -89,8 +89,8 @@ def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
     cfg = m.model_config()
     oc = Mamba2OnnxConfig(cfg)
     assert {(g.role, g.ssm_impl, g.file) for g in m.graphs} == {
-        ("prefill", "plugin", "model.onnx"), ("decode", "plugin", "decode.onnx"),
-        ("prefill", "onnx", "model.std.onnx"), ("decode", "onnx", "decode.std.onnx")}
+        ("prefill", "ssmscan", "model.onnx"), ("decode", "ssmscan", "decode.onnx"),
+        ("prefill", "std", "model.std.onnx"), ("decode", "std", "decode.std.onnx")}
     assert m.dtype == "fp32" and m.opset == Mamba2OnnxConfig.DEFAULT_OPSET
     assert m.checkpoint_sha256 == load_checkpoint(tiny_g2).sha256
     assert {"torch", "onnx", "onnxscript", "onnxruntime", "m2export"} <= set(m.tool_versions)
@@ -220,7 +220,7 @@ def test_failed_export_leaves_nothing(tiny_g2, tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "_check", failing_check)
     out = tmp_path / "sub" / "out"
     with pytest.raises(ExportError, match="injected"):
-        ex.export_model(tiny_g2, out, ssm_impl="onnx")
+        ex.export_model(tiny_g2, out, ssm_impl="std")
     assert calls == ["model.onnx"]
     assert not out.exists() and list((tmp_path / "sub").iterdir()) == []
     # with --force over an existing export: the old content survives a failed re-export; a failure inside
@@ -303,7 +303,7 @@ def test_external_data(tiny_g2, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ex, "EXTERNAL_DATA_THRESHOLD", 0)
     out = tmp_path / "ext"
-    m = ex.export_model(tiny_g2, out, ssm_impl="onnx", opset=20)
+    m = ex.export_model(tiny_g2, out, ssm_impl="std", opset=20)
     assert m.opset == 20
     for g in m.graphs:
         assert g.external_data == [g.file + ".data"]
