@@ -243,7 +243,7 @@ def test_check_target():
         aot.check_target(ptx, cc=(10, 0), driver=(13, 4), load=lambda b: 0)
     with pytest.raises(BackendUnavailable, match="CUDA 13.0. cannot JIT PTX ISA 9.4") as e:
         aot.check_target(ptx, cc=(9, 0), driver=(13, 0), load=lambda b: 222)
-    assert "--plugin jit" in e.value.hint
+    assert "plugin='jit'" in e.value.hint
     with pytest.raises(BackendUnavailable, match="rejects the PTX .* CUDA_ERROR_INVALID_PTX"):
         aot.check_target(ptx, cc=(9, 0), driver=(13, 4), load=lambda b: 218)
     assert aot.gpu_code_for((9, 0)) == "sm_90"
@@ -384,7 +384,7 @@ def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
         aot.check_target(k.ptx, cc=cc, driver=driver, load=_cuda.try_load_module)
     except BackendUnavailable as e:
         print(f"\n{p} ISA {aot.ptx_version(k.ptx)}: refused at build time: {e}")
-        assert f"CUDA {driver[0]}.{driver[1]}" in str(e) and "--plugin jit" in e.hint
+        assert f"CUDA {driver[0]}.{driver[1]}" in str(e) and "plugin='jit'" in e.hint
         return
     ref, dev, y, fs = oracle_case(p, seed=5, dt_limit=attrs.dt_limit)
     torch.cuda.synchronize()
