@@ -1,9 +1,16 @@
-"""Benchmark of the SSMScan decode step (one token per sequence): cuTile vs the PyTorch reference.
+"""Benchmark of the SSMScan decode step (one token per sequence): cuTile vs mamba_ssm vs the PyTorch reference.
 
 Memory-bound: bytes = 8*b*h*p*n (fp32 state read + written) + 2*b*h*p*s_x (x, y) + 2*b*g*n*s_x (B, C)
 + b*h*s_x (dt) + 3*h*4; GB/s = bytes / t and % of the 4.3 TB/s copy bandwidth measured on this H200
 (/work/.library/device/KINDS.md). bf16, headdim 64, d_state 128, in-place state update.
-ms = median of CUDA-graph replays (triton.testing.do_bench), eager in its own column.
+ms = median of eager calls and of CUDA-graph replays (triton.testing.do_bench), side by side.
+
+Implementations, in the same run: ``ssm_step`` (cuTile); the TensorRT JIT plugin's enqueue body
+(``run_jit`` on TensorRT-like tensors with seqlen 1, which routes to the same step kernel inside
+``ssm_scan``); mamba_ssm's Triton ``selective_state_update`` (the Mamba-2 layer's decode call:
+per-head dt/A/D/dt_bias broadcast over headdim and d_state as stride-0 views), from a git-ignored
+copy of state-spaces/mamba under ``.devcarry/mamba_ssm_triton`` (skipped with a note when absent);
+``--block-p`` sweeps headdim tiles through the step kernel's launch description.
 
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd_step.py --results $OUT/results.md
 """
@@ -27,6 +34,7 @@ from m2export.kernels.ssd_step import ssm_step  # noqa: E402
 SHAPES = {  # name: (batch, nheads, headdim, ngroups, d_state)
     "B1_H80": (1, 80, 64, 1, 128),
     "B16_H80": (16, 80, 64, 1, 128),
+    "B64_H80": (64, 80, 64, 1, 128),
     "B128_H80": (128, 80, 64, 1, 128),
     "B64_H128_G8": (64, 128, 64, 8, 128),
 }
@@ -37,21 +45,50 @@ def step_bytes(b, h, p, g, n, s=2):
     return 8 * b * h * p * n + 2 * b * h * p * s + 2 * b * g * n * s + b * h * s + 3 * h * 4
 
 
+def load_selective_state_update():
+    path = ROOT / ".devcarry" / "mamba_ssm_triton"
+    if not path.is_dir():
+        return None, f"no {path}"
+    sys.path.insert(0, str(path))
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as e:  # noqa: BLE001  (reported in the output)
+        return None, f"import failed: {e!r}"
+    return selective_state_update, ""
+
+
+class _TrtLike:
+    """The attributes the JIT plugin body reads off a ``trtp.Tensor`` (data_ptr, shape, strides, dtype)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.data_ptr, self.shape, self.strides, self.dtype = t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
-    ap.add_argument("--block-p", default="auto", help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--block-p", default="auto",
+                    help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic)")
     args = ap.parse_args(argv)
     import triton
     import cuda.tile as ct
 
+    from m2export.contract import INPUT_NAMES, SSMScanAttrs, validate
+    from m2export.kernels.ssd_step.cutile import step_launch
+    from m2export.plugins.ssm_scan_trt import run_jit
+
+    ssu, why = load_selective_state_update()
     head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, triton {triton.__version__}, cuda.tile {ct.__version__}; bf16, in place")
+            f"torch {torch.__version__}, triton {triton.__version__}, cuda.tile {ct.__version__}; bf16, in place"
+            + ("" if ssu else f"; mamba_ssm: {why}"))
     print(head)
     lines = [f"### SSMScan decode step, {head}", "",
-             "| shape | implementation | eager ms | graph ms | GB/s (graph; eager if no graph) | % of 4.3 TB/s | rel-err y |", "|---|---|---|---|---|---|---|"]
+             "| shape | implementation | eager ms | graph ms | GB/s (graph; eager if no graph) | % of 4.3 TB/s "
+             "| rel-err y |", "|---|---|---|---|---|---|---|"]
     capture_failed = False
-    for name, (b, h, p, g, n) in SHAPES.items():
+    for name in args.shapes.split(","):
+        b, h, p, g, n = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(1)
         r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device="cuda") * sc  # noqa: E731
         x, dt = r(b, h, p).bfloat16(), (r(b, h) - 1).bfloat16()
@@ -60,37 +97,65 @@ def main(argv=None):
         state = r(b, h, p, n)
         y = torch.empty_like(x)
         ref = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="torch")
-        got = ssm_step(x, dt, A, B, C, D, bias, state.clone(), backend="cutile")
-        err = ((got.y.float() - ref.y.float()).norm() / ref.y.float().norm()).item()
-        from m2export.contract import validate
-        from m2export.kernels.ssd_step.cutile import ssm_step_cutile
-
         prob = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, bias, state)
         impls = []
+
+        def err_of(out):
+            return ((out.float() - ref.y.float()).norm() / ref.y.float().norm()).item()
+
         for bp in args.block_p.split(","):
             if bp == "auto":
-                impls.append(("cutile", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y, state_out=state)))
-            else:  # "block_p" or "block_p:occupancy"
+                impls.append(("cutile ssm_step", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y,
+                                                                   state_out=state), lambda: y))
+            else:  # "block_p" or "block_p:occupancy": the launch description with another tile (sweep)
                 tile, _, occ = bp.partition(":")
+                launch = step_launch(prob, block_p=int(tile), occupancy=int(occ) if occ else None, dt_softplus=True,
+                                     dt_limit=(0.0, math.inf))
+                bound = launch.bind(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=bias, ssm_state=state, y=y,
+                                         state_out=state))
                 impls.append((f"cutile[block_p={tile}{', occupancy=' + occ if occ else ''}]",
-                              lambda tile=int(tile), occ=int(occ or 0): ssm_step_cutile(
-                    x, dt, A, B, C, D, bias, state, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf),
-                    out=y, state_out=state, block_p=tile, occupancy=occ or None)))
-        impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch")))
-        for label, fn in impls:
+                              lambda launch=launch, bound=bound: ct.launch(torch.cuda.current_stream().cuda_stream,
+                                                                           launch.grid, launch.kernel, bound),
+                              lambda: y))
+        # the TensorRT JIT plugin's enqueue: 4-D tensors with seqlen 1, state in -> state out
+        x4, dt4, B4, C4, y4 = x[:, None], dt[:, None], B[:, None], C[:, None], torch.empty_like(x[:, None])
+        fs = torch.empty_like(state)
+        ins = [_TrtLike(t) for t in (x4, dt4, A, B4, C4, D, bias, state)]
+        outs = [_TrtLike(y4), _TrtLike(fs)]
+        assert len(ins) == len(INPUT_NAMES)
+        impls.append(("plugin JIT body (run_jit, seqlen 1)",
+                      lambda: run_jit(ins, outs, SSMScanAttrs(), torch.cuda.current_stream().cuda_stream),
+                      lambda: y4[:, 0]))
+        if ssu is not None:
+            # Mamba2.step's call: per-head parameters broadcast over headdim / d_state (stride-0 views)
+            A3 = A[:, None, None].expand(h, p, n)
+            dt3, D2, bias2 = dt[:, :, None].expand(b, h, p), D[:, None].expand(h, p), bias[:, None].expand(h, p)
+            st_m = state.clone()
+            impls.append(("mamba_ssm selective_state_update",
+                          lambda: ssu(st_m, x, dt3, A3, B, C, D=D2, dt_bias=bias2, dt_softplus=True),
+                          lambda: ssu(state.clone(), x, dt3, A3, B, C, D=D2, dt_bias=bias2, dt_softplus=True)))
+        impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch"), None))
+        for label, fn, out_of in impls:
+            err = float("nan")
+            if out_of is not None:  # accuracy on a fresh copy of the starting state (the timed runs update it)
+                st0 = state.clone()
+                if label.startswith("mamba"):
+                    err = err_of(out_of())
+                else:
+                    fn()
+                    err = err_of(out_of())
+                state.copy_(st0)
             te = time_fn(fn, graph=False)
             try:  # the torch reference is timed eagerly only: its capture fails (host-side ops)
                 tg = float("nan") if label == "torch reference" or capture_failed else time_fn(fn, graph=True)
             except Exception as e:  # noqa: BLE001  (reported in the table, not hidden)
-                # a failed capture can leave torch's RNG/graph state unusable: no more captures
                 print(f"  {name} {label}: CUDA-graph capture failed, eager timing only from here: {e!r}"[:300],
                       flush=True)
                 capture_failed = True
                 tg = float("nan")
             gbs = step_bytes(b, h, p, g, n) / ((te if math.isnan(tg) else tg) * 1e-3) / 1e9
-            err_cell = f"{err:.1e} |" if label == "cutile" else "- |"
-            lines.append(f"| {name} (P{p} N{n}) | {label} | {te:.4f} | {tg:.4f} | {gbs:.0f} | {gbs / HBM * 1e11:.1f} | "
-                         + err_cell)
+            lines.append(f"| {name} (P{p} N{n}) | {label} | {te:.4f} | {tg:.4f} | {gbs:.0f} | "
+                         f"{gbs / HBM * 1e11:.1f} | {err:.1e} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ import torch
 from m2export.contract import SSMScanProblem
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def stable_seed(*parts) -> int:
+    """A seed from ``parts`` that is the same in every process (``hash(str)`` is salted per process)."""
+    return zlib.crc32(repr(parts).encode()) % 2**31
 
 
 def rel_l2(ref: torch.Tensor, out: torch.Tensor) -> float:

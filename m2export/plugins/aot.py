@@ -9,7 +9,7 @@ launch parameters and "extra" symbolic int32 arguments; at run time TensorRT lau
 cuTile's calling convention ``cutile_python_v1`` instead flattens each kernel parameter in declaration
 order: an array becomes ``pointer (u64), shape[0..ndim) (i32), stride[0..ndim) (i32)``, a runtime scalar
 one parameter of its type, and ``ct.Constant`` parameters are compiled in (no slot). The kernel's own
-description of that flattening is :meth:`m2export.kernels.ssd.cutile.AotSpec.flat_args`
+description of that flattening is :meth:`m2export.kernels.launch.Launch.flat_args`
 (``["x.ptr", "x.shape0", ..., "x.stride3", "dt.ptr", ..., "dt_min", "dt_max"]``).
 
 This module maps one onto the other explicitly and checks every step, because a wrong mapping does
@@ -36,6 +36,7 @@ branch) does the same export -> PTX -> ``.entry`` reorder; TensorRT's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import re
@@ -62,11 +63,13 @@ class ArgumentMap:
     """TensorRT AOT slots <-> cuTile entry parameters for one kernel.
 
     Attributes:
-        cutile_args: symbolic entry parameters in cuTile order (``AotSpec.flat_args()``).
+        cutile_args: symbolic entry parameters in cuTile order (``Launch.flat_args()``).
         inputs, outputs: plugin input and output tensor names, in TensorRT's order.
         order: ``order[slot]`` is the index in ``cutile_args`` of the parameter TensorRT fills into
             ``slot``; :func:`reorder_entry_params` applies it to the PTX.
         extra_args: names of the SymInt32 extras, in slot order (every non-pointer parameter, in cuTile order).
+        sources: kernel array parameter -> the plugin tensor bound to it (absent: the same name).
+        views: kernel array parameter -> the size-1 dimension of its plugin tensor the kernel's view drops.
     """
 
     cutile_args: tuple[str, ...]
@@ -74,6 +77,21 @@ class ArgumentMap:
     outputs: tuple[str, ...]
     order: tuple[int, ...]
     extra_args: tuple[str, ...]
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    views: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def source(self, param: str) -> str:
+        return self.sources.get(param, param)
+
+    def params(self) -> list[str]:
+        """The kernel parameters the entry takes, in order (each array once, each scalar)."""
+        out: list[str] = []
+        for name in self.cutile_args:
+            m = _ARG_RE.match(name)
+            p = m.group("tensor") if m else name
+            if not out or out[-1] != p:
+                out.append(p)
+        return out
 
     @property
     def trt_slots(self) -> tuple[str, ...]:
@@ -82,8 +100,12 @@ class ArgumentMap:
 
 
 def argument_map(cutile_args: Sequence[str], inputs: Sequence[str] = INPUT_NAMES,
-                 outputs: Sequence[str] = OUTPUT_NAMES) -> ArgumentMap:
+                 outputs: Sequence[str] = OUTPUT_NAMES, *, sources: Mapping[str, str] | None = None,
+                 views: Mapping[str, int] | None = None) -> ArgumentMap:
     """Map TensorRT's AOT slots (input ptrs | extras | output ptrs) onto ``cutile_args``.
+
+    ``sources`` names the plugin tensor of a kernel array parameter whose name differs (the decode
+    step's ``ssm_state`` is the plugin's ``initial_state``); ``views`` its dropped size-1 dimension.
 
     Raises:
         InternalError: a tensor has no pointer or two, an argument name is malformed, or a pointer
@@ -99,9 +121,10 @@ def argument_map(cutile_args: Sequence[str], inputs: Sequence[str] = INPUT_NAMES
                                     "or a scalar name")
             continue
         if m.group("ptr"):
-            if m.group("tensor") in ptr_index:
-                raise InternalError(f"AOT arguments: tensor {m.group('tensor')!r} has two pointers")
-            ptr_index[m.group("tensor")] = i
+            tensor = (sources or {}).get(m.group("tensor"), m.group("tensor"))
+            if tensor in ptr_index:
+                raise InternalError(f"AOT arguments: tensor {tensor!r} has two pointers")
+            ptr_index[tensor] = i
     known = set(inputs) | set(outputs)
     stray = sorted(set(ptr_index) - known)
     if stray:
@@ -114,7 +137,7 @@ def argument_map(cutile_args: Sequence[str], inputs: Sequence[str] = INPUT_NAMES
     extras = [i for i in range(len(cutile_args)) if i not in ptrs]
     order = tuple([ptr_index[t] for t in inputs] + extras + [ptr_index[t] for t in outputs])
     return ArgumentMap(cutile_args, tuple(inputs), tuple(outputs), order,
-                       tuple(cutile_args[i] for i in extras))
+                       tuple(cutile_args[i] for i in extras), dict(sources or {}), dict(views or {}))
 
 
 def float32_bits(value: float) -> int:
@@ -145,10 +168,11 @@ def extra_arg_values(amap: ArgumentMap, shapes: Mapping[str, Sequence[Any]],
                      scalars: Mapping[str, tuple[str, Any]]) -> list[Any]:
     """Values of ``amap.extra_args``: shapes (ints or ``ShapeExpr``), contiguous strides, scalars.
 
-    ``TENSOR.shapeK`` is ``shapes[TENSOR][K]``; ``TENSOR.strideK`` the row-major contiguous stride in
-    elements (the product of the later dims, ``1`` for the last: TensorRT plugin I/O is linear and
-    dense); a scalar is :func:`scalar_arg` of ``scalars[name] = (dtype, value)``. Works symbolically:
-    dims only need ``*``.
+    ``TENSOR.shapeK`` is dim K of the kernel's view of its plugin tensor (``shapes[amap.source(TENSOR)]``
+    without the dimension ``amap.views`` drops, which has size 1); ``TENSOR.strideK`` the row-major
+    contiguous stride in elements (the product of the later dims, ``1`` for the last: TensorRT plugin
+    I/O is linear and dense, and dropping a size-1 dim changes no stride); a scalar is
+    :func:`scalar_arg` of ``scalars[name] = (dtype, value)``. Works symbolically: dims only need ``*``.
     """
     out = []
     for name in amap.extra_args:
@@ -158,7 +182,9 @@ def extra_arg_values(amap: ArgumentMap, shapes: Mapping[str, Sequence[Any]],
                 raise InternalError(f"AOT scalar argument {name!r} has no value (have {sorted(scalars)})")
             out.append(scalar_arg(*scalars[name]))
             continue
-        dims = list(shapes[m.group("tensor")])
+        dims = list(shapes[amap.source(m.group("tensor"))])
+        if m.group("tensor") in amap.views:
+            del dims[amap.views[m.group("tensor")]]
         if m.group("shape") is not None:
             out.append(dims[int(m.group("shape"))])
         else:
@@ -280,13 +306,27 @@ def required_threads(ptx: str) -> tuple[int, int, int] | None:
     return tuple(int(g) if g else 1 for g in m.groups())  # type: ignore[return-value]
 
 
-def check_entry(entry: PtxEntry, amap: ArgumentMap, scalar_dtypes: Mapping[str, str]) -> None:
-    """The entry's parameters must be exactly ``amap.cutile_args``: count, and a type per kind.
+def check_entry(entry: PtxEntry, amap: ArgumentMap, scalar_dtypes: Mapping[str, str],
+                kernel_params: Sequence[str]) -> None:
+    """The entry's parameters must be exactly ``amap.cutile_args``: the kernel's own parameters in order,
+    the count, and a type per kind.
 
-    Pointers must be ``.u64 .ptr``, shapes and strides 32-bit integers, scalars ``.f32`` (float32) or a
-    32-bit integer (int32), per ``scalar_dtypes``.
+    ``kernel_params``: the runtime (non-constant) parameters of the kernel's Python signature, in order
+    (:func:`m2export.kernels.launch.kernel_params`); the PTX names its parameters by index only, so this
+    is what catches two same-typed arrays described in the wrong order (B and C swapped). Pointers
+    must be ``.u64 .ptr``, shapes and strides 32-bit integers, scalars ``.f32`` (float32) or a 32-bit
+    integer (int32), per ``scalar_dtypes``.
     """
     args = amap.cutile_args
+    described = amap.params()
+    if described != list(kernel_params):
+        bad = next((i for i, (a, b) in enumerate(zip(described, kernel_params)) if a != b),
+                   min(len(described), len(kernel_params)))
+        raise InternalError(
+            f"kernel {entry.name}: the AOT description lists parameter {bad} as "
+            f"{described[bad] if bad < len(described) else '<none>'!r} but the kernel's signature has "
+            f"{kernel_params[bad] if bad < len(kernel_params) else '<none>'!r} there "
+            f"(described {described}, kernel {list(kernel_params)}); refusing to bind arguments by position")
     blobs = [entry.params[i] for i in range(len(entry.params)) if ".b8" in entry.params[i].split() or
              re.search(r"\[\d+\]$", entry.params[i])]
     if blobs:
@@ -390,7 +430,8 @@ def trt_signature(spec: Any):
     cuTile may choose TMA, whose 128-byte ``CUtensorMap`` parameters the host must encode per launch
     (cuTile's own launcher does; TensorRT cannot). Scalars are fp32 or int32; ``ct.Constant`` parameters
     take their compiled-in values. This is the plugin's side of the calling convention, on purpose not the
-    kernel module's ``AotSpec.signature()``, which may add facts that suit cuTile's own launcher.
+    ``ct.launch`` (the JIT path), which derives stride divisibility from the actual tensors and may use TMA.
+    ``spec`` is a :class:`m2export.kernels.launch.Launch`.
     """
     import cuda.tile as ct
     from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
@@ -398,7 +439,7 @@ def trt_signature(spec: Any):
     dtypes = {"float32": ct.float32, "float16": ct.float16, "bfloat16": ct.bfloat16}
     scalars = {"float32": ct.float32, "int32": ct.int32}
     cons: list[Any] = []
-    for prm in spec.params:
+    for prm in spec.args:
         if prm.kind == "array":
             cons.append(ArrayConstraint(dtypes[prm.dtype], prm.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
                                         alias_groups=tuple(getattr(prm, "alias", ()) or ()),
@@ -423,38 +464,46 @@ def _export_cubin(spec: Any, gpu_code: str) -> tuple[bytes, None]:
 
 def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: str,
                      ptx_isa: tuple[int, int] | None = None) -> AotKernel:
-    """Turn an exported cubin of ``spec`` (an ``AotSpec``) into an :class:`AotKernel`.
+    """Turn an exported cubin of ``spec`` (a :class:`~m2export.kernels.launch.Launch` with a symbolic grid)
+    into an :class:`AotKernel`.
 
-    Checks the entry against ``spec.flat_args()`` and reorders it to TensorRT's convention;
-    ``ptx_isa`` (explicit opt-in) rewrites the ``.version`` header.
+    Checks the entry against ``spec.flat_args()`` and the kernel's own signature, and reorders it to
+    TensorRT's convention; ``ptx_isa`` (explicit opt-in) rewrites the ``.version`` header.
     """
+    from m2export.kernels.launch import kernel_params
+
     ptx = ptx_from_cubin(cubin)
     entry = parse_entry(ptx)
     if symbol is not None and entry.name != symbol:
         raise InternalError(f"exported entry {entry.name!r} is not the requested symbol {symbol!r}")
-    amap = argument_map(spec.flat_args())
-    scalars = {p.name: (p.dtype, p.value) for p in spec.params if p.kind == "scalar"}
-    check_entry(entry, amap, {k: v[0] for k, v in scalars.items()})
+    amap = argument_map(spec.flat_args(), sources=spec.sources(), views=spec.views())
+    scalars = spec.scalars()
+    check_entry(entry, amap, {k: v[0] for k, v in scalars.items()},
+                [n for n, kind in kernel_params(spec.kernel) if kind != "constant"])
     ptx = reorder_entry_params(ptx, entry, amap.order)
     if ptx_isa is not None:
         ptx = set_ptx_version(ptx, ptx_isa)
     block = required_threads(ptx)
-    if block is None:
-        block = (int(spec.block), 1, 1) if getattr(spec, "block", None) else None
-    if block is None:
-        raise InternalError(f"kernel {entry.name}: no .reqntid in the PTX and no block size in the AOT spec")
+    if block is None:  # cuTile always emits one; without it the launch block size would be a guess
+        raise InternalError(f"kernel {entry.name}: no .reqntid in the PTX; cannot tell TensorRT the block size")
     return AotKernel(entry.name, ptx, block, amap, spec.grid, scalars, gpu_code)
 
 
 @functools.lru_cache(maxsize=32)
 def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dtype: str, attrs: SSMScanAttrs,
-                       gpu_code: str, ptx_isa: tuple[int, int] | None = None) -> AotKernel:
-    """Export the single-launch cuTile SSD kernel for these static sizes and return it as an :class:`AotKernel`.
+                       gpu_code: str, ptx_isa: tuple[int, int] | None = None, decode: bool = False) -> AotKernel:
+    """Export the cuTile kernel for these static sizes and return it as an :class:`AotKernel`.
 
-    batch and seqlen are runtime extents (one export serves every profile); the result is cached per
-    (sizes, dtype, attributes, target), since TensorRT asks once per layer and tactic.
+    ``decode`` (the graph's seqlen is the constant 1): the decode-step kernel
+    (:func:`m2export.kernels.ssd_step.cutile.aot_spec`); otherwise the single-launch SSD kernel
+    (:func:`m2export.kernels.ssd.cutile.aot_spec`). batch (and seqlen) are runtime extents, so one
+    export serves every profile; the result is cached per (sizes, dtype, attributes, target, decode),
+    since TensorRT asks once per layer and tactic.
     """
-    from m2export.kernels.ssd.cutile import aot_spec
+    if decode:
+        from m2export.kernels.ssd_step.cutile import aot_spec
+    else:
+        from m2export.kernels.ssd.cutile import aot_spec
 
     problem = SSMScanProblem(batch=1, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups,
                              d_state=d_state, dtype=dtype)
@@ -463,19 +512,28 @@ def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dt
     return build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code, ptx_isa=ptx_isa)
 
 
-def static_size(value: Any, what: str) -> int:
-    """An int from an int or a constant TensorRT ``ShapeExpr`` (``is_constant``/``constant_value``)."""
+def constant_size(value: Any) -> int | None:
+    """The value of an int or a constant TensorRT ``ShapeExpr``; None when it is only known at run time."""
     if isinstance(value, int):
         return value
     is_const = getattr(value, "is_constant", None)
     if callable(is_const) and is_const():
         return int(value.constant_value())
-    raise BackendUnavailable(f"SSMScan AOT plugin: {what} must be static (a fixed size in the ONNX graph), got {value}",
-                             hint="build with the JIT plugin (`plugin='jit'`) for graphs with dynamic "
-                                  "nheads/headdim/ngroups/d_state")
+    return None
+
+
+def static_size(value: Any, what: str) -> int:
+    """An int from an int or a constant TensorRT ``ShapeExpr`` (``is_constant``/``constant_value``)."""
+    v = constant_size(value)
+    if v is None:
+        raise BackendUnavailable(f"SSMScan AOT plugin: {what} must be static (a fixed size in the ONNX graph), "
+                                 f"got {value}",
+                                 hint="build with the JIT plugin (`plugin='jit'`) for graphs with dynamic "
+                                      "nheads/headdim/ngroups/d_state")
+    return v
 
 
 __all__ = ["ArgumentMap", "AotKernel", "PTX_SECTION", "PtxEntry", "argument_map", "build_aot_kernel",
-           "check_entry", "check_target", "compile_aot_kernel", "cubin_sections", "extra_arg_values",
+           "check_entry", "check_target", "compile_aot_kernel", "constant_size", "cubin_sections", "extra_arg_values",
            "float32_bits", "gpu_code_for", "scalar_arg", "parse_entry", "ptx_from_cubin", "ptx_target", "ptx_version",
            "reorder_entry_params", "required_threads", "set_ptx_version", "static_size", "trt_signature"]

@@ -168,7 +168,9 @@ def aot_launch(shapes: dict, x_dtype: Any, attrs: SSMScanAttrs, *, gpu_code: str
     ngroups = aot.static_size(B_shape[2], "ngroups (B dim 2)")
     d_state = aot.static_size(B_shape[3], "d_state (B dim 3)")
     dtype = contract.dtype_name(x_dtype)
-    kernel = compile_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa)
+    # a decode engine (seqlen the constant 1) runs the memory-bound step kernel, not the chunked scan
+    decode = aot.constant_size(x_shape[1]) == 1
+    kernel = compile_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode)
     extras = aot.extra_arg_values(kernel.amap, shapes, kernel.scalars)
     grid = kernel.grid(x_shape[0], nheads, headdim)
     return dict(name=kernel.name, ptx=kernel.ptx, grid=tuple(grid), block=kernel.block, shared_mem=0,
@@ -198,7 +200,8 @@ def configure_aot(*, ptx_isa: Union[Tuple[int, int], None] = None) -> None:
 
 @functools.lru_cache(maxsize=32)
 def compile_checked_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dtype: str,
-                           attrs: SSMScanAttrs, gpu_code: str, ptx_isa: Union[Tuple[int, int], None] = None):
+                           attrs: SSMScanAttrs, gpu_code: str, ptx_isa: Union[Tuple[int, int], None] = None,
+                           decode: bool = False):
     """:func:`aot.compile_aot_kernel`, then :func:`aot.check_target` on the build GPU (once per kernel).
 
     The check JIT-compiles the PTX with the driver, exactly what TensorRT does when it loads the engine;
@@ -206,7 +209,7 @@ def compile_checked_kernel(nheads: int, headdim: int, ngroups: int, d_state: int
     """
     from m2export.plugins import _cuda, aot
 
-    kernel = aot.compile_aot_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa)
+    kernel = aot.compile_aot_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode)
     cc, driver = _cuda.compute_capability(), _cuda.driver_version()
     if aot.gpu_code_for(cc) != gpu_code:
         raise InternalError(f"AOT kernel compiled for {gpu_code} but the current GPU is sm_{cc[0]}{cc[1]}")

@@ -56,35 +56,48 @@ def _export(kernel, constraints) -> bytes:
     return buf.getvalue()
 
 
+def _export_launch(launch) -> bytes:
+    """Export one kernel with the constraints ct.launch derives for the contiguous tensors of ``launch``."""
+    from cuda.tile.compilation import ScalarConstraint
+
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    cons = []
+    for a in launch.args:
+        if a.kind == "array":
+            cons.append(_arr(short[a.dtype], a.ndim))
+        elif a.kind == "scalar":
+            cons.append(ScalarConstraint(ct.int32 if a.dtype == "int32" else ct.float32))
+        else:
+            cons.append(a.value)
+    return _export(launch.kernel, cons)
+
+
 # (dtype, chunk, headdim tile, d_state): the defaults of choose_config for bf16 and fp32, and fp16 at d_state 256
-CASES = [("bf16", 64, 64, 128), ("f32", 32, 64, 128), ("f16", 64, 32, 256)]
+CASES = [("bfloat16", 64, 64, 128), ("float32", 32, 64, 128), ("float16", 64, 32, 256)]
 
 
 @pytest.mark.parametrize("dt,chunk,block_p,d_state", CASES, ids=[f"{c[0]}_Q{c[1]}_N{c[3]}" for c in CASES])
 def test_prefill_kernels_compile(dt, chunk, block_p, d_state):
-    from m2export.kernels.ssd import cutile as K
+    """The pre-pass, pass-1 and scan kernels of a split plan, from the same launch descriptions ct.launch uses."""
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
 
-    occ = K._hinted(K.ssd_scan_kernel, 2)
-    pre = _export(K.ssd_dt_kernel, [_arr(dt, 3), _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _f32(), _f32(),
-                                    chunk, 32, True, True])
-    seg = _export(K._hinted(K.ssd_segment_state_kernel, 2),
-                  [_arr(dt, 4), _arr(dt, 3), _arr("f32", 4), _arr("f32", 1), _arr(dt, 4), _arr("f32", 1),
-                   _arr("f32", 5), _arr("f32", 3), _f32(), _f32(), _i32(), _i32(),
-                   chunk, block_p, d_state, True, True, True])
-    scan = _export(occ, [_arr(dt, 4), _arr(dt, 3), _arr("f32", 4), _arr("f32", 1), _arr(dt, 4), _arr(dt, 4),
-                         _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _arr("f32", 5), _arr("f32", 3), _arr(dt, 4),
-                         _arr("f32", 4), _f32(), _f32(), _i32(), _i32(),
-                         chunk, block_p, d_state, True, True, True, True, True, False, True])
-    for cubin in (pre, seg, scan):
-        assert cubin[:4] == b"\x7fELF"
+    p = SSMScanProblem(2, 700, 8, 64, 2, d_state, dtype=dt)
+    cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=3, dt_pre=True)
+    plan = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
+                          has_init=True)
+    assert [launch.name for launch in plan.launches] == ["ssd_dt_kernel", "ssd_segment_state_kernel",
+                                                          "ssd_scan_kernel"]
+    for launch in plan.launches:
+        assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("block_p,d_state,occupancy", [(64, 128, 2), (8, 64, 8)])
 def test_step_kernel_compiles(block_p, d_state, occupancy):
-    from m2export.kernels.ssd_step import cutile as S
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd_step.cutile import step_launch
 
-    kernel = S.ssd_step_kernel.replace_hints(occupancy=occupancy)
-    cubin = _export(kernel, [_arr("bf16", 3), _arr("bf16", 2), _arr("f32", 1), _arr("bf16", 3), _arr("bf16", 3),
-                             _arr("f32", 1), _arr("f32", 1), _arr("f32", 4), _arr("bf16", 3), _arr("f32", 4),
-                             _f32(), _f32(), _i32(), block_p, d_state, True, True, True, True])
-    assert cubin[:4] == b"\x7fELF"
+    launch = step_launch(SSMScanProblem(4, 1, 8, 64, 2, d_state, dtype="bfloat16"), block_p=block_p,
+                         occupancy=occupancy, dt_softplus=True, dt_limit=(0.0, float("inf")))
+    assert _export_launch(launch)[:4] == b"\x7fELF"

@@ -2,12 +2,10 @@
 
 Needs ``cuda.tile`` importable (skipped otherwise); the export tests also need its compiler
 (``tileiras`` on PATH or the nvidia-cuda-tileiras wheel: ``pip install "cuda-tile[tileiras]"``). The parameter layout asserted here was read off an exported sm_90 cubin
-(EIATTR_KPARAM_INFO: 73 entries, pointers 8 bytes, the rest 4) -- see AotSpec's docstring.
+(EIATTR_KPARAM_INFO: 73 entries, pointers 8 bytes, the rest 4) -- see aot_spec's docstring.
 """
 
 from __future__ import annotations
-
-import io
 
 import pytest
 
@@ -29,54 +27,68 @@ def test_prefill_flat_args_order():
     assert flat[:9] == ["x.ptr", "x.shape0", "x.shape1", "x.shape2", "x.shape3",
                         "x.stride0", "x.stride1", "x.stride2", "x.stride3"]
     assert flat[9] == "dt.ptr" and flat[16] == "A.ptr" and flat[-3:] == ["dt_min", "dt_max", "heads_per_group"]
-    assert [p.name for p in spec.params if p.kind == "array"] == [
+    assert [a.name for a in spec.args if a.kind == "array"] == [
         "x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state", "y", "final_state"]
+    assert spec.scalars()["dt_max"] == ("float32", 0.5)
     assert spec.grid(3, 8, 64) == (24, 1, 64 // spec.config.block_p)
     assert spec.config.nseg == 1
 
 
-def test_step_flat_args_order():
+def test_step_flat_args_order_and_plugin_binding():
+    """The decode-step AOT spec binds the plugin's tensors: seqlen (size 1) dropped, the state in/out renamed."""
     from m2export.kernels.ssd_step.cutile import aot_spec
 
     spec = aot_spec(SSMScanProblem(2, 1, 8, 64, 2, 128, "float16"), SSMScanAttrs())
     assert len(spec.flat_args()) == 63
-    assert spec.grid(2, 8, 64) == (16, 64 // spec.block_p, 1)
+    assert spec.grid(2, 8, 64) == (16, 64 // spec.config, 1)
+    assert spec.sources()["ssm_state"] == "initial_state" and spec.sources()["state_out"] == "final_state"
+    assert spec.views() == {"x": 1, "dt": 1, "B": 1, "C": 1, "y": 1}
+
+
+def test_description_must_match_the_kernel_signature():
+    """A launch description with B and C swapped (same shape and dtype) is refused when it is made."""
+    from m2export.errors import InternalError
+    from m2export.kernels.launch import Launch
+    from m2export.kernels.ssd.cutile import aot_spec
+
+    spec = aot_spec(SSMScanProblem(2, 100, 8, 64, 2, 128, "bfloat16"), SSMScanAttrs())
+    args = list(spec.args)
+    args[3], args[4] = args[4], args[3]
+    with pytest.raises(InternalError, match="parameter 3 is 'C'.*'B'"):
+        Launch(spec.kernel, tuple(args), spec.grid)
 
 
 def test_unsupported_dims():
     from m2export.kernels.ssd.cutile import aot_spec
+    from m2export.kernels.ssd_step.cutile import aot_spec as step_spec
 
     with pytest.raises(ContractError, match="d_state"):
         aot_spec(SSMScanProblem(1, 1, 2, 64, 1, 48), SSMScanAttrs())
-
-
-@needs_tileiras
-@pytest.mark.usefixtures("no_cuda_home")
-def test_export_cubin():
-    from m2export.kernels.ssd.cutile import aot_spec
-
-    spec = aot_spec(SSMScanProblem(1, 1, 4, 32, 1, 32, "bfloat16"), SSMScanAttrs())
-    buf = io.BytesIO()
-    symbol = spec.export(buf, gpu_code="sm_90")
-    assert buf.getvalue()[:4] == b"\x7fELF" and symbol.startswith("ssd_fused_kernel")
+    with pytest.raises(ContractError, match="headdim: .*got 80"):  # Nemotron-Nano's head dim: refused, one line
+        step_spec(SSMScanProblem(1, 1, 2, 80, 1, 128), SSMScanAttrs())
 
 
 @needs_tileiras
 @pytest.mark.usefixtures("no_cuda_home")
 @pytest.mark.parametrize("which", ["prefill", "step"])
 def test_entry_params_match_flat_args(which):
-    """The .entry of the PTX embedded in the exported cubin has exactly flat_args() parameters:
-    a u64 pointer per array followed by u32 extents and strides, then the scalars."""
+    """The .entry of the PTX embedded in the exported cubin (the plugin's one export path) has exactly
+    flat_args() parameters: a u64 pointer per array followed by u32 extents and strides, then the scalars;
+    no tensor-map slots the plugin would have to fill."""
+    from m2export.plugins import aot
+
     if which == "prefill":
         from m2export.kernels.ssd.cutile import aot_spec
     else:
         from m2export.kernels.ssd_step.cutile import aot_spec
     spec = aot_spec(SSMScanProblem(2, 1, 8, 64, 2, 128, "bfloat16"), SSMScanAttrs())
-    k = spec.compile(gpu_code="sm_90")
+    cubin, _ = aot._export_cubin(spec, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    entry = aot.parse_entry(aot.ptx_from_cubin(cubin))
+    assert entry.name.startswith(spec.name)
     flat = spec.flat_args()
-    assert k.ptx is not None and k.symbol in k.ptx
-    assert len(k.param_types) == len(flat)
-    want = ["u64" if f.endswith(".ptr") else ("f32" if f in ("dt_min", "dt_max") else "u32") for f in flat]
-    assert list(k.param_types) == want
-    assert k.hidden_params == 0  # no tensor-map slots the plugin would have to fill
-    assert k.threads and k.threads % 32 == 0
+    kinds = [entry.param_kind(i) for i in range(len(entry.params))]
+    want = ["ptr" if f.endswith(".ptr") else ("f32" if f in ("dt_min", "dt_max") else "u32") for f in flat]
+    assert kinds == want
+    k = aot.build_aot_kernel(spec, cubin, None, gpu_code="sm_90")
+    assert k.block[0] % 32 == 0 and k.block[1:] == (1, 1)

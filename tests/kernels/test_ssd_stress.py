@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import torch
 from m2export.contract import INPUT_NAMES, SSMScanAttrs, SSMScanProblem
 from m2export.kernels.ssd.naive import ssm_scan_recurrent
 from tests.helpers import SSD_STATE_REL, SSD_Y_REL, TORCH_DTYPES, count_unwritten, make_inputs, poison_, \
-    requires_cutile
+    requires_cutile, stable_seed
 
 
 def _reps() -> int:
@@ -50,10 +49,6 @@ CASES = [
 #: how the stream reaches the kernel, and on which stream the caller queues its work before and after
 STREAMS = ["raw0", "none", "default_obj", "side_obj", "side_raw", "jit_raw0", "jit_side"]
 PLANS = ["auto", "fused", "split"]
-
-
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode()) % 10_000  # stable across processes (hash(str) is salted per process)
 
 
 def _config(plan: str, p: SSMScanProblem):
@@ -102,7 +97,7 @@ def test_outputs_written_in_stream_order(case, plan):
     p = SSMScanProblem(*dims, dtype=dtype)
     if plan == "split" and p.seqlen <= 64:
         pytest.skip("one chunk: no second segment to split into")
-    inp = make_inputs(p, seed=_seed(name))
+    inp = make_inputs(p, seed=stable_seed(name))
     ref = ssm_scan_recurrent(**inp)
     ref_y, ref_fs = ref.y.cuda(), ref.final_state.cuda()
     side = torch.cuda.Stream()
@@ -140,9 +135,9 @@ def test_outputs_written_in_stream_order(case, plan):
 @requires_cutile
 @pytest.mark.parametrize("raw", [0, 1])
 def test_raw_legacy_stream_handle_is_torch_default_stream(raw):
-    from m2export.kernels.ssd.cutile import _torch_stream
+    from m2export.kernels._host import launch_stream
 
-    s = _torch_stream(raw, torch.device("cuda"))
+    s = launch_stream(raw, torch.device("cuda"))
     assert s == torch.cuda.default_stream() and s.cuda_stream == 0
     # what the old code did: ExternalStream(0) is a pool stream with a real handle of its own
     assert torch.cuda.ExternalStream(0).cuda_stream != 0
@@ -155,7 +150,7 @@ def test_step_outputs_written_in_stream_order(mode):
     from m2export.kernels.ssd_step import ssm_step
 
     p = SSMScanProblem(4, 1, 8, 64, 2, 128, "float32")
-    inp = make_inputs(p, seed=_seed("step" + mode))
+    inp = make_inputs(p, seed=stable_seed("step", mode))
     ref = ssm_scan_recurrent(**inp)
     side = torch.cuda.Stream()
     reader = side if mode == "side_raw" else torch.cuda.default_stream()

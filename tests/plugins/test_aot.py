@@ -59,11 +59,21 @@ def fixture_cubin() -> bytes:
     return make_elf({".text.k": b"\0" * 16, aot.PTX_SECTION: RAW_SECTION, ".nv.info": b"\1\2"})
 
 
+def _fixture_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min: float, dt_max: float,
+                    heads_per_group: int):
+    """Signature of the kernel the fixture was exported from (ssd_fused_kernel without its constants)."""
+
+
+#: the fixture's runtime parameters in order, as the kernel's signature declares them
+FIXTURE_PARAMS = ["x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state", "y", "final_state",
+                  "dt_min", "dt_max", "heads_per_group"]
+
+
 def fixture_spec():
-    """An AotSpec stand-in describing exactly what the fixture was exported from."""
-    params = [SimpleNamespace(name=k, kind="scalar", dtype=dt, value=v) for k, (dt, v) in _meta_scalars().items()]
+    """A launch-description stand-in (m2export.kernels.launch.Launch's AOT surface) for the fixture's export."""
     bp = META["block_p"]
-    return SimpleNamespace(flat_args=lambda: list(META["flat_args"]), params=params, block=None,
+    return SimpleNamespace(kernel=_fixture_kernel, flat_args=lambda: list(META["flat_args"]), sources=dict,
+                           views=dict, scalars=_meta_scalars,
                            grid=lambda batch, nheads, headdim: (batch * nheads, 1, headdim // bp))
 
 
@@ -153,14 +163,34 @@ def test_entry_matches_the_kernel_description():
     assert entry.name == META["symbol"]
     assert len(entry.params) == len(META["flat_args"])
     amap = aot.argument_map(META["flat_args"])
-    aot.check_entry(entry, amap, {k: v[0] for k, v in _meta_scalars().items()})
+    scalar_dtypes = {k: v[0] for k, v in _meta_scalars().items()}
+    aot.check_entry(entry, amap, scalar_dtypes, FIXTURE_PARAMS)
     # one parameter fewer (e.g. a calling-convention change) is refused, not guessed
     with pytest.raises(InternalError, match="refusing to guess"):
-        aot.check_entry(entry, aot.argument_map(META["flat_args"][:-1]), {})
+        aot.check_entry(entry, aot.argument_map(META["flat_args"][:-1]), {}, FIXTURE_PARAMS[:-1])
     # a scalar declared with another type than described is refused
     wrong = {k: ("int32" if dt == "float32" else "float32") for k, (dt, _) in _meta_scalars().items()}
     with pytest.raises(InternalError, match="is declared"):
-        aot.check_entry(entry, amap, wrong)
+        aot.check_entry(entry, amap, wrong, FIXTURE_PARAMS)
+
+
+def test_entry_check_refuses_swapped_same_typed_arrays():
+    """B and C have the same rank and dtype, so every slot type still matches when a description swaps them;
+    the kernel's own parameter order catches it (the PTX names parameters by index only)."""
+    entry = aot.parse_entry(aot.ptx_from_cubin(fixture_cubin()))
+    flat = list(META["flat_args"])
+    b = [i for i, f in enumerate(flat) if f.startswith("B.")]
+    c = [i for i, f in enumerate(flat) if f.startswith("C.")]
+    swapped = flat[:b[0]] + [flat[i] for i in c] + [flat[i] for i in b] + flat[c[-1] + 1:]
+    assert len(swapped) == len(flat) and [entry.param_kind(i) for i in b] == [entry.param_kind(i) for i in c]
+    scalar_dtypes = {k: v[0] for k, v in _meta_scalars().items()}
+    with pytest.raises(InternalError, match="parameter 3 as 'C' but the kernel's signature has 'B'"):
+        aot.check_entry(entry, aot.argument_map(swapped), scalar_dtypes, FIXTURE_PARAMS)
+    # and through build_aot_kernel, which reads the order from the kernel's signature
+    spec = fixture_spec()
+    spec.flat_args = lambda: swapped
+    with pytest.raises(InternalError, match="'C' but the kernel's signature has 'B'"):
+        aot.build_aot_kernel(spec, fixture_cubin(), META["symbol"], gpu_code="sm_90")
 
 
 def test_tensor_map_parameters_are_refused():
@@ -170,7 +200,7 @@ def test_tensor_map_parameters_are_refused():
     tma = entry.params + (f".param .align 64 .b8 {entry.name}_param_{len(entry.params)}[128]",)
     fake = aot.PtxEntry(entry.name, tma, entry.span)
     with pytest.raises(InternalError, match="TMA tensor-map descriptors"):
-        aot.check_entry(fake, aot.argument_map(META["flat_args"]), {})
+        aot.check_entry(fake, aot.argument_map(META["flat_args"]), {}, FIXTURE_PARAMS)
 
 
 def test_reorder_rebinds_parameters_by_name():
@@ -221,12 +251,46 @@ def test_aot_launch_with_symbolic_shapes():
               "C": (b, L, *exprs(G, N)), "D": exprs(H), "dt_bias": exprs(H),
               "initial_state": (b, *exprs(H, P, N)), "y": (b, L, *exprs(H, P)), "final_state": (b, *exprs(H, P, N))}
     out = aot_launch(shapes, "DataType.BF16", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=compile_kernel)
-    assert calls == [(H, P, G, N, "bfloat16", SSMScanAttrs(), "sm_90", None)]
+    assert calls == [(H, P, G, N, "bfloat16", SSMScanAttrs(), "sm_90", None, False)]
     assert out["name"] == META["symbol"] and out["block"] == kernel.block and out["shared_mem"] == 0
     assert out["grid"] == (b * H, 1, P // META["block_p"])
     assert out["extra_names"] == kernel.amap.extra_args and len(out["extra_args"]) == len(kernel.amap.extra_args)
     named = dict(zip(out["extra_names"], out["extra_args"]))
     assert named["x.shape1"] is L and named["initial_state.shape0"] is b and named["dt_max"] == 0x7F800000
+
+
+def test_aot_decode_engine_picks_the_step_kernel():
+    """seqlen the constant 1 (a decode engine): the step kernel's spec, its extras from the plugin's 4-D shapes
+    with the seqlen dim dropped; a dynamic seqlen keeps the prefill kernel."""
+    from m2export.kernels.ssd_step.cutile import aot_spec as step_spec
+
+    H, P, G, N = 8, 64, 2, 128
+    spec = step_spec(SSMScanProblem(1, 1, H, P, G, N, "bfloat16"), SSMScanAttrs())
+    amap = aot.argument_map(spec.flat_args(), sources=spec.sources(), views=spec.views())
+    kernel = SimpleNamespace(amap=amap, scalars=spec.scalars(), grid=spec.grid, name="k", ptx="", block=(128, 1, 1))
+    calls = []
+
+    def compile_kernel(*key):
+        calls.append(key)
+        return kernel
+
+    b = Expr("batch")
+    for L, decode in ((Expr(1), True), (Expr("seqlen"), False)):
+        shapes = {"x": (b, L, *exprs(H, P)), "dt": (b, L, Expr(H)), "A": exprs(H), "B": (b, L, *exprs(G, N)),
+                  "C": (b, L, *exprs(G, N)), "D": exprs(H), "dt_bias": exprs(H),
+                  "initial_state": (b, *exprs(H, P, N)), "y": (b, L, *exprs(H, P)),
+                  "final_state": (b, *exprs(H, P, N))}
+        out = aot_launch(shapes, "DataType.BF16", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=compile_kernel)
+        assert calls[-1][-1] is decode
+    named = dict(zip(out["extra_names"], out["extra_args"]))
+    # pointers: TensorRT's 8 input slots then 2 outputs, bound to the step kernel's renamed state in/out
+    slots = amap.trt_slots
+    assert slots[:8] == ("x.ptr", "dt.ptr", "A.ptr", "B.ptr", "C.ptr", "D.ptr", "dt_bias.ptr", "ssm_state.ptr")
+    assert slots[-2:] == ("y.ptr", "state_out.ptr")
+    assert [named[f"x.shape{i}"] for i in range(3)] == [b, Expr(H), Expr(P)]
+    assert named["x.stride0"] == Expr(H * P) and named["dt.shape1"] == Expr(H) and named["B.shape1"] == Expr(G)
+    assert named["ssm_state.shape0"] is b and named["state_out.stride0"] == Expr(H * P * N)
+    assert out["grid"] == (b * H, P // spec.config, 1)
 
 
 def test_aot_needs_static_head_dims():
@@ -297,6 +361,48 @@ def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
     kern.unload()
     assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_aot_decode_kernel_launched_like_tensorrt(dtype):
+    """The decode engine's AOT kernel (seqlen the constant 1): the step kernel, its PTX in TensorRT's slot
+    order, launched with the plugin's 4-D tensors and the extras computed from their shapes; equal to
+    ssm_step (cuTile, JIT) and the float64 oracle."""
+    import torch
+
+    from m2export.kernels.ssd_step import ssm_step
+    from m2export.plugins import _cuda
+
+    p = SSMScanProblem(64, 1, 8, 64, 2, 128, dtype)
+    cc = _cuda.compute_capability(torch.cuda.current_device())
+    attrs = SSMScanAttrs(dt_min=1e-3, dt_max=0.5)
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc),
+                               None, True)
+    assert k.name.startswith("ssd_step_kernel")
+    ref, dev, y, fs = oracle_case(p, seed=9, dt_limit=attrs.dt_limit)
+    torch.cuda.synchronize()
+    image = k.ptx.encode()
+    if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        image = _assemble(k.ptx, aot.ptx_target(k.ptx))
+    kern = _cuda.load_kernel(image, k.name)
+    extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)
+    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block,
+                [("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
+                + [("u64", t.data_ptr()) for t in (y, fs)], stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    kern.unload()
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+    step = ssm_step(dev["x"][:, 0], dev["dt"][:, 0], dev["A"], dev["B"][:, 0], dev["C"][:, 0], dev["D"], dev["dt_bias"],
+                    dev["initial_state"], dt_limit=attrs.dt_limit)
+    torch.cuda.synchronize()
+    # another headdim tile than the JIT launch picks (batch is a runtime extent here): same math, y may differ
+    # by its final rounding
+    assert_close("y vs ssm_step", step.y.double().cpu(), y[:, 0].cpu(),
+                 rel={"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}[dtype])
+    assert_close("state vs ssm_step", step.final_state.double().cpu(), fs.cpu(), rel=1e-5)
 
 
 def _assemble(ptx: str, target: str) -> bytes:

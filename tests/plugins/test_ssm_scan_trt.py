@@ -169,7 +169,7 @@ def test_register_with_tensorrt_stand_ins(fresh_registry, monkeypatch):
     ins, dts = _descs(trtp, q)
     outs = (trtp.TensorDesc(_sym(q, "y"), dts["y"]), trtp.TensorDesc(_sym(q, "final_state"), dts["final_state"]))
     name, ptx, params, extra = d["aot_impl"](*ins, **attrs, outputs=outs, tactic=0)
-    assert keys == [(q.nheads, q.headdim, q.ngroups, q.d_state, "bfloat16", SSMScanAttrs(), "sm_90", None)]
+    assert keys == [(q.nheads, q.headdim, q.ngroups, q.d_state, "bfloat16", SSMScanAttrs(), "sm_90", None, False)]
     assert name == kernel.name and ptx == kernel.ptx
     assert (params.grid_x, params.grid_y, params.grid_z) == (Expr("batch") * q.nheads, 1, q.headdim // META["block_p"])
     assert (params.block_x, params.block_y, params.block_z) == kernel.block and params.shared_mem == 0
@@ -181,7 +181,7 @@ def test_register_with_tensorrt_stand_ins(fresh_registry, monkeypatch):
     plug.configure_aot(ptx_isa=(9, 0))
     try:
         d["aot_impl"](*ins, **attrs, outputs=outs, tactic=0)
-        assert keys[-1][-1] == (9, 0)
+        assert keys[-1][-2:] == ((9, 0), False)
     finally:
         plug.configure_aot(ptx_isa=None)
 
@@ -219,6 +219,31 @@ def test_jit_impl_body_vs_reference(p, side_stream):
     stream.synchronize()
     assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", contract.FLOAT_DTYPES)
+def test_jit_impl_decode_runs_the_step_kernel(dtype, monkeypatch):
+    """A decode engine's enqueue (seqlen 1) goes through the decode-step kernel, equal to ssm_step and the oracle."""
+    from m2export.kernels.ssd_step import cutile as step_mod
+    from m2export.kernels.ssd_step import ssm_step
+
+    calls = []
+    real = step_mod.ssm_step_cutile
+    monkeypatch.setattr(step_mod, "ssm_step_cutile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = SSMScanProblem(16, 1, 8, 64, 2, 128, dtype)
+    attrs = SSMScanAttrs(chunk_size=128, dt_min=1e-3, dt_max=0.5)
+    ref, dev, y, fs = oracle_case(p, seed=12, dt_limit=attrs.dt_limit)
+    plug.run_jit([FakeTensor(dev[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], attrs, 0)
+    torch.cuda.default_stream().synchronize()
+    assert calls == [1]
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+    step = ssm_step(dev["x"][:, 0], dev["dt"][:, 0], dev["A"], dev["B"][:, 0], dev["C"][:, 0], dev["D"], dev["dt_bias"],
+                    dev["initial_state"], dt_limit=attrs.dt_limit)
+    torch.cuda.synchronize()
+    assert torch.equal(step.y, y[:, 0]) and torch.equal(step.final_state, fs)
 
 
 @pytest.mark.gpu

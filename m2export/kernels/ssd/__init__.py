@@ -11,87 +11,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from m2export.contract import SSMScanAttrs, validate
-from m2export.errors import BackendUnavailable, ContractError
+from m2export.contract import SSMScanAttrs
+from m2export.kernels._host import BACKENDS, SUPPORTED_DIMS, into_buffers, out_buffers, require_cutile, validated
 from m2export.kernels.ssd.naive import SSMScanOutput, ssm_scan_chunked, ssm_scan_recurrent
 
-__all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent", "BACKENDS"]
-
-BACKENDS = ("cutile", "torch")
-INSTALL_HINT = 'install the GPU extra (pip install m2export[gpu]) on a CUDA machine, or pass backend="torch"'
-SUPPORTED_DIMS = (32, 64, 128, 256)
-
-
-def check_out(name: str, t, shape, dtype, device):
-    """Raise ContractError unless ``t`` is a contiguous tensor of exactly ``shape``/``dtype`` on ``device``."""
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ContractError(
-            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
-    return t
-
-
-def out_buffers(x, problem, out=None, state_out=None, *, state_name: str = "final_state_out",
-                allocate: bool = False):
-    """Check the caller's ``out`` (shaped and typed like ``x``) and ``state_out`` ((batch, nheads, headdim,
-    d_state) fp32) with :func:`check_out`; with ``allocate``, make empty ones for those not given.
-
-    Returns (y buffer or None, state buffer or None).
-    """
-    if out is not None:
-        check_out("out", out, x.shape, x.dtype, x.device)
-    elif allocate:
-        out = torch.empty_like(x)
-    shape = problem.shape_of("final_state")
-    if state_out is not None:
-        check_out(state_name, state_out, shape, torch.float32, x.device)
-    elif allocate:
-        state_out = torch.empty(shape, dtype=torch.float32, device=x.device)
-    return out, state_out
-
-
-def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
-    """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here.
-
-    Raises:
-        ContractError: unknown backend, or headdim/d_state outside :data:`SUPPORTED_DIMS`.
-        BackendUnavailable: no CUDA device, no cuda.tile, or a tensor not on CUDA.
-    """
-    if backend != "cutile":
-        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    for name in ("headdim", "d_state"):
-        v = getattr(problem, name)
-        if v not in SUPPORTED_DIMS:
-            raise ContractError(f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
-                                hint='use backend="torch" for other sizes')
-    _require_cutile(tensors)
-
-
-def into_buffers(res: SSMScanOutput, out=None, final_state_out=None) -> SSMScanOutput:
-    """Copy ``res`` into the caller's preallocated buffers (each optional) and return them."""
-    if out is not None:
-        out.copy_(res.y)
-    if final_state_out is not None:
-        final_state_out.copy_(res.final_state)
-    return SSMScanOutput(res.y if out is None else out, res.final_state if final_state_out is None else final_state_out)
-
-
-def _require_cutile(tensors) -> None:
-    """Raise BackendUnavailable unless cuda.tile imports and every tensor is on a CUDA device."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
-    try:
-        import cuda.tile  # noqa: F401  (availability check)
-    except ImportError as e:
-        raise BackendUnavailable(f'backend="cutile": cuda.tile cannot be imported ({e})', hint=INSTALL_HINT) from e
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cuda":
-            raise BackendUnavailable(f'backend="cutile": {name} is on {t.device}, expected a CUDA tensor',
-                                     hint='move the inputs to the GPU or pass backend="torch"')
+__all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent", "BACKENDS", "SUPPORTED_DIMS"]
 
 
 def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int = 256,
@@ -133,20 +57,32 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
             hint says how to install it (pip install m2export[gpu]) or to pass backend="torch".
 
     Non-contiguous inputs are accepted; the cuTile backend makes a contiguous copy of them first.
+    With backend="cutile", seqlen == 1 (decode) runs the decode-step kernel
+    (:mod:`m2export.kernels.ssd_step`), every other length the chunked prefill kernels.
 
     Source:
         Dao & Gu, "Transformers are SSMs" (arXiv:2405.21060), Sec. 6 and Listing 1; argument order of
         mamba_ssm/ops/triton/ssd_combined.py::mamba_chunk_scan_combined.
     """
     attrs = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    problem = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    problem = validated(x, dt, A, B, C, D, dt_bias, initial_state)
     if backend == "torch":
-        out_buffers(x, problem, out, final_state_out)
+        out_buffers(x, problem.shape_of("final_state"), out, final_state_out)
         res = ssm_scan_chunked(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size,
                                dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, final_state_out)
     require_cutile(backend, problem, "SSD", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
                                                  initial_state=initial_state))
+    if problem.seqlen == 1:
+        # decode: the memory-bound step kernel (one pass over the state), not the chunked pipeline
+        from m2export.kernels.ssd_step.cutile import ssm_step_cutile
+
+        if out is not None:
+            out_buffers(x, problem.shape_of("final_state"), out)  # checked as a 4-D buffer, written through a view
+        res = ssm_step_cutile(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, dt_bias, initial_state, problem=problem,
+                              dt_softplus=dt_softplus, dt_limit=attrs.dt_limit,
+                              out=None if out is None else out[:, 0], state_out=final_state_out, stream=stream)
+        return SSMScanOutput(res.y[:, None] if out is None else out, res.final_state)
     from m2export.kernels.ssd.cutile import ssm_scan_cutile
 
     return ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, problem=problem, dt_softplus=dt_softplus,

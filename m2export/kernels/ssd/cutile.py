@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
@@ -59,19 +58,17 @@ import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
-from m2export.kernels.ssd import out_buffers
+from m2export.kernels import launch as L
+from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
+from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd.plan import ScanConfig, aot_config, choose_config
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
-SUPPORTED_DIMS = (32, 64, 128, 256)
-"""headdim and d_state the kernels compile for (powers of two; tiles must be)."""
-
 _ZERO = ct.PaddingMode.ZERO
 _LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # ----------------------------------------------------------------------------- tile helpers
@@ -371,108 +368,139 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
         _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
-# ----------------------------------------------------------------------------- launch configuration
-_HINTED: dict[tuple[Any, int | None, int | None], Any] = {}
+# ----------------------------------------------------------------------------- launch descriptions
+def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                 has_D: bool = True, has_dt_bias: bool = True, has_init: bool = True, grid=None) -> Launch:
+    """:func:`ssd_fused_kernel` for ``p`` (grid ``(batch*nheads, 1, headdim // block_p)``; ``grid`` overrides it,
+    e.g. a function of (batch, nheads, headdim) for the AOT plugin). Absent inputs read a stand-in array."""
+    dtn = p.dtype
+    bp = cfg.block_p
+    args = (
+        L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("A", "float32", 1), L.array("B", dtn, 4),
+        L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
+        L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+        L.array("initial_state", "float32", 4, source=None if has_init else "final_state"),
+        L.array("y", dtn, 4), L.array("final_state", "float32", 4),
+        L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+        L.scalar("heads_per_group", "int32", p.heads_per_group),
+        L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", bp), L.constant("D_STATE", p.d_state),
+        L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
+        L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
+        L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
+    )
+    if grid is None:
+        grid = (p.batch * p.nheads, 1, p.headdim // bp)
+    return Launch(hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps), args, grid, cfg)
 
 
-def _hinted(kernel, occupancy: int | None, worker_warps: int | None = None):
-    """``kernel`` re-hinted for ``occupancy``/``worker_warps`` (one kernel object, hence one JIT cache, per hint)."""
-    if occupancy is None and worker_warps is None:
-        return kernel
-    key = (kernel, occupancy, worker_warps)
-    if key not in _HINTED:
-        hints = {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", worker_warps)) if v is not None}
-        _HINTED[key] = kernel.replace_hints(**hints)
-    return _HINTED[key]
+def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus, dt_limit, has_dt_bias) -> Launch:
+    block_h = min(32, 1 << (p.nheads - 1).bit_length())
+    args = (L.array("dt", p.dtype, 3), L.array("A", "float32", 1),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"), L.array("coef", "float32", 4),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_H", block_h),
+            L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+    return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
-def _torch_stream(stream, device: torch.device) -> torch.cuda.Stream:
-    """The launch stream as a torch stream.
+def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus, dt_limit, has_dt_bias) -> Launch:
+    dtn = p.dtype
+    args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
+            L.array("B", dtn, 4), L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("seg_state", "float32", 5), L.array("seg_logdecay", "float32", 3),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.scalar("heads_per_group", "int32", p.heads_per_group),
+            L.scalar("chunks_per_seg", "int32", cfg.chunks_per_seg),
+            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", cfg.block_p), L.constant("D_STATE", p.d_state),
+            L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
+            L.constant("DT_PRE", bool(cfg.dt_pre)))
+    kernel = hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, p.headdim // cfg.block_p), cfg)
 
-    None -> the current stream of ``device``; a torch stream -> itself; a raw ``cudaStream_t``
-    int -> ``torch.cuda.ExternalStream``, except 0 and 1 (``cudaStreamLegacy``), which are the
-    legacy default stream: ``torch.cuda.ExternalStream(0)`` is NOT that stream -- torch treats a
-    null ``stream_ptr`` as "no pointer given" and hands out a fresh non-blocking pool stream, which
-    is ordered neither after the caller's earlier work nor before its later work (that race left
-    y unwritten on the JIT plugin's default-stream path, issue 14). 2 (``cudaStreamPerThread``)
-    is refused: torch has no stream object for it.
+
+def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, *, dt_softplus, dt_limit, has_D, has_dt_bias,
+                 has_init) -> Launch:
+    dtn = p.dtype
+    args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
+            L.array("B", dtn, 4), L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("initial_state", "float32", 4, source=None if has_init else "final_state"),
+            L.array("seg_state", "float32", 5), L.array("seg_logdecay", "float32", 3),
+            L.array("y", dtn, 4), L.array("final_state", "float32", 4),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.scalar("heads_per_group", "int32", p.heads_per_group), L.scalar("chunks_per_seg", "int32", cps),
+            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", cfg.block_p), L.constant("D_STATE", p.d_state),
+            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
+            L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
+            L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
+            L.constant("DT_PRE", bool(cfg.dt_pre)))
+    kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, p.headdim // cfg.block_p), cfg)
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """The launches of one SSMScan call and the fp32 scratch they share (shapes; allocated per call).
+
+    Made once per problem signature (:func:`scan_plan`, cached): the per-call work is allocating
+    the scratch and binding tensors.
     """
-    if stream is None:
-        return torch.cuda.current_stream(device)
-    if isinstance(stream, int):
-        if stream in (0, 1):
-            return torch.cuda.default_stream(device)
-        if stream == 2:
-            raise ContractError("stream: cudaStreamPerThread (2) is not supported; pass the stream's own handle")
-        return torch.cuda.ExternalStream(stream, device=device)
-    if getattr(stream, "cuda_stream", None) is None:
-        raise TypeError(f"stream: expected None, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream)}")
-    return stream
+
+    launches: tuple[Launch, ...]
+    scratch: tuple[tuple[str, tuple[int, ...]], ...]
+    config: ScanConfig
 
 
-def _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max, *,
-                cfg: ScanConfig, heads_per_group: int, dt_softplus: bool):
-    d_state = B.shape[3]
-    return (x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
-            initial_state if initial_state is not None else final_state, y, final_state,
-            float(dt_min), float(dt_max), int(heads_per_group),
-            cfg.chunk, cfg.block_p, d_state,
-            D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
-            bool(cfg.state_t), bool(cfg.split_upd))
-
-
-def _fused_grid(batch: int, nheads: int, headdim: int, block_p: int) -> tuple[int, int, int]:
-    return (batch * nheads, 1, headdim // block_p)
-
-
-def _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, *, cfg: ScanConfig,
-            heads_per_group: int, dt_softplus: bool, dt_min: float, dt_max: float, stream: int) -> None:
-    batch, seqlen, nheads, headdim = x.shape
-    d_state = B.shape[3]
-    npt = headdim // cfg.block_p
-    nchunks = -(-seqlen // cfg.chunk)
+def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_limit: tuple[float, float],
+                   has_D: bool, has_dt_bias: bool, has_init: bool) -> ScanPlan:
+    """The launches of ``cfg`` for ``p``. Raises ContractError if ``cfg`` does not cover ``p`` (a plan made
+    for another seqlen would leave chunks unscanned: refuse, never truncate)."""
+    nchunks = -(-p.seqlen // cfg.chunk)
     cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
-    if cfg.nseg < 1 or headdim % cfg.block_p or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
-        # a plan made for another seqlen would leave chunks unscanned: refuse, never truncate
-        raise ContractError(f"config: {cfg} does not cover seqlen {seqlen} ({nchunks} chunks of {cfg.chunk}) "
-                            f"and headdim {headdim}; make it with choose_config for this problem")
+    if cfg.nseg < 1 or p.headdim % cfg.block_p or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
+        raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}) "
+                            f"and headdim {p.headdim}; make it with choose_config for this problem")
+    kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias)
     if cfg.nseg == 1 and not cfg.dt_pre:
-        ct.launch(stream, _fused_grid(batch, nheads, headdim, cfg.block_p),
-                  _hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps),
-                  _fused_args(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, dt_min, dt_max,
-                              cfg=cfg, heads_per_group=heads_per_group, dt_softplus=dt_softplus))
-        return
-    bias = dt_bias if dt_bias is not None else A
-    if cfg.dt_pre:
-        # fp32 per-token coefficients (4 x the size of dt in fp32)
-        coef = torch.empty(4, batch, nheads, nchunks * cfg.chunk, dtype=torch.float32, device=x.device)
-        block_h = min(32, 1 << (nheads - 1).bit_length())
-        ct.launch(stream, (batch, nchunks, -(-nheads // block_h)), ssd_dt_kernel,
-                  (dt, A, bias, coef, float(dt_min), float(dt_max), cfg.chunk, block_h, dt_bias is not None,
-                   bool(dt_softplus)))
-    else:
-        coef = A  # never read
-    # fp32 scratch: the state each segment alone leaves, and its total log-decay (tiny next to x);
-    # a single pass never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
-    if cfg.nseg > 1:
-        seg_state = torch.empty(batch, nheads, cfg.nseg - 1, headdim, d_state, dtype=torch.float32, device=x.device)
-        seg_logdecay = torch.empty(batch, nheads, cfg.nseg - 1, dtype=torch.float32, device=x.device)
-    else:
-        seg_state = torch.empty(1, 1, 1, headdim, d_state, dtype=torch.float32, device=x.device)
-        seg_logdecay = torch.empty(1, 1, 1, dtype=torch.float32, device=x.device)
-    if cfg.nseg > 1:
-        ct.launch(stream, (batch * nheads, cfg.nseg - 1, npt),
-                  _hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps),
-                  (x, dt, coef, A, B, bias, seg_state, seg_logdecay, float(dt_min), float(dt_max),
-                   int(heads_per_group), cps, cfg.chunk, cfg.block_p, d_state, dt_bias is not None,
-                   bool(dt_softplus), bool(cfg.dt_pre)))
-    ct.launch(stream, (batch * nheads, cfg.nseg, npt), _hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps),
-              (x, dt, coef, A, B, C, D if D is not None else A, bias,
-               initial_state if initial_state is not None else final_state, seg_state, seg_logdecay, y, final_state,
-               float(dt_min), float(dt_max), int(heads_per_group), cps,
-               cfg.chunk, cfg.block_p, d_state,
-               D is not None, dt_bias is not None, initial_state is not None, bool(dt_softplus),
-               bool(cfg.state_t), bool(cfg.split_upd), bool(cfg.dt_pre)))
+        return ScanPlan((fused_launch(p, cfg, has_D=has_D, has_init=has_init, **kw),), (), cfg)
+    launches, scratch = [], []
+    if cfg.dt_pre:  # fp32 per-token coefficients (4 x the size of dt in fp32)
+        scratch.append(("coef", (4, p.batch, p.nheads, nchunks * cfg.chunk)))
+        launches.append(_dt_launch(p, cfg, nchunks, **kw))
+    # the state each segment alone leaves, and its total log-decay (tiny next to x); a single pass
+    # never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
+    nsp = cfg.nseg - 1
+    scratch.append(("seg_state", (p.batch, p.nheads, nsp, p.headdim, p.d_state) if nsp else
+                    (1, 1, 1, p.headdim, p.d_state)))
+    scratch.append(("seg_logdecay", (p.batch, p.nheads, nsp) if nsp else (1, 1, 1)))
+    if nsp:
+        launches.append(_segment_launch(p, cfg, **kw))
+    launches.append(_scan_launch(p, cfg, cps, has_D=has_D, has_init=has_init, **kw))
+    # without the pre-pass, coef is never read (DT_PRE False): any array stands in
+    return ScanPlan(tuple(launches if cfg.dt_pre else [l.with_args(coef=dict(source="A")) for l in launches]),
+                    tuple(scratch), cfg)
+
+
+def scan_plan(p: SSMScanProblem, *, device: torch.device, dt_softplus: bool, dt_limit: tuple[float, float],
+              has_D: bool, has_dt_bias: bool, has_init: bool, config: ScanConfig | None = None) -> ScanPlan:
+    """:func:`make_scan_plan` with :func:`choose_config` (or ``config``), cached per problem signature and device."""
+    key = ("ssd", p, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus), has_D, has_dt_bias, has_init,
+           device.index, config)
+
+    def make():
+        cfg = config or choose_config(p, sm_count=sm_count(device))
+        return make_scan_plan(p, cfg, dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=has_D,
+                              has_dt_bias=has_dt_bias, has_init=has_init)
+
+    return cached_plan(key, make)
+
+
+def run_scan_plan(plan: ScanPlan, tensors: dict, stream: int, device: torch.device) -> None:
+    """Allocate the plan's scratch (on the current torch stream, which must be ``stream``) and launch."""
+    for name, shape in plan.scratch:
+        tensors[name] = torch.empty(shape, dtype=torch.float32, device=device)
+    for launch in plan.launches:
+        ct.launch(stream, launch.grid, launch.kernel, launch.bind(tensors))
 
 
 def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMScanProblem, dt_softplus: bool,
@@ -485,249 +513,41 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
     queued on ``stream``; inputs produced on another stream must be ordered by the caller.
     """
     dev = x.device
-    launch_stream = _torch_stream(stream, dev)
+    ls = launch_stream(stream, dev)
     # everything below (contiguous copies, output and scratch allocation, the launches) is ordered
     # on the launch stream, so the caching allocator ties scratch memory to it
-    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+    with torch.cuda.device(dev), torch.cuda.stream(ls):
         x, dt, A, B, C, D, dt_bias, initial_state = (
             None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias, initial_state))
         p = problem
-        y, final_state = out_buffers(x, p, out, final_state_out, allocate=True)
+        y, final_state = out_buffers(x, p.shape_of("final_state"), out, final_state_out, allocate=True)
         if p.batch == 0:
             return SSMScanOutput(y, final_state)
         if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)
             final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
             return SSMScanOutput(y, final_state)
-        if config is None:
-            config = choose_config(p, sm_count=_sm_count(dev))
-        _launch(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state, cfg=config,
-                heads_per_group=p.heads_per_group, dt_softplus=dt_softplus,
-                dt_min=dt_limit[0], dt_max=dt_limit[1], stream=int(launch_stream.cuda_stream))
+        plan = scan_plan(p, device=dev, dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=D is not None,
+                         has_dt_bias=dt_bias is not None, has_init=initial_state is not None, config=config)
+        run_scan_plan(plan, dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state,
+                                 y=y, final_state=final_state), int(ls.cuda_stream), dev)
     return SSMScanOutput(y, final_state)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
-
-
 # ----------------------------------------------------------------------------- AOT (TensorRT plugin)
-@dataclass(frozen=True)
-class AotParam:
-    """One parameter of the exported kernel, in order.
-
-    kind: "array" (name of an SSMScan input/output tensor, ``ndim`` dims, ``dtype``), "scalar"
-    (a runtime fp32 value, ``value`` taken from the attributes) or "constant" (compiled in,
-    ``value``; not a kernel parameter at run time).
-    """
-
-    name: str
-    kind: str
-    dtype: str | None = None
-    ndim: int | None = None
-    value: Any = None
-    alias: tuple[str, ...] = ()  # alias groups: arrays sharing a group may be the same buffer
-
-
-@dataclass(frozen=True)
-class AotSpec:
-    """Everything the TensorRT AOT plugin needs to export and launch the single-launch SSD kernel.
-
-    Attributes:
-        kernel: the ``@ct.kernel`` object (:func:`ssd_fused_kernel`, re-hinted for ``config.occupancy``).
-        params: the kernel's Python parameters in order (see :class:`AotParam`).
-        grid: ``grid(batch, nheads, headdim) -> (gx, gy, gz)``.
-        block: None here; cuTile picks the block size at compile time: :meth:`compile` returns it
-            (``AotKernel.threads``, the entry's ``.reqntid``; 256 for bf16 headdim 64 d_state 128).
-        config: the :class:`ScanConfig` compiled in (nseg is always 1 here).
-
-    Use: ``spec.compile(gpu_code="sm_90")`` (or ``export_kernel(spec.kernel, [spec.signature()], f,
-    gpu_code=..., output_format="cubin")``) -> cubin, symbol, threads; launch it on grid
-    ``spec.grid(batch, nheads, headdim)`` with the parameters of :meth:`flat_args`. Only headdim,
-    d_state, the dtype, the presence flags and dt_softplus are compiled in: batch, seqlen, ngroups
-    and dt_limit are runtime values, so one export serves every batch and sequence length.
-
-    Flattening (calling convention ``cutile_python_v1``; verified on CPU-exported sm_90 cubins:
-    cuobjdump's EIATTR_KPARAM_INFO and the ``.entry`` of the PTX embedded in the cubin, see
-    tests/kernels/test_ssd_aot.py): every array parameter becomes ``1 + 2*ndim`` consecutive entry
-    parameters -- base pointer (u64), extents shape[0..ndim) (u32), strides stride[0..ndim) (u32,
-    in elements, not bytes; all are passed even where the signature fixes them); a runtime
-    scalar is one 4-byte parameter (``dt_min``, ``dt_max``: f32; ``heads_per_group``: u32);
-    ``ct.Constant`` parameters are compiled in and take no slot. So the entry takes, in order:
-    x (9), dt (7), A (3), B (9), C (9), D (3), dt_bias (3), initial_state (9), y (9),
-    final_state (9), dt_min, dt_max, heads_per_group: 73 parameters, 0x14c bytes of parameter
-    space. The plugin passes the 10 device pointers (inputs then outputs) and, as extra SymInt32
-    arguments, the extents and strides of each tensor (contiguous, row-major) plus the two
-    floats' bit patterns and heads_per_group -- :meth:`flat_args` lists them symbolically. The
-    signature promises: arrays 16-byte aligned, last stride 1, no aliasing (see :meth:`signature`
-    for ``tma``: its default False keeps the entry free of hidden tensor-map parameters). The
-    JIT path (ct.launch) derives stride divisibility from the actual tensors and may use TMA.
-    """
-
-    kernel: Any
-    params: tuple[AotParam, ...]
-    grid: Callable[[int, int, int], tuple[int, int, int]]
-    block: int | None
-    config: ScanConfig
-    problem: SSMScanProblem
-    attrs: SSMScanAttrs
-
-    def signature(self, *, index_dtype=None, tma: bool = False):
-        """:class:`cuda.tile.compilation.KernelSignature` for ``export_kernel`` (contiguous arrays).
-
-        ``tma=False`` (default) promises nothing about strides beyond the last one being 1. With
-        ``tma=True`` the strides of x/B/C/y/states are declared multiples of 16 bytes, which lets
-        tileiras use the Hopper bulk tensor copy (TMA) -- and then the entry gains one hidden
-        128-byte ``.param`` per TMA-loaded array (a CUtensorMap the cuTile launcher encodes on the
-        host), which a plain cuLaunchKernel with :meth:`flat_args` does not fill. Keep False for
-        the TensorRT plugin unless it encodes those tensor maps itself.
-        """
-        from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
-
-        dts = {"float32": ct.float32, "float16": ct.float16, "bfloat16": ct.bfloat16}
-        cons = []
-        for prm in self.params:
-            if prm.kind == "array":
-                # strides in elements: the last is 1 (contiguous); the others are multiples of
-                # 16 bytes for every tensor whose inner extent is headdim or d_state (>= 32)
-                inner16 = tma and prm.name not in ("dt", "A", "D", "dt_bias")
-                cons.append(ArrayConstraint(dts[prm.dtype], prm.ndim, index_dtype=index_dtype or ct.int32,
-                                            stride_lower_bound_incl=0, alias_groups=prm.alias, may_alias_internally=False,
-                                            stride_constant=(None,) * (prm.ndim - 1) + (1,),
-                                            stride_divisible_by=(16 // _ITEMSIZE[prm.dtype] if inner16 else 1,) * (prm.ndim - 1) + (1,),
-                                            base_addr_divisible_by=16))
-            elif prm.kind == "scalar":
-                cons.append(ScalarConstraint(ct.int32 if prm.dtype == "int32" else ct.float32))
-            else:
-                cons.append(prm.value)
-        return KernelSignature(cons, CallingConvention.cutile_python_v1()).with_mangled_symbol(
-            self.kernel._pyfunc.__name__)
-
-    def export(self, output_file, *, gpu_code: str = "sm_90") -> str:
-        """Compile to a cubin (``output_file``: path or binary file object); returns the entry symbol."""
-        from cuda.tile.compilation import export_kernel
-
-        sig = self.signature()
-        export_kernel(self.kernel, [sig], output_file, gpu_code=gpu_code, output_format="cubin")
-        return sig.symbol
-
-    def compile(self, *, gpu_code: str = "sm_90") -> "AotKernel":
-        """Export and read back what the plugin needs: cubin, its embedded PTX, entry symbol, block size."""
-        import io
-
-        buf = io.BytesIO()
-        symbol = self.export(buf, gpu_code=gpu_code)
-        return AotKernel.from_cubin(buf.getvalue(), symbol)
-
-    def flat_args(self) -> list[str]:
-        """Symbolic entry parameters in order, e.g. ``['x.ptr', 'x.shape0', ..., 'x.stride3', ...]``."""
-        out = []
-        for prm in self.params:
-            if prm.kind == "array":
-                out.append(f"{prm.name}.ptr")
-                out += [f"{prm.name}.shape{i}" for i in range(prm.ndim)]
-                out += [f"{prm.name}.stride{i}" for i in range(prm.ndim)]
-            elif prm.kind == "scalar":
-                out.append(prm.name)
-        return out
-
-
-@dataclass(frozen=True)
-class AotKernel:
-    """A compiled kernel as the TensorRT plugin consumes it.
-
-    cubin: the sm_XX binary from ``export_kernel``. ptx: the PTX tileiras generated, which the
-    cubin carries in its ``.nv_debug_ptx_txt`` section (ISA 9.4, ``.target sm_90a`` with CUDA
-    13.4: a driver or ptxas older than CUDA 13.4 cannot compile it, so prefer the cubin).
-    symbol: the ``.entry`` name. threads: the entry's ``.reqntid`` (block size, x only; y = z = 1).
-    param_types: PTX types of the entry parameters in order (``u64`` pointers, ``u32`` extents
-    and strides, ``f32``/``u32`` scalars).
-    """
-
-    cubin: bytes
-    ptx: str | None
-    symbol: str
-    threads: int | None
-    param_types: tuple[str, ...]
-    hidden_params: int = 0  # ".hidden .param .b8 [128]" tensor-map slots (0 unless exported with tma=True)
-
-    @classmethod
-    def from_cubin(cls, cubin: bytes, symbol: str) -> "AotKernel":
-        import re
-        import struct
-
-        ptx = None
-        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-
-        def header(i):  # (name, type, flags, addr, offset, size, ...)
-            return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
-
-        names_off = header(shstrndx)[4]
-        for i in range(shnum):
-            h = header(i)
-            start = names_off + h[0]
-            if cubin[start:cubin.index(b"\0", start)] == b".nv_debug_ptx_txt":
-                ptx = cubin[h[4]:h[4] + h[5]].replace(b"\0", b"\n").decode()
-        threads, types = None, ()
-        if ptx is not None:
-            entry = ptx[ptx.find(".entry"):]
-            plist = entry[:entry.find(")")]
-            types = tuple(re.findall(r"\.param\s+\.(u64|u32|s32|b32|f32|b64)\s", plist))
-            hidden = len(re.findall(r"\.hidden\s+\.param", plist))
-            m = re.search(r"\.reqntid\s+(\d+)", ptx)
-            threads = int(m.group(1)) if m else None
-        else:
-            hidden = 0
-        return cls(cubin=cubin, ptx=ptx, symbol=symbol, threads=threads, param_types=types, hidden_params=hidden)
-
-
 def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True, has_dt_bias: bool = True,
-             has_initial_state: bool = True, config: ScanConfig | None = None) -> AotSpec:
-    """Describe the single-launch kernel for ``problem``'s headdim/d_state/ngroups/dtype.
+             has_initial_state: bool = True, config: ScanConfig | None = None) -> Launch:
+    """The single-launch kernel for ``problem``'s headdim/d_state/ngroups/dtype, for the TensorRT AOT plugin.
 
     Only headdim, d_state, nheads // ngroups and the dtype are compiled in; batch and seqlen are
-    runtime extents, so one export serves every batch and seqlen. In an ONNX graph D, dt_bias
-    and initial_state are always present (``has_*`` default True).
+    runtime extents, so one export serves every batch and seqlen. ``grid(batch, nheads, headdim)``
+    is symbolic. In an ONNX graph D, dt_bias and initial_state are always present (``has_*`` default
+    True). Exported by :mod:`m2export.plugins.aot` (the one AOT export path); the entry takes 73
+    parameters (x 9, dt 7, A 3, B 9, C 9, D 3, dt_bias 3, initial_state 9, y 9, final_state 9,
+    dt_min, dt_max, heads_per_group).
     """
-    check_supported(problem)
+    check_supported(problem, hint='pad the model or use backend="torch"')
     cfg = config or aot_config(problem)
-    dt_name = problem.dtype
-    arr = lambda name, nd, dt=dt_name: AotParam(name, "array", dt, nd)  # noqa: E731
-    params = (
-        arr("x", 4), arr("dt", 3), arr("A", 1, "float32"), arr("B", 4), arr("C", 4),
-        arr("D", 1, "float32"), arr("dt_bias", 1, "float32"), arr("initial_state", 4, "float32"),
-        arr("y", 4), arr("final_state", 4, "float32"),
-        AotParam("dt_min", "scalar", "float32", value=float(attrs.dt_min)),
-        AotParam("dt_max", "scalar", "float32", value=float(attrs.dt_max)),
-        AotParam("heads_per_group", "scalar", "int32", value=problem.heads_per_group),
-        AotParam("CHUNK", "constant", value=cfg.chunk),
-        AotParam("BLOCK_P", "constant", value=cfg.block_p),
-        AotParam("D_STATE", "constant", value=problem.d_state),
-        AotParam("HAS_D", "constant", value=bool(has_D)),
-        AotParam("HAS_DT_BIAS", "constant", value=bool(has_dt_bias)),
-        AotParam("HAS_INIT", "constant", value=bool(has_initial_state)),
-        AotParam("DT_SOFTPLUS", "constant", value=bool(attrs.dt_softplus)),
-        AotParam("STATE_T", "constant", value=bool(cfg.state_t)),
-        AotParam("SPLIT_UPD", "constant", value=bool(cfg.split_upd)),
-    )
     bp = cfg.block_p
-    return AotSpec(kernel=_hinted(ssd_fused_kernel, cfg.occupancy), params=params,
-                   grid=lambda batch, nheads, headdim: _fused_grid(batch, nheads, headdim, bp),
-                   block=None, config=cfg, problem=problem, attrs=attrs)
-
-
-def check_supported(problem: SSMScanProblem) -> None:
-    """Raise ContractError for sizes the kernels cannot do (headdim/d_state outside SUPPORTED_DIMS)."""
-    from m2export.errors import ContractError
-
-    for name in ("headdim", "d_state"):
-        v = getattr(problem, name)
-        if v not in SUPPORTED_DIMS:
-            raise ContractError(f"{name}: the cuTile SSD kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
-                                hint='pad the model or use backend="torch"')
+    return fused_launch(problem, cfg, dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, has_D=has_D,
+                        has_dt_bias=has_dt_bias, has_init=has_initial_state,
+                        grid=lambda batch, nheads, headdim: (batch * nheads, 1, headdim // bp))

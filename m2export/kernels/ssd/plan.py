@@ -51,10 +51,9 @@ def _default_block_p(headdim: int, d_state: int) -> int:
     return max(16, min(headdim, 8192 // d_state))
 
 
-# Defaults measured on the H200 (benchmarks/NOTES_ssd.md, runs of 2026-11-30): chunk 64 (32 for
-# fp32), step sizes by the pre-pass kernel, the state kept as (d_state, headdim) with each chunk's
-# contribution accumulated onto the decayed state, occupancy hint 2; the segment count from
-# _plan_cost below.
+# Defaults (measured on the H200: benchmarks/NOTES_ssd.md): chunk 64 (32 for fp32), step sizes by the
+# pre-pass kernel, the state kept as (d_state, headdim) with each chunk's contribution accumulated onto
+# the decayed state, occupancy hint 2; the segment count from _plan_cost below.
 DEFAULT_CHUNK = 64
 DEFAULT_OCCUPANCY = 2
 DEFAULT_STATE_T = True
@@ -62,21 +61,16 @@ DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
 MAX_NSEG = 64
 
-# Relative costs in the plan model, in units of one chunk iteration of the scan kernel, fitted to
-# the H200 runs of 2026-11-30 (benchmarks/RESULTS.md, run 4 and session 3's run 1): a chunk of
-# pass 1 (state contribution only, accumulated last chunk first: 289 vs 986 SASS instructions per
-# iteration in the sm_90 build; fitted to the chosen plans of b and d, 0.19 and 0.25, while b's
-# other measured plans imply 0.06-0.15: a rough number); the fixed cost of
-# a block (entry/exit, state load/store, pipeline fill), paid once per wave; folding one earlier
-# segment's state into a pass-2 block's entry state; one extra launch.
+# Relative costs in the plan model, in units of one chunk iteration of the scan kernel (fitted on
+# the H200; the fits, their spread and the measured-vs-modelled plans: benchmarks/NOTES_ssd.md):
+# a pass-1 chunk, a block's fixed cost (paid once per wave), folding one earlier segment, a launch.
 _PASS1_CHUNK_COST = 0.22
 _BLOCK_COST = 2.4
 _FOLD_COST = 0.4
 _LAUNCH_COST = 1.0
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: ssd_dt_kernel puts chunks there
-# A split plan re-reads x and B and is modelled only to ~10-17% (measured vs modelled split plans
-# of b: 0.641 vs 0.703 ms in 5 segments, 1.82 vs 1.55 relative in 22): split only when the model
-# predicts at least this fraction less time than one pass.
+# A split plan re-reads x and B and is modelled only to ~10-17% (NOTES_ssd.md): split only when the
+# model predicts at least this fraction less time than one pass.
 _SPLIT_MIN_GAIN = 0.10
 
 
@@ -86,12 +80,7 @@ def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
     base: (batch, head, p-tile) blocks per segment; slots: blocks resident at once (occupancy x
     SMs). Blocks of one launch take the same time, so a launch costs ceil(blocks / slots) waves of
     (chunks_per_seg + block cost); the last pass-2 block also folds nseg - 1 segment states.
-    Checked against run 4 (measured / modelled time relative to the chosen plan): a, 11 segments
-    2.2 / 2.2; b, 13 and 22 segments 1.33 / 1.28 and 1.82 / 1.55; c, 13 segments 2.09 / 1.82;
-    d, 14 and 23 segments 1.04 / 1.11 and 1.05 / 1.04. With the backward pass 1 (session 3, call 1;
-    modelled ms = units x 2.906 µs, shape c's 0.379 ms / 130.4 units): b in 3 / 4 / 5 segments
-    0.609 / 0.604 / 0.641 measured vs 0.636 / 0.616 / 0.703 modelled (3 vs 4 is within the noise);
-    d in 13 segments 1.216 vs 1.193.
+    Measured against modelled plans: benchmarks/NOTES_ssd.md.
     """
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)
@@ -103,7 +92,7 @@ def _plan_cost(base: int, nchunks: int, nseg: int, slots: int) -> float:
 
 
 def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT, chunk: int | None = None,
-                  block_p: int | None = None, nseg: int | None = None, blocks_per_sm: int | None = None,
+                  block_p: int | None = None, nseg: int | None = None,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None) -> ScanConfig:
@@ -114,8 +103,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24), kept only if
     it is modelled at least _SPLIT_MIN_GAIN faster than one pass; the dt
     pre-pass unless the sequence has more than MAX_GRID_Y chunks. Any argument
-    given overrides its default (the benchmark's sweeps): ``blocks_per_sm`` instead picks the
-    segment count giving about that many blocks per SM; ``occupancy=0`` means no hint.
+    given overrides its default (explicit plans for tests and the benchmark's sweeps); ``occupancy=0``
+    means no hint.
     """
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
@@ -126,13 +115,10 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
     if nseg is None:
         slots = (occupancy or 1) * sm_count
-        if blocks_per_sm:
-            nseg = min(MAX_NSEG, max(1, -(-(blocks_per_sm * sm_count) // base)))
-        else:
-            cost = {n: _plan_cost(base, nchunks, n, slots) for n in range(1, min(nchunks, MAX_NSEG) + 1)}
-            nseg = min(cost, key=lambda n: (cost[n], n))
-            if cost[nseg] > (1 - _SPLIT_MIN_GAIN) * cost[1]:
-                nseg = 1
+        cost = {n: _plan_cost(base, nchunks, n, slots) for n in range(1, min(nchunks, MAX_NSEG) + 1)}
+        nseg = min(cost, key=lambda n: (cost[n], n))
+        if cost[nseg] > (1 - _SPLIT_MIN_GAIN) * cost[1]:
+            nseg = 1
     nseg = max(1, min(nseg, nchunks))
     cps = -(-nchunks // nseg)
     nseg = -(-nchunks // cps)  # no empty segment

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from m2export.contract import SSMScanAttrs, validate
+from m2export.contract import SSMScanAttrs
 from m2export.errors import ContractError
-from m2export.kernels.ssd import into_buffers, out_buffers, require_cutile
+from m2export.kernels._host import into_buffers, out_buffers, require_cutile, validated
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd_step.naive import ssm_step_ref
 
@@ -50,9 +50,9 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
     for name, t, nd in (("x", x, 3), ("dt", dt, 2), ("B", B, 3), ("C", C, 3)):
         if t.dim() != nd:
             raise ContractError(f"{name}: expected a {nd}-D tensor for ssm_step, got shape {tuple(t.shape)}")
-    problem = validate(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, ssm_state)
+    problem = validated(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, ssm_state)
     if backend == "torch":
-        out_buffers(x, problem, out, state_out, state_name="state_out")
+        out_buffers(x, problem.shape_of("final_state"), out, state_out, state_name="state_out")
         res = ssm_step_ref(x, dt, A, B, C, D, dt_bias, ssm_state, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, state_out)
     require_cutile(backend, problem, "step", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,

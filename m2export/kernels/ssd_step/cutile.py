@@ -15,17 +15,16 @@ state tile before writing it, and no two blocks share a tile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import torch
 
 import cuda.tile as ct
 
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
-from m2export.kernels.ssd import out_buffers
-from m2export.kernels.ssd.cutile import AotParam, _ct_step_size, _hinted, _sm_count, _torch_stream, check_supported
+from m2export.kernels import launch as L
+from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
+from m2export.kernels.launch import Launch
+from m2export.kernels.ssd.cutile import _ct_step_size
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -73,9 +72,7 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
 
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
     """Largest power-of-two headdim tile with <= 8192 state elements (32 KiB fp32) per block that
-    still gives >= 2 blocks per SM (measured on the H200, benchmarks/RESULTS.md: at batch 64-128,
-    headdim 64, d_state 128, tile 64 with 2 blocks per SM moves 3.9-4.0 TB/s; tile 32 with no
-    occupancy hint, the previous default, 2.0 TB/s)."""
+    still gives >= 2 blocks per SM (why: benchmarks/NOTES_ssd.md, decode step)."""
     bp = headdim
     while bp > 8 and (bp * d_state > 8192 or batch * nheads * (headdim // bp) < 2 * sm_count):
         bp //= 2
@@ -89,105 +86,81 @@ def choose_occupancy(block_p: int, d_state: int) -> int:
     return max(1, min(8, 16384 // (block_p * d_state)))
 
 
-def _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min, dt_max, *, block_p, heads_per_group,
-               dt_softplus):
-    return (x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
-            ssm_state if ssm_state is not None else state_out, y, state_out, float(dt_min), float(dt_max),
-            int(heads_per_group), block_p, B.shape[2], D is not None, dt_bias is not None, ssm_state is not None,
-            bool(dt_softplus))
+def step_launch(p: SSMScanProblem, *, block_p: int, occupancy: int | None, dt_softplus: bool,
+                dt_limit: tuple[float, float], has_D: bool = True, has_dt_bias: bool = True, has_state: bool = True,
+                grid=None) -> Launch:
+    """:func:`ssd_step_kernel` for ``p`` (seqlen ignored) with a ``block_p``-row headdim tile; grid
+    ``(batch*nheads, headdim // block_p, 1)`` unless ``grid`` is given (the AOT plugin's symbolic one).
+    ``state_out`` may be the same buffer as ``ssm_state`` (in place: alias group "state")."""
+    dtn = p.dtype
+    args = (L.array("x", dtn, 3), L.array("dt", dtn, 2), L.array("A", "float32", 1), L.array("B", dtn, 3),
+            L.array("C", dtn, 3), L.array("D", "float32", 1, source=None if has_D else "A"),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("ssm_state", "float32", 4, source=None if has_state else "state_out", alias=("state",)),
+            L.array("y", dtn, 3), L.array("state_out", "float32", 4, alias=("state",)),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.scalar("heads_per_group", "int32", p.heads_per_group),
+            L.constant("BLOCK_P", block_p), L.constant("D_STATE", p.d_state),
+            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
+            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+    if grid is None:
+        grid = (p.batch * p.nheads, p.headdim // block_p, 1)
+    return Launch(hinted(ssd_step_kernel, occupancy), args, grid, block_p)
+
+
+def _plan(p: SSMScanProblem, dev: torch.device, dt_softplus, dt_limit, has_D, has_dt_bias, has_state) -> Launch:
+    def make():
+        bp = choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, sm_count(dev))
+        return step_launch(p, block_p=bp, occupancy=choose_occupancy(bp, p.d_state), dt_softplus=dt_softplus,
+                           dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
+
+    key = ("step", p, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus), has_D, has_dt_bias, has_state,
+           dev.index)
+    return cached_plan(key, make)
 
 
 def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanProblem, dt_softplus: bool,
-                    dt_limit: tuple[float, float], out=None, state_out=None, stream=None,
-                    block_p: int | None = None, occupancy: int | None = None) -> SSMScanOutput:
+                    dt_limit: tuple[float, float], out=None, state_out=None, stream=None) -> SSMScanOutput:
     """cuTile decode step on validated arguments (see :func:`m2export.kernels.ssd_step.ssm_step`).
 
-    ``block_p``/``occupancy`` override the headdim tile and the compiler's blocks-per-SM hint
-    (benchmark sweeps; ``occupancy`` None with an explicit ``block_p``: no hint); both None:
-    :func:`choose_block_p` and :func:`choose_occupancy`."""
+    ``problem`` has seqlen 1; the tile and occupancy hint come from :func:`choose_block_p` and
+    :func:`choose_occupancy` (the launch is cached per problem signature)."""
     dev = x.device
-    launch_stream = _torch_stream(stream, dev)
-    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+    ls = launch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(ls):
         x, dt, A, B, C, D, dt_bias = (None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias))
         p = problem
         if ssm_state is not None and not ssm_state.is_contiguous():
             if state_out is ssm_state:
                 raise ContractError("ssm_state: in-place update needs a contiguous ssm_state")
             ssm_state = ssm_state.contiguous()
-        y, new_state = out_buffers(x, p, out, state_out, state_name="state_out", allocate=True)
+        y, new_state = out_buffers(x, p.shape_of("final_state"), out, state_out, state_name="state_out",
+                                   allocate=True)
         if p.batch == 0:
             return SSMScanOutput(y, new_state)
-        bp = block_p or choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, _sm_count(dev))
-        if occupancy is None and block_p is None:
-            occupancy = choose_occupancy(bp, p.d_state)
-        ct.launch(int(launch_stream.cuda_stream), (p.batch * p.nheads, p.headdim // bp, 1),
-                  _hinted(ssd_step_kernel, occupancy or None),
-                  _step_args(x, dt, A, B, C, D, dt_bias, ssm_state, y, new_state, dt_limit[0], dt_limit[1],
-                             block_p=bp, heads_per_group=p.heads_per_group, dt_softplus=dt_softplus))
+        launch = _plan(p, dev, dt_softplus, dt_limit, D is not None, dt_bias is not None, ssm_state is not None)
+        ct.launch(int(ls.cuda_stream), launch.grid, launch.kernel,
+                  launch.bind(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state, y=y,
+                                   state_out=new_state)))
     return SSMScanOutput(y, new_state)
 
 
-@dataclass(frozen=True)
-class StepAotSpec:
-    """Single-launch decode-step kernel for the TensorRT AOT plugin (same conventions as
-    :class:`m2export.kernels.ssd.cutile.AotSpec`).
+def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | None = None) -> Launch:
+    """The decode-step kernel for the TensorRT AOT plugin when seqlen is the constant 1.
 
-    Entry parameters (cutile_python_v1: each array = pointer, extents, strides): x (7), dt (5),
-    A (3), B (7), C (7), D (3), dt_bias (3), ssm_state (9), y (7), state_out (9), dt_min, dt_max,
-    heads_per_group: 63 parameters.
-    Grid ``grid(batch, nheads, headdim) = (batch*nheads, headdim // block_p, 1)``. ``state_out``
-    may be the same buffer as ``ssm_state`` (in place).
+    Bound to the plugin's tensors: x, dt, B, C and y are the plugin's 4-D/3-D tensors with their
+    seqlen dimension (size 1) dropped, ``ssm_state`` reads ``initial_state`` and ``state_out`` writes
+    ``final_state``; D, dt_bias and the state are present (ONNX graphs always have them). Entry
+    parameters (cutile_python_v1): x (7), dt (5), A (3), B (7), C (7), D (3), dt_bias (3),
+    ssm_state (9), y (7), state_out (9), dt_min, dt_max, heads_per_group: 63. Grid
+    ``(batch*nheads, headdim // block_p, 1)``; the tile is the batch-independent rule (<= 8192
+    state elements) with :func:`choose_occupancy`'s hint, since batch is a runtime extent.
     """
-
-    kernel: Any
-    params: tuple[AotParam, ...]
-    grid: Callable[[int, int, int], tuple[int, int, int]]
-    block: int | None
-    block_p: int
-    problem: SSMScanProblem
-    attrs: SSMScanAttrs
-
-    def signature(self):
-        from m2export.kernels.ssd.cutile import AotSpec
-
-        return AotSpec.signature(self)  # same parameter walk
-
-    def export(self, output_file, *, gpu_code: str = "sm_90") -> str:
-        from m2export.kernels.ssd.cutile import AotSpec
-
-        return AotSpec.export(self, output_file, gpu_code=gpu_code)
-
-    def compile(self, *, gpu_code: str = "sm_90"):
-        from m2export.kernels.ssd.cutile import AotSpec
-
-        return AotSpec.compile(self, gpu_code=gpu_code)
-
-    def flat_args(self) -> list[str]:
-        from m2export.kernels.ssd.cutile import AotSpec
-
-        return AotSpec.flat_args(self)
-
-
-def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | None = None) -> StepAotSpec:
-    """Describe the decode-step kernel for ``problem`` (seqlen ignored; D, dt_bias, ssm_state present)."""
-    check_supported(problem)
-    bp = block_p or min(problem.headdim, max(8, 4096 // problem.d_state))
-    dtn = problem.dtype
-    arr = lambda name, nd, dt=dtn: AotParam(name, "array", dt, nd)  # noqa: E731
-    params = (
-        arr("x", 3), arr("dt", 2), arr("A", 1, "float32"), arr("B", 3), arr("C", 3),
-        arr("D", 1, "float32"), arr("dt_bias", 1, "float32"), AotParam("ssm_state", "array", "float32", 4, alias=("state",)),
-        arr("y", 3), AotParam("state_out", "array", "float32", 4, alias=("state",)),
-        AotParam("dt_min", "scalar", "float32", value=float(attrs.dt_min)),
-        AotParam("dt_max", "scalar", "float32", value=float(attrs.dt_max)),
-        AotParam("heads_per_group", "scalar", "int32", value=problem.heads_per_group),
-        AotParam("BLOCK_P", "constant", value=bp),
-        AotParam("D_STATE", "constant", value=problem.d_state),
-        AotParam("HAS_D", "constant", value=True),
-        AotParam("HAS_DT_BIAS", "constant", value=True),
-        AotParam("HAS_STATE", "constant", value=True),
-        AotParam("DT_SOFTPLUS", "constant", value=bool(attrs.dt_softplus)),
-    )
-    return StepAotSpec(kernel=ssd_step_kernel, params=params,
-                       grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1),
-                       block=None, block_p=bp, problem=problem, attrs=attrs)
+    check_supported(problem, "step", hint='pad the model or use backend="torch"')
+    bp = block_p or min(problem.headdim, max(8, 8192 // problem.d_state))
+    spec = step_launch(problem, block_p=bp, occupancy=choose_occupancy(bp, problem.d_state),
+                       dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit,
+                       grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1))
+    return spec.with_args(x=dict(squeeze=1), dt=dict(squeeze=1), B=dict(squeeze=1), C=dict(squeeze=1),
+                          y=dict(squeeze=1), ssm_state=dict(source="initial_state"),
+                          state_out=dict(source="final_state"))

@@ -1,0 +1,177 @@
+"""Host code shared by the SSMScan kernels (prefill and decode step): one home for each fact.
+
+Backend checks and the supported sizes, output buffers, the launch stream, the SM count, the
+cache of re-hinted kernel objects and the cache of launch plans. Imports neither CUDA nor
+``cuda.tile`` at import time (the package must import on any machine).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from m2export.errors import BackendUnavailable, ContractError
+
+BACKENDS = ("cutile", "torch")
+INSTALL_HINT = 'install the GPU extra (pip install m2export[gpu]) on a CUDA machine, or pass backend="torch"'
+SUPPORTED_DIMS = (32, 64, 128, 256)
+"""headdim and d_state the cuTile kernels compile for (powers of two: tiles must be). Anything else
+(e.g. Nemotron-Nano's headdim 80) is refused by :func:`check_supported` before any launch or export."""
+
+
+# ----------------------------------------------------------------------------- checks
+def check_supported(problem, kernel: str = "SSD", *, hint: str = 'use backend="torch" for other sizes') -> None:
+    """Raise ContractError (one line, naming the field) unless headdim and d_state are in :data:`SUPPORTED_DIMS`."""
+    for name in ("headdim", "d_state"):
+        v = getattr(problem, name)
+        if v not in SUPPORTED_DIMS:
+            raise ContractError(f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
+                                hint=hint)
+
+
+def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
+    """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here.
+
+    Raises:
+        ContractError: unknown backend, or headdim/d_state outside :data:`SUPPORTED_DIMS`.
+        BackendUnavailable: no CUDA device, no cuda.tile, or a tensor not on CUDA.
+    """
+    if backend != "cutile":
+        raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    check_supported(problem, kernel)
+    if not torch.cuda.is_available():
+        raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
+    try:
+        import cuda.tile  # noqa: F401  (availability check)
+    except ImportError as e:
+        raise BackendUnavailable(f'backend="cutile": cuda.tile cannot be imported ({e})', hint=INSTALL_HINT) from e
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cuda":
+            raise BackendUnavailable(f'backend="cutile": {name} is on {t.device}, expected a CUDA tensor',
+                                     hint='move the inputs to the GPU or pass backend="torch"')
+
+
+# ----------------------------------------------------------------------------- output buffers
+def check_out(name: str, t, shape, dtype, device):
+    """Raise ContractError unless ``t`` is a contiguous tensor of exactly ``shape``/``dtype`` on ``device``."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ContractError(
+            f"{name}: expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+    return t
+
+
+def out_buffers(x, state_shape, out=None, state_out=None, *, state_name: str = "final_state_out",
+                allocate: bool = False):
+    """Check the caller's ``out`` (shaped and typed like ``x``) and ``state_out`` (``state_shape``, fp32)
+    with :func:`check_out`; with ``allocate``, make empty ones for those not given.
+
+    Returns (y buffer or None, state buffer or None).
+    """
+    if out is not None:
+        check_out("out", out, x.shape, x.dtype, x.device)
+    elif allocate:
+        out = torch.empty_like(x)
+    if state_out is not None:
+        check_out(state_name, state_out, state_shape, torch.float32, x.device)
+    elif allocate:
+        state_out = torch.empty(state_shape, dtype=torch.float32, device=x.device)
+    return out, state_out
+
+
+def into_buffers(res, out=None, final_state_out=None):
+    """Copy ``res`` (an SSMScanOutput) into the caller's preallocated buffers (each optional) and return them."""
+    if out is not None:
+        out.copy_(res.y)
+    if final_state_out is not None:
+        final_state_out.copy_(res.final_state)
+    return type(res)(res.y if out is None else out, res.final_state if final_state_out is None else final_state_out)
+
+
+# ----------------------------------------------------------------------------- device, stream
+def launch_stream(stream, device: torch.device) -> torch.cuda.Stream:
+    """The launch stream as a torch stream.
+
+    None -> the current stream of ``device``; a torch stream -> itself; a raw ``cudaStream_t``
+    int -> ``torch.cuda.ExternalStream``, except 0 and 1 (``cudaStreamLegacy``), which are the
+    legacy default stream: ``torch.cuda.ExternalStream(0)`` is NOT that stream -- torch treats a
+    null ``stream_ptr`` as "no pointer given" and hands out a fresh non-blocking pool stream, which
+    is ordered neither after the caller's earlier work nor before its later work (that race left
+    y unwritten on the JIT plugin's default-stream path, issue 14). 2 (``cudaStreamPerThread``)
+    is refused: torch has no stream object for it.
+    """
+    if stream is None:
+        return torch.cuda.current_stream(device)
+    if isinstance(stream, int):
+        if stream in (0, 1):
+            return torch.cuda.default_stream(device)
+        if stream == 2:
+            raise ContractError("stream: cudaStreamPerThread (2) is not supported; pass the stream's own handle")
+        return torch.cuda.ExternalStream(stream, device=device)
+    if getattr(stream, "cuda_stream", None) is None:
+        raise TypeError(f"stream: expected None, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream)}")
+    return stream
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached per device index)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+# ----------------------------------------------------------------------------- caches
+_HINTED: dict[tuple[Any, int | None, int | None], Any] = {}
+
+
+def hinted(kernel, occupancy: int | None, worker_warps: int | None = None):
+    """``kernel`` re-hinted for ``occupancy``/``worker_warps`` (one kernel object, hence one JIT cache, per hint)."""
+    if occupancy is None and worker_warps is None:
+        return kernel
+    key = (kernel, occupancy, worker_warps)
+    if key not in _HINTED:
+        hints = {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", worker_warps)) if v is not None}
+        _HINTED[key] = kernel.replace_hints(**hints)
+    return _HINTED[key]
+
+
+_PROBLEMS: dict[tuple, Any] = {}
+
+
+def validated(*args):
+    """:func:`m2export.contract.validate` of ``args``, remembered per (shape, dtype) signature of the
+    arguments: the contract only looks at shapes and dtypes, so a signature seen once is valid again.
+    Errors are raised every time (never cached)."""
+    key = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in args)
+    problem = _PROBLEMS.get(key)
+    if problem is None:
+        from m2export.contract import validate
+
+        problem = validate(*args)
+        if len(_PROBLEMS) >= PLAN_CACHE_SIZE:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = problem
+    return problem
+
+
+_PLANS: dict[tuple, Any] = {}
+PLAN_CACHE_SIZE = 4096
+
+
+def cached_plan(key: tuple, make: Callable[[], Any]) -> Any:
+    """The launch plan for ``key`` (a problem signature: shapes, dtypes, flags, device), made once by ``make``.
+
+    Keeps choose_config and the launch descriptions off the per-call path; cleared when it holds
+    :data:`PLAN_CACHE_SIZE` plans (a server sees few distinct signatures).
+    """
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
