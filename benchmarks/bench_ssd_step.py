@@ -134,17 +134,22 @@ def main(argv=None):
             impls.append(("mamba_ssm selective_state_update",
                           lambda: ssu(st_m, x, dt3, A3, B, C, D=D2, dt_bias=bias2, dt_softplus=True),
                           lambda: ssu(state.clone(), x, dt3, A3, B, C, D=D2, dt_bias=bias2, dt_softplus=True)))
+            st_m.copy_(state)
         impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch"), None))
+        # accuracy first, every implementation from the same starting state (the timed runs update it in place)
+        st0 = state.clone()
+        errs = {}
         for label, fn, out_of in impls:
-            err = float("nan")
-            if out_of is not None:  # accuracy on a fresh copy of the starting state (the timed runs update it)
-                st0 = state.clone()
+            if out_of is not None:
+                state.copy_(st0)
                 if label.startswith("mamba"):
-                    err = err_of(out_of())
+                    errs[label] = err_of(out_of())
                 else:
                     fn()
-                    err = err_of(out_of())
-                state.copy_(st0)
+                    errs[label] = err_of(out_of())
+        state.copy_(st0)
+        for label, fn, out_of in impls:
+            err = errs.get(label, float("nan"))
             te = time_fn(fn, graph=False)
             try:  # the torch reference is timed eagerly only: its capture fails (host-side ops)
                 tg = float("nan") if label == "torch reference" or capture_failed else time_fn(fn, graph=True)

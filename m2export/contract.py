@@ -278,3 +278,57 @@ def input_dtype_combinations() -> list[dict[str, str]]:
     for xd in FLOAT_DTYPES:
         combos.append({s.name: (xd if s.dtype == "x" else s.dtype) for s in INPUTS + OUTPUTS})
     return combos
+
+
+# ----------------------------------------------------------------------------- packed variable-length prefill
+CU_SEQLENS = TensorSpec("cu_seqlens", ("nseq_plus_1",), "int32", True,
+                        "packed prefill: sequence s is tokens [cu_seqlens[s], cu_seqlens[s+1]) of batch row 0")
+"""Optional input of the packed (variable-length) form of SSMScan (issue 14): batch 1, the sequences of a
+continuous-batching prefill laid end to end along ``seqlen``. ``cu_seqlens`` (nseq + 1,) int32 starts at 0,
+is non-decreasing and ends at seqlen (empty sequences allowed). Each sequence is scanned on its own: no
+state crosses a boundary (chunks that straddle one must not leak it), ``initial_state`` is
+(nseq, nheads, headdim, d_state) and ``final_state`` (nseq, nheads, headdim, d_state), the state after
+each sequence's last token (its initial state, or zeros, when it is empty)."""
+
+
+def validate_packed(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, cu_seqlens) -> tuple:
+    """Check the packed form's shapes and dtypes; returns (:class:`SSMScanProblem` of the packed batch, nseq).
+
+    Values of ``cu_seqlens`` need the host (see :func:`check_cu_seqlens`).
+
+    Raises:
+        ContractError: naming the argument and what was expected.
+    """
+    shape = tuple(int(d) for d in cu_seqlens.shape)
+    if len(shape) != 1 or shape[0] < 2:
+        raise ContractError(f"cu_seqlens: expected a 1-D tensor of nseq + 1 >= 2 offsets, got shape {shape}")
+    if dtype_name(cu_seqlens.dtype) != "int32":
+        raise ContractError(f"cu_seqlens: expected dtype int32, got {dtype_name(cu_seqlens.dtype)}")
+    nseq = shape[0] - 1
+    p = validate(x, dt, A, B, C, D, dt_bias, None)
+    if p.batch != 1:
+        raise ContractError(f"x: packed prefill (cu_seqlens given) expects batch 1, got batch {p.batch}")
+    if initial_state is not None:
+        want = (nseq, p.nheads, p.headdim, p.d_state)
+        got = tuple(int(d) for d in initial_state.shape)
+        if got != want or dtype_name(initial_state.dtype) != "float32":
+            raise ContractError(f"initial_state: expected float32 (nseq, nheads, headdim, d_state) = {want} with "
+                                f"cu_seqlens, got {dtype_name(initial_state.dtype)} {got}")
+    return p, nseq
+
+
+def check_cu_seqlens(offsets: Sequence[int], seqlen: int) -> list[int]:
+    """Raise ContractError unless ``offsets`` start at 0, never decrease and end at ``seqlen``; returns them as ints."""
+    cu = [int(v) for v in offsets]
+    if cu[0] != 0 or cu[-1] != seqlen or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ContractError(f"cu_seqlens: expected non-decreasing offsets from 0 to seqlen={seqlen}, got "
+                            f"{cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-3:]}")
+    return cu
+
+
+def packed_output_shapes(x_shape: Sequence[Any], B_shape: Sequence[Any],
+                         cu_seqlens_shape: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Shape rule of the packed form: ``y`` like ``x``; ``final_state`` (nseq, nheads, headdim, d_state) with
+    nseq = cu_seqlens_shape[0] - 1 (ints or TensorRT ``ShapeExpr`` items, which support ``-``)."""
+    y, fs = output_shapes(x_shape, B_shape)
+    return y, (cu_seqlens_shape[0] - 1, *fs[1:])

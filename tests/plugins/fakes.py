@@ -17,7 +17,7 @@ from typing import Any
 
 
 class Expr:
-    """Symbolic int expression; ``Expr(4)`` is constant, ``Expr("batch")`` is not."""
+    """Symbolic int expression (``*``, ``+``, ``-``, ``//``); ``Expr(4)`` is constant, ``Expr("batch")`` is not."""
 
     def __init__(self, v: Any):
         self.v = v
@@ -25,7 +25,7 @@ class Expr:
     def _op(self, sym: str, other: Any) -> "Expr":
         o = other.v if isinstance(other, Expr) else other
         if isinstance(self.v, int) and isinstance(o, int):
-            return Expr({"*": self.v * o, "+": self.v + o, "//": self.v // o}[sym])
+            return Expr({"*": self.v * o, "+": self.v + o, "-": self.v - o, "//": self.v // o}[sym])
         return Expr(f"({self.v}{sym}{o})")
 
     def __mul__(self, o):
@@ -35,6 +35,9 @@ class Expr:
 
     def __add__(self, o):
         return self._op("+", o)
+
+    def __sub__(self, o):
+        return self._op("-", o)
 
     def __floordiv__(self, o):
         return self._op("//", o)

@@ -20,7 +20,7 @@ __all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent"
 
 def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int = 256,
              dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf), backend: str = "cutile",
-             out=None, final_state_out=None, stream=None) -> SSMScanOutput:
+             out=None, final_state_out=None, stream=None, cu_seqlens=None) -> SSMScanOutput:
     """Chunked selective scan (SSD) of one Mamba-2 layer; the semantics of ONNX op m2export::SSMScan v1.
 
     Per head h and token t, with dt_t = clamp(softplus(dt_t + dt_bias_h), *dt_limit)::
@@ -44,7 +44,11 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
         out: optional preallocated y, contiguous, shape and dtype of x, on x's device ("cutile" only).
         final_state_out: optional preallocated final_state, contiguous fp32 ("cutile" only).
         stream: None (current stream), a torch.cuda.Stream, or a raw cudaStream_t int ("cutile" only):
-            the kernels are launched on it.
+            the kernels are launched on it (0: the legacy default stream).
+        cu_seqlens: packed variable-length prefill (m2export.contract.CU_SEQLENS): (nseq + 1,) int32
+            offsets into the token axis of a batch-1 x; initial_state and final_state are then
+            (nseq, nheads, headdim, d_state). The offsets are read on the host (a device sync when
+            they live on the GPU).
 
     Returns:
         SSMScanOutput(y, final_state): y (batch, seqlen, nheads, headdim) in x.dtype (``out`` if given);
@@ -65,6 +69,9 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
         mamba_ssm/ops/triton/ssd_combined.py::mamba_chunk_scan_combined.
     """
     attrs = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if cu_seqlens is not None:
+        return _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens, attrs=attrs,
+                                backend=backend, out=out, final_state_out=final_state_out, stream=stream)
     problem = validated(x, dt, A, B, C, D, dt_bias, initial_state)
     if backend == "torch":
         out_buffers(x, problem.shape_of("final_state"), out, final_state_out)
@@ -87,3 +94,43 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
 
     return ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, problem=problem, dt_softplus=dt_softplus,
                            dt_limit=attrs.dt_limit, out=out, final_state_out=final_state_out, stream=stream)
+
+
+def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, attrs: SSMScanAttrs, backend: str,
+                     out, final_state_out, stream) -> SSMScanOutput:
+    """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" scans
+    each sequence's slice of the packed tensors in place (views; seqlen 1 takes the decode-step kernel), so
+    no chunk of the kernel ever spans a boundary. One launch group per non-empty sequence."""
+    from m2export.contract import check_cu_seqlens, validate_packed
+
+    problem, nseq = validate_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens)
+    fs_shape = (nseq, problem.nheads, problem.headdim, problem.d_state)
+    if backend == "torch":
+        from m2export.kernels.ssd.packed import ssm_scan_packed_chunked
+
+        out_buffers(x, fs_shape, out, final_state_out)
+        res = ssm_scan_packed_chunked(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens,
+                                      chunk_size=attrs.chunk_size, dt_softplus=attrs.dt_softplus,
+                                      dt_limit=attrs.dt_limit)
+        return into_buffers(res, out, final_state_out)
+    require_cutile(backend, problem, "SSD", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
+                                                 initial_state=initial_state))
+    import torch
+
+    from m2export.kernels._host import launch_stream
+
+    cu = check_cu_seqlens(cu_seqlens.tolist(), problem.seqlen)
+    ls = launch_stream(stream, x.device)
+    with torch.cuda.device(x.device), torch.cuda.stream(ls):
+        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+        y, fs = out_buffers(x, fs_shape, out, final_state_out, allocate=True)
+        for s in range(nseq):
+            a, b = cu[s], cu[s + 1]
+            h0 = initial_state[s:s + 1] if initial_state is not None else None
+            if a == b:  # an empty sequence leaves its state as it was
+                fs[s].copy_(h0[0]) if h0 is not None else fs[s].zero_()
+                continue
+            ssm_scan(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], D, dt_bias, h0, chunk_size=attrs.chunk_size,
+                     dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend, out=y[:, a:b],
+                     final_state_out=fs[s:s + 1], stream=ls)
+    return SSMScanOutput(y, fs)

@@ -1,0 +1,136 @@
+"""Packed variable-length prefill (``cu_seqlens``, issue 14): contract, chunked reference and cuTile vs the oracle.
+
+The oracle (:func:`ssm_scan_packed_recurrent`) scans each sequence alone in float64; the chunked reference
+runs chunks that straddle sequence boundaries (a boundary inside a chunk and one on a chunk edge in every
+multi-sequence case), so any state leaking across a boundary shows up as an error. Per-sequence initial
+states, every dtype, empty sequences. GPU tests (marked ``gpu``) run the cuTile path with NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2export import contract
+from m2export.contract import SSMScanProblem
+from m2export.errors import ContractError
+from m2export.kernels.ssd import ssm_scan
+from m2export.kernels.ssd.packed import ssm_scan_packed_chunked, ssm_scan_packed_recurrent
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, assert_close, count_unwritten, make_inputs, poison_, \
+    requires_cutile, stable_seed
+from tests.plugins.fakes import Expr
+
+# (id, sequence lengths); chunk 64: 63|64 puts a boundary inside chunk 0, 64 one on a chunk edge
+PACKS = [
+    ("one_L1", [1]),
+    ("one_L500", [500]),
+    ("two_63_65", [63, 65]),
+    ("two_64_64_edge", [64, 64]),
+    ("seven", [1, 63, 64, 65, 500, 2048, 7]),
+    ("with_empty", [5, 0, 70]),
+]
+REF_REL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def _packed_inputs(lengths, dtype, *, seed, H=4, P=32, G=2, N=32, init=True):
+    T = sum(lengths)
+    p = SSMScanProblem(1, T, H, P, G, N, dtype=dtype)
+    inp = make_inputs(p, seed=seed, init_state=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    inp["initial_state"] = torch.randn(len(lengths), H, P, N, generator=g) if init else None
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    return p, inp, cu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
+def test_chunked_reference_matches_the_oracle(pack, dtype):
+    name, lengths = pack
+    if dtype != "float32" and sum(lengths) > 1000:
+        pytest.skip("one long pack per half dtype is enough (the seven-sequence pack runs in fp32)")
+    p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed(name, dtype))
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    for chunk in (64, 256):
+        out = ssm_scan_packed_chunked(**inp, cu_seqlens=cu, chunk_size=chunk)
+        assert out.final_state.shape == (len(lengths), p.nheads, p.headdim, p.d_state)
+        assert_close(f"y chunk {chunk}", ref.y, out.y, rel=REF_REL[dtype])
+        assert_close(f"final_state chunk {chunk}", ref.final_state, out.final_state, rel=REF_REL[dtype])
+
+
+def test_oracle_is_each_sequence_alone_and_empty_keeps_its_state():
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+
+    p, inp, cu = _packed_inputs([3, 0, 5], "float32", seed=4)
+    out = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    alone = ssm_scan_recurrent(inp["x"][:, 3:], inp["dt"][:, 3:], inp["A"], inp["B"][:, 3:], inp["C"][:, 3:],
+                               inp["D"], inp["dt_bias"], inp["initial_state"][2:3])
+    assert torch.equal(out.y[:, 3:], alone.y) and torch.equal(out.final_state[2:], alone.final_state)
+    assert torch.equal(out.final_state[1], inp["initial_state"][1].double())
+
+
+def test_no_leak_across_a_boundary_inside_a_chunk():
+    """A huge state in sequence 0 must not reach sequence 1, which starts mid-chunk (chunk 64, boundary 40)."""
+    p, inp, cu = _packed_inputs([40, 30], "float32", seed=5)
+    inp["initial_state"][0] *= 1e6
+    inp["A"] = torch.full_like(inp["A"], -1e-3)  # slow decay: a leak would dominate sequence 1
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    out = ssm_scan_packed_chunked(**inp, cu_seqlens=cu, chunk_size=64)
+    assert_close("y of sequence 1", ref.y[:, 40:], out.y[:, 40:], rel=2e-5)
+    assert_close("final_state of sequence 1", ref.final_state[1], out.final_state[1], rel=2e-5)
+
+
+def test_ssm_scan_torch_backend_packed():
+    p, inp, cu = _packed_inputs([63, 65], "float32", seed=6)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y = torch.empty(p.shape_of("y"))
+    fs = torch.empty(2, p.nheads, p.headdim, p.d_state)
+    res = ssm_scan(**inp, cu_seqlens=cu, backend="torch", chunk_size=64, out=y, final_state_out=fs)
+    assert res.y is y and res.final_state is fs
+    assert_close("y", ref.y, y, rel=2e-5)
+    assert_close("final_state", ref.final_state, fs, rel=2e-5)
+
+
+@pytest.mark.parametrize("change, msg", [
+    (lambda inp, cu: ({k: (v.expand(2, *v.shape[1:]) if k in ("x", "dt", "B", "C") else v)
+                       for k, v in inp.items()}, cu), "expects batch 1"),
+    (lambda inp, cu: (inp, cu.long()), "cu_seqlens: expected dtype int32"),
+    (lambda inp, cu: (inp, cu[None]), "1-D tensor"),
+    (lambda inp, cu: (inp, cu[:1]), "nseq \\+ 1 >= 2"),
+    (lambda inp, cu: (dict(inp, initial_state=inp["initial_state"][:1]), cu), "initial_state: expected float32 "
+                                                                            "\\(nseq"),
+    (lambda inp, cu: (dict(inp, initial_state=None), torch.tensor([0, 70, 60, 128], dtype=torch.int32)),
+     "non-decreasing"),
+    (lambda inp, cu: (inp, torch.tensor([0, 64, 127], dtype=torch.int32)), "seqlen=128"),
+])
+def test_packed_contract_errors(change, msg):
+    p, inp, cu = _packed_inputs([63, 65], "float32", seed=7)
+    inp, cu = change(inp, cu)
+    with pytest.raises(ContractError, match=msg):
+        ssm_scan(**inp, cu_seqlens=cu, backend="torch")
+
+
+def test_packed_shape_rule_ints_and_shape_exprs():
+    y, fs = contract.packed_output_shapes((1, 300, 8, 64), (1, 300, 2, 128), (4,))
+    assert y == (1, 300, 8, 64) and fs == (3, 8, 64, 128)
+    sy, sfs = contract.packed_output_shapes(tuple(Expr(v) for v in (1, "T", 8, 64)),
+                                            tuple(Expr(v) for v in (1, "T", 2, 128)), (Expr("nseq1"),))
+    assert sy[1] == Expr("T") and sfs[0] == Expr("(nseq1-1)") and sfs[1:] == (Expr(8), Expr(64), Expr(128))
+
+
+# ----------------------------------------------------------------------------- GPU: cuTile
+@pytest.mark.gpu
+@requires_cutile
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
+def test_cutile_packed_matches_the_oracle(pack, dtype):
+    name, lengths = pack
+    p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("gpu", name, dtype), H=8, P=64, G=2, N=128)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    y = poison_(torch.empty(p.shape_of("y"), dtype=dev["x"].dtype, device="cuda"))
+    fs = poison_(torch.empty(len(lengths), p.nheads, p.headdim, p.d_state, device="cuda"))
+    ssm_scan(**dev, cu_seqlens=cu.cuda(), out=y, final_state_out=fs)
+    torch.cuda.synchronize()
+    assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
+    assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL[dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL[dtype])
