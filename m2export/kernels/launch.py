@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from m2export.errors import InternalError
 

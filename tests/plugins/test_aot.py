@@ -327,6 +327,22 @@ AOT_CASES = [  # (problem, dt_limit): the limits reach the kernel as float32 bit
 ]
 
 
+def _launch_like_tensorrt(k, image: bytes, p: SSMScanProblem, dev: dict, y, fs) -> None:
+    """Load ``image`` (the AOT kernel's PTX or its assembled cubin) and launch it as TensorRT's AOT launcher
+    does: input pointers | int32 extras from the plugin tensors' shapes | output pointers; then synchronize."""
+    import torch
+
+    from m2export.plugins import _cuda
+
+    kern = _cuda.load_kernel(image, k.name)
+    extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)
+    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block,
+                [("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
+                + [("u64", t.data_ptr()) for t in (y, fs)], stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    kern.unload()
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("p, dt_limit", AOT_CASES)
@@ -350,15 +366,7 @@ def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
     else:
         assert rc == 0, _cuda.result_name(rc)
     print(f"\n{p}: loading {how}, driver CUDA {_cuda.driver_version()}")
-    kern = _cuda.load_kernel(image, k.name)
-    shapes = {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}
-    extras = aot.extra_arg_values(k.amap, shapes, k.scalars)
-    args = ([("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
-            + [("u64", t.data_ptr()) for t in (y, fs)])
-    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block, args,
-                stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    kern.unload()
+    _launch_like_tensorrt(k, image, p, dev, y, fs)
     assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
 
@@ -386,13 +394,7 @@ def test_aot_decode_kernel_launched_like_tensorrt(dtype):
     image = k.ptx.encode()
     if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
         image = _assemble(k.ptx, aot.ptx_target(k.ptx))
-    kern = _cuda.load_kernel(image, k.name)
-    extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)
-    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block,
-                [("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
-                + [("u64", t.data_ptr()) for t in (y, fs)], stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    kern.unload()
+    _launch_like_tensorrt(k, image, p, dev, y, fs)
     assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
     step = ssm_step(dev["x"][:, 0], dev["dt"][:, 0], dev["A"], dev["B"][:, 0], dev["C"][:, 0], dev["D"], dev["dt_bias"],
@@ -494,13 +496,7 @@ def test_aot_ptx_through_driver_jit_matches_or_is_refused(p, dt_limit, isa):
         return
     ref, dev, y, fs = oracle_case(p, seed=5, dt_limit=attrs.dt_limit)
     torch.cuda.synchronize()
-    kern = _cuda.load_kernel(k.ptx.encode(), k.name)
-    extras = aot.extra_arg_values(k.amap, {n: p.shape_of(n) for n in INPUT_NAMES + OUTPUT_NAMES}, k.scalars)
-    kern.launch(k.grid(p.batch, p.nheads, p.headdim), k.block,
-                [("u64", dev[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
-                + [("u64", t.data_ptr()) for t in (y, fs)], stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    kern.unload()
+    _launch_like_tensorrt(k, k.ptx.encode(), p, dev, y, fs)
     print(f"\n{p} ISA {aot.ptx_version(k.ptx)}: driver JIT (CUDA {driver[0]}.{driver[1]}) accepted it")
     assert_close("y", ref.y, y.cpu(), rel=Y_REL[p.dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
