@@ -261,10 +261,16 @@ def _cpu_inputs(headdim=64, d_state=64):
     return make_inputs(SSMScanProblem(1, 8, 2, headdim, 1, d_state), seed=0)
 
 
-@pytest.mark.parametrize("headdim,d_state,bad", [(48, 64, "headdim"), (64, 96, "d_state"), (512, 64, "headdim")])
+@pytest.mark.parametrize("headdim,d_state,bad", [(48, 64, "headdim"), (64, 96, "d_state"), (512, 64, "headdim"),
+                                                 (80, 128, "headdim")])  # 80: Nemotron-Nano-9B/12B-v2
 def test_unsupported_dims_rejected(headdim, d_state, bad):
-    with pytest.raises(ContractError, match=rf"{bad}: .*got {headdim if bad == 'headdim' else d_state}"):
-        ssm_scan(**_cpu_inputs(headdim, d_state), backend="cutile")
+    """Refused before any launch with a one-line ContractError naming the field (also for decode: seqlen 1)."""
+    for seqlen in (8, 1):
+        inp = _cpu_inputs(headdim, d_state)
+        inp = {k: (v[:, :seqlen] if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
+        with pytest.raises(ContractError, match=rf"{bad}: .*got {headdim if bad == 'headdim' else d_state}") as e:
+            ssm_scan(**inp, backend="cutile")
+        assert "\n" not in str(e.value)
 
 
 def test_unknown_backend_rejected():
