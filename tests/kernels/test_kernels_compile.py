@@ -101,3 +101,37 @@ def test_step_kernel_compiles(block_p, d_state, occupancy):
     launch = step_launch(SSMScanProblem(4, 1, 8, 64, 2, d_state, dtype="bfloat16"), block_p=block_p,
                          occupancy=occupancy, dt_softplus=True, dt_limit=(0.0, float("inf")))
     assert _export_launch(launch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("dt,d_conv", [("bf16", 4), ("f32", 2), ("f16", 3)])
+def test_conv1d_kernels_compile(dt, d_conv):
+    """Prefill (streaming + edge) and the update; the state arrays' rows (d_conv-1 elements) are
+    not 16-byte multiples, hence plain stride constraints for them."""
+    from dataclasses import replace
+
+    from m2export.contract_conv1d import Conv1dProblem
+    from m2export.kernels.conv1d import cutile as K
+
+    bt, bc = K.choose_fwd_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=d_conv))
+    state = replace(_arr(dt, 3), stride_divisible_by=(1, 1, 1))
+    fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), replace(_arr(dt, 2), stride_divisible_by=(1, 1)), _arr(dt, 1),
+                                        _arr(dt, 3), bt, bc, d_conv, True, True])
+    edge = _export(K.conv1d_edge_kernel, [_arr(dt, 3), _arr(dt, 2), _arr(dt, 1), state, _arr(dt, 3), state,
+                                          K.EDGE_BLOCK_C, d_conv, True, True, True])
+    upd = _export(K.conv1d_update_kernel, [_arr(dt, 2), replace(_arr(dt, 2), stride_divisible_by=(1, 1)), _arr(dt, 1),
+                                           state, _arr(dt, 2), 4, 256, d_conv, True, True])
+    for cubin in (fwd, edge, upd):
+        assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("dt,group_size,ngroups,norm_before_gate",
+                         [("bf16", 5120, 1, False), ("bf16", 5120, 2, False), ("f16", 1024, 8, True), ("f32", 48, 2, False)])
+def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
+    """One padded tile (5120 in one group), chunks (5120 or 48 in several groups), one exact tile (1024)."""
+    from m2export.contract_gated_norm import GatedNormProblem
+    from m2export.kernels.gated_norm import cutile as K
+
+    tiles = K.choose_tiles(GatedNormProblem(rows=32768, d_inner=group_size * ngroups, group_size=group_size))
+    kernel = K._hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
+    cubin = _export(kernel, [_arr(dt, 2), _arr(dt, 2), _arr(dt, 1), _arr(dt, 2), _i32(), _f32(), *tiles, norm_before_gate])
+    assert cubin[:4] == b"\x7fELF"

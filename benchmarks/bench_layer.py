@@ -1,0 +1,330 @@
+"""Per-part times of one Mamba-2 mixer layer (issue 18): in_proj GEMM, causal conv1d + SiLU, SSM scan,
+gated RMSNorm, out_proj GEMM; our cuTile kernels vs the PyTorch ops of m2export/models/mamba2.py vs
+mamba_ssm's Triton ``rmsnorm_fn``, in one run, with floors.
+
+Layers (bf16, d_state 128, headdim 64, d_conv 4, no biases in the projections, conv bias present):
+    mamba2-2.7b     d_model 2560, d_inner 5120, nheads 80,  ngroups 1, conv_dim 5376,  d_in_proj 10576
+    nemotron-h-8b   d_model 4096, d_inner 8192, nheads 128, ngroups 8, conv_dim 10240, d_in_proj 18560
+Modes: prefill (batch, seqlen) = (4, 8192) and (1, 8192), fresh sequences (no initial state);
+decode: one token for 128 sequences, states updated in place.
+
+The conv input and the gate are the strided xBC / z slices of the in_proj output, as in the model;
+the scan takes views of the conv output (the cuTile scan makes contiguous copies of them: counted in
+"scan", and timed apart as "scan, contiguous inputs").
+
+Floors (H200: 4.3 TB/s copy bandwidth, 790 TFLOP/s bf16 matmul, /work/.library/device/KINDS.md):
+    GEMM       max((M*K + K*N + M*N) * 2 / 4.3e12, 2*M*K*N / 790e12)
+    conv       prefill 2 * b*l*conv_dim * 2 bytes (x read, y written); decode also the state read
+               and written, b*conv_dim * (2 + 2*(d_conv-1)) * 2
+    scan       benchmarks/bench_ssd.py floor_s (prefill); bench_ssd_step.step_bytes (decode)
+    norm       3 * rows * d_inner * 2 bytes (x, z read, out written)
+Times: median of CUDA-graph replays (triton.testing.do_bench via bench_ssd.time_fn). Whole layer:
+the five parts captured in one graph.
+
+mamba_ssm: ``mamba_ssm/ops/triton/layernorm_gated.py`` imported from a git-ignored copy under
+``.devcarry/mamba_ssm_triton`` (never committed); its column is empty, with the reason, when absent.
+Dao-AILab's causal-conv1d (CUDA extension) is not on the device image and cannot be installed there.
+
+    PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_layer.py --results $OUT/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_ssd import floor_s as scan_floor_s  # noqa: E402
+from benchmarks.bench_ssd import time_fn  # noqa: E402
+from benchmarks.bench_ssd_step import step_bytes  # noqa: E402
+from m2export.models.mamba2 import RMSNormGated  # noqa: E402
+
+HBM = 4.3e12
+MMA = 790e12
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    d_model: int
+    nheads: int
+    ngroups: int
+    headdim: int = 64
+    d_state: int = 128
+    d_conv: int = 4
+
+    @property
+    def d_inner(self):
+        return self.nheads * self.headdim
+
+    @property
+    def conv_dim(self):
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def d_in_proj(self):
+        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+
+
+LAYERS = {"mamba2-2.7b": Layer("mamba2-2.7b", 2560, 80, 1), "nemotron-h-8b": Layer("nemotron-h-8b", 4096, 128, 8)}
+MODES = {"prefill_4x8192": (4, 8192), "prefill_1x8192": (1, 8192), "decode_128": (128, 1)}
+
+
+def gemm_floor(m, k, n):
+    return max((m * k + k * n + m * n) * 2 / HBM, 2 * m * k * n / MMA)
+
+
+def load_mamba_norm():
+    path = ROOT / ".devcarry" / "mamba_ssm_triton"
+    if not path.is_dir():
+        return None, f"no {path}"
+    sys.path.insert(0, str(path))
+    try:
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    except Exception as e:  # noqa: BLE001  (report, don't hide: the table says why the column is empty)
+        return None, f"import failed: {e!r}"
+    return rmsnorm_fn, ""
+
+
+def rel_err(ref, out):
+    r, o = ref.float(), out.float()
+    return ((o - r).norm() / r.norm()).item()
+
+
+def weights(ly: Layer, gen):
+    r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device="cuda") * sc  # noqa: E731
+    bf = torch.bfloat16
+    return dict(
+        W_in=r(ly.d_in_proj, ly.d_model, sc=ly.d_model ** -0.5).to(bf),
+        W_out=r(ly.d_model, ly.d_inner, sc=ly.d_inner ** -0.5).to(bf),
+        conv_w=r(ly.conv_dim, ly.d_conv, sc=0.5).to(bf), conv_b=r(ly.conv_dim, sc=0.2).to(bf),
+        A=-(torch.rand(ly.nheads, generator=gen, device="cuda") * 7.5 + 0.5), D=r(ly.nheads),
+        dt_bias=r(ly.nheads, sc=0.5), norm_w=(1 + 0.1 * r(ly.d_inner)).to(bf))
+
+
+def split(ly: Layer, zxbcdt):
+    return torch.split(zxbcdt, [ly.d_inner, ly.conv_dim, ly.nheads], dim=-1)
+
+
+def torch_conv(ly: Layer, xBC, w, b):
+    """The model's prefill conv (m2export/models/mamba2.py Mamba2Mixer.forward), fresh sequence."""
+    xt = xBC.transpose(1, 2)
+    xpad = torch.cat([xt.new_zeros(xt.shape[0], ly.conv_dim, ly.d_conv - 1), xt], dim=2)
+    new_state = xpad[:, :, xpad.shape[2] - (ly.d_conv - 1):]
+    return F.silu(F.conv1d(xpad, w[:, None, :], b, groups=ly.conv_dim)).transpose(1, 2), new_state
+
+
+def torch_conv_step(ly: Layer, x, state, w, b):
+    """The model's decode conv (the same forward with seqlen 1): concat, conv1d, keep the last d_conv-1."""
+    xpad = torch.cat([state, x[:, :, None]], dim=2)
+    y = F.silu(F.conv1d(xpad, w[:, None, :], b, groups=ly.conv_dim))[:, :, 0]
+    state.copy_(xpad[:, :, 1:])
+    return y
+
+
+def run_mode(ly: Layer, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles):
+    from m2export.kernels.conv1d import causal_conv1d, conv_update
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+    from m2export.kernels.gated_norm import gated_rmsnorm
+    from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
+    from m2export.kernels.ssd import ssm_scan
+    from m2export.kernels.ssd_step import ssm_step
+    from m2export.contract_conv1d import validate as conv_validate
+    from m2export.contract_gated_norm import validate as norm_validate
+
+    batch, seqlen = MODES[mode]
+    decode = mode.startswith("decode")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    W = weights(ly, gen)
+    h, p, g, n, di = ly.nheads, ly.headdim, ly.ngroups, ly.d_state, ly.d_inner
+    M = batch * seqlen
+    u = torch.randn(M, ly.d_model, generator=gen, device="cuda").to(torch.bfloat16)
+    zx = torch.empty(M, ly.d_in_proj, dtype=torch.bfloat16, device="cuda")
+    torch.matmul(u, W["W_in"].t(), out=zx)
+    zxbcdt = zx.view(batch, seqlen, ly.d_in_proj) if not decode else zx
+    z, xBC, dt = split(ly, zxbcdt)
+    gsz = di // g
+    torch_norm = RMSNormGated(di, group_size=gsz, eps=1e-5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        torch_norm.weight.copy_(W["norm_w"])
+    out = torch.empty(M, ly.d_model, dtype=torch.bfloat16, device="cuda")
+    parts = []  # (part, impl, fn, floor_s, check: (ref_fn, out_fn) or None)
+
+    parts.append(("in_proj GEMM", "torch matmul", lambda: torch.matmul(u, W["W_in"].t(), out=zx),
+                  gemm_floor(M, ly.d_model, ly.d_in_proj)))
+    if not decode:
+        yconv = torch.empty(batch, seqlen, ly.conv_dim, dtype=torch.bfloat16, device="cuda")
+        cst = torch.empty(batch, ly.conv_dim, ly.d_conv - 1, dtype=torch.bfloat16, device="cuda")
+        conv_fl = 2 * M * ly.conv_dim * 2 / HBM
+        ref_y = torch_conv(ly, xBC, W["conv_w"], W["conv_b"])[0]
+        res = causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst)
+        torch.cuda.synchronize()
+        conv_err = rel_err(ref_y, res.y)
+        parts.append(("conv1d+SiLU", f"cutile (rel-err vs torch {conv_err:.1e})",
+                      lambda: causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst), conv_fl))
+        cprob = conv_validate(xBC, W["conv_w"], W["conv_b"])
+        for tl in conv_tiles:
+            parts.append(("conv1d+SiLU", f"cutile tiles {tl[0]}x{tl[1]}" + (f" occ {tl[2]}" if tl[2] else ""),
+                          lambda tl=tl: causal_conv1d_cutile(xBC, W["conv_w"], W["conv_b"], None, problem=cprob,
+                                                             silu=True, out=yconv, state_out=cst, tiles=tl[:2],
+                                                             occupancy=tl[2] or None), conv_fl))
+        parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
+                      lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
+        xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
+        xv, Bv, Cv = xs.reshape(batch, seqlen, h, p), Bs.reshape(batch, seqlen, g, n), Cs.reshape(batch, seqlen, g, n)
+        xc, dtc, Bc, Cc = xv.contiguous(), dt.contiguous(), Bv.contiguous(), Cv.contiguous()
+        yscan = torch.empty(batch, seqlen, h, p, dtype=torch.bfloat16, device="cuda")
+        fstate = torch.empty(batch, h, p, n, dtype=torch.float32, device="cuda")
+        sfl = scan_floor_s((batch, seqlen, h, p, g, n))
+        scan = lambda a, d_, b_, c_: ssm_scan(a, d_, W["A"], b_, c_, W["D"], W["dt_bias"], out=yscan,  # noqa: E731
+                                              final_state_out=fstate)
+        parts.append(("SSM scan", "cutile (views of the conv output: copies included)",
+                      lambda: scan(xv, dt, Bv, Cv), sfl))
+        parts.append(("SSM scan", "cutile, contiguous inputs", lambda: scan(xc, dtc, Bc, Cc), sfl))
+        y2 = yscan.view(batch, seqlen, di)
+    else:
+        yconv = torch.empty(batch, ly.conv_dim, dtype=torch.bfloat16, device="cuda")
+        cstate = torch.randn(batch, ly.conv_dim, ly.d_conv - 1, generator=gen, device="cuda").to(torch.bfloat16)
+        cstate2 = cstate.clone()
+        conv_fl = batch * ly.conv_dim * (2 + 2 * (ly.d_conv - 1)) * 2 / HBM
+        ref_y = torch_conv_step(ly, xBC, cstate2.clone(), W["conv_w"], W["conv_b"])
+        res = conv_update(xBC, cstate.clone(), W["conv_w"], W["conv_b"], out=yconv)
+        torch.cuda.synchronize()
+        conv_err = rel_err(ref_y, res.y)
+        parts.append(("conv1d+SiLU", f"cutile update, in place (rel-err vs torch {conv_err:.1e})",
+                      lambda: conv_update(xBC, cstate, W["conv_w"], W["conv_b"], out=yconv), conv_fl))
+        parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu, state copy)",
+                      lambda: torch_conv_step(ly, xBC, cstate2, W["conv_w"], W["conv_b"]), conv_fl))
+        xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
+        xv, Bv, Cv = xs.reshape(batch, h, p), Bs.reshape(batch, g, n), Cs.reshape(batch, g, n)
+        sstate = torch.randn(batch, h, p, n, generator=gen, device="cuda")
+        yscan = torch.empty(batch, h, p, dtype=torch.bfloat16, device="cuda")
+        parts.append(("SSM scan", "cutile step, in place (views: copies included)",
+                      lambda: ssm_step(xv, dt, W["A"], Bv, Cv, W["D"], W["dt_bias"], sstate, out=yscan,
+                                       state_out=sstate), step_bytes(batch, h, p, g, n) / HBM))
+        y2 = yscan.view(batch, di)
+    nout = torch.empty_like(y2)
+    norm_fl = 3 * M * di * 2 / HBM
+    ref_n = torch_norm(y2, z)
+    gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout)
+    torch.cuda.synchronize()
+    norm_err = rel_err(ref_n, nout)
+    parts.append(("gated RMSNorm", f"cutile (rel-err vs torch {norm_err:.1e})",
+                  lambda: gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout), norm_fl))
+    nprob = norm_validate(y2, z, W["norm_w"], group_size=gsz)
+    for tl in norm_tiles(gsz):
+        parts.append(("gated RMSNorm", f"cutile tiles {tl[0]}x{tl[1]}" + (f" occ {tl[2]}" if tl[2] else ""),
+                      lambda tl=tl: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, tiles=tl[:2],
+                                                         occupancy=tl[2] or None), norm_fl))
+    parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
+    if mamba_norm is not None:
+        with torch.no_grad():
+            t_out = mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz, norm_before_gate=False)
+        torch.cuda.synchronize()
+        parts.append(("gated RMSNorm", f"mamba_ssm triton rmsnorm_fn (rel-err vs torch {rel_err(ref_n, t_out):.1e})",
+                      lambda: mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz,
+                                         norm_before_gate=False), norm_fl))
+    parts.append(("out_proj GEMM", "torch matmul", lambda: torch.matmul(nout.view(M, di), W["W_out"].t(), out=out),
+                  gemm_floor(M, di, ly.d_model)))
+
+    # whole layer, one graph: ours vs the model's torch ops (scan on cuTile in both)
+    def layer(ours: bool):
+        torch.matmul(u, W["W_in"].t(), out=zx)
+        if decode:
+            yc = (conv_update(xBC, cstate, W["conv_w"], W["conv_b"], out=yconv).y if ours
+                  else torch_conv_step(ly, xBC, cstate2, W["conv_w"], W["conv_b"]))
+            xs_, Bs_, Cs_ = torch.split(yc, [di, g * n, g * n], dim=-1)
+            ys = ssm_step(xs_.reshape(batch, h, p), dt, W["A"], Bs_.reshape(batch, g, n), Cs_.reshape(batch, g, n),
+                          W["D"], W["dt_bias"], sstate, state_out=sstate).y.view(batch, di)
+        else:
+            yc = (causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst).y if ours
+                  else torch_conv(ly, xBC, W["conv_w"], W["conv_b"])[0])
+            xs_, Bs_, Cs_ = torch.split(yc, [di, g * n, g * n], dim=-1)
+            ys = ssm_scan(xs_.reshape(batch, seqlen, h, p), dt, W["A"], Bs_.reshape(batch, seqlen, g, n),
+                          Cs_.reshape(batch, seqlen, g, n), W["D"], W["dt_bias"]).y.view(batch, seqlen, di)
+        yn = gated_rmsnorm(ys, z, W["norm_w"], group_size=gsz) if ours else torch_norm(ys, z)
+        return torch.matmul(yn.reshape(M, di), W["W_out"].t(), out=out)
+
+    for part, impl, fn, fl in parts:
+        try:
+            t = time_fn(fn, graph=True, rep=rep, warmup=min(25, rep))
+        except Exception as e:  # noqa: BLE001
+            print(f"  {ly.name} {mode} {part} {impl}: FAILED {e!r}", file=sys.stderr, flush=True)
+            continue
+        rows_out.append(dict(layer=ly.name, mode=mode, part=part, impl=impl, us=t * 1e3, floor_us=fl * 1e6))
+        print(f"  {ly.name:14s} {mode:15s} {part:14s} {impl:58s} {t * 1e3:9.1f} us  floor {fl * 1e6:8.1f} us  "
+              f"x{t * 1e-3 / fl:5.2f}", flush=True)
+    non_gemm_floor = sum({pt: fl for pt, _i, _f, fl in parts if pt not in ("in_proj GEMM", "out_proj GEMM")}.values())
+    gemm_fl = sum(fl for pt, _i, _f, fl in parts if pt.endswith("GEMM"))
+    for ours in (True, False):
+        label = "cuTile conv + scan + norm" if ours else "torch conv + norm, cuTile scan"
+        try:
+            t = time_fn(lambda ours=ours: layer(ours), graph=True, rep=rep, warmup=min(25, rep))
+        except Exception as e:  # noqa: BLE001
+            print(f"  {ly.name} {mode} whole layer {label}: FAILED {e!r}", file=sys.stderr, flush=True)
+            continue
+        rows_out.append(dict(layer=ly.name, mode=mode, part="whole layer", impl=label, us=t * 1e3,
+                             floor_us=(non_gemm_floor + gemm_fl) * 1e6))
+        print(f"  {ly.name:14s} {mode:15s} whole layer    {label:58s} {t * 1e3:9.1f} us  floor "
+              f"{(non_gemm_floor + gemm_fl) * 1e6:8.1f} us (non-GEMM floor {non_gemm_floor * 1e6:.1f})", flush=True)
+    torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    ap.add_argument("--conv-tiles", default="16:128:0,32:128:0,16:256:4",
+                    help="extra prefill conv configs BLOCK_T:BLOCK_C:occupancy (0: no hint), '' for none")
+    ap.add_argument("--norm-rows", default="2:0,1:4",
+                    help="extra gated-norm configs BLOCK_R:occupancy (tile width: the group padded), '' for none")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    import triton
+    import cuda.tile as ct
+
+    conv_tiles = [tuple(int(v) for v in s.split(":")) for s in args.conv_tiles.split(",") if s]
+    norm_rows = [tuple(int(v) for v in s.split(":")) for s in args.norm_rows.split(",") if s]
+
+    def norm_tiles(gsz):
+        bg = 1 << (gsz - 1).bit_length()
+        return [(r, bg, o) for r, o in norm_rows]
+
+    mamba_norm, why = load_mamba_norm()
+    head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()} "
+            f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs), torch {torch.__version__}, "
+            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16; us = median of graph replays")
+    print(head, flush=True)
+    rows: list = []
+    for ln in args.layers.split(","):
+        for mode in args.modes.split(","):
+            print(f"{ln} {mode} ...", file=sys.stderr, flush=True)
+            run_mode(LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles)
+    lines = [f"### Mamba-2 layer parts (issue 18), {head}", "",
+             "| layer | mode | part | implementation | us | floor us | x floor |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['mode']} | {r['part']} | {r['impl']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{r['us'] / r['floor_us']:.2f} |")
+    lines += ["", "Floors: GEMM max(bytes/4.3 TB/s, FLOPs/790 TFLOP/s); conv, norm and decode step bytes/4.3 TB/s; "
+              "prefill scan bench_ssd.floor_s. Whole layer: the five parts in one graph; its floor sums the parts'."
+              + ("" if mamba_norm is not None else f" mamba_ssm not run: {why}.")
+              + " causal-conv1d (CUDA extension) not on the device image.", ""]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

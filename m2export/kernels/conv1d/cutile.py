@@ -1,0 +1,234 @@
+"""cuTile kernels of CausalConv1d (m2export/contract_conv1d.py): prefill and single-token update, memory-bound.
+
+Order: tile helpers -> ``@ct.kernel`` functions (docstrings name the grid and what a block owns)
+-> launch configuration -> :func:`causal_conv1d_cutile` / :func:`conv_update_cutile` (called by
+:mod:`m2export.kernels.conv1d`).
+
+Prefill, two launches. :func:`conv1d_fwd_kernel` computes the tokens t >= d_conv-1, which read no
+state: block (t-tile, c-tile, b) owns BLOCK_T tokens x BLOCK_C channels::
+
+    y[t, c] = act(bias[c] + sum_k weight[c, k] * x[t - (d_conv-1) + k, c])
+
+Tap k is a tile load from ``x.slice(axis=1, start=k)`` (the tap tiles overlap, so DRAM sees x about
+once; the rest hits L1/L2). :func:`conv1d_edge_kernel` computes the first d_conv-1 tokens, whose
+taps reach into conv_state (gathers: a negative token index is out of bounds of x, giving 0, and in
+bounds of conv_state at d_conv-1+t, so the sum of two gathers is the padded input), and writes the
+final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Splitting them keeps
+the gathers' registers and code out of the streaming kernel. Accumulation in fp32; y in x's dtype.
+
+Update. Block (b-tile, c-tile) reads the (BLOCK_B, BLOCK_C, 4) window [conv_state, x], writes y and
+the state shifted by one token, in place (each block reads its state tile before writing it, and
+no two blocks share one).
+
+Bytes (prefill): x read and y written once each, 2 * batch * seqlen * conv_dim * itemsize; the
+state and weights are small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cuda.tile as ct
+
+from m2export.contract_conv1d import Conv1dProblem
+from m2export.errors import ContractError
+from m2export.kernels.conv1d.naive import Conv1dOutput
+from m2export.kernels.ssd.cutile import _hinted, _torch_stream
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+_ZERO = ct.PaddingMode.ZERO
+STATE_TILE = 4
+"""Tokens/state columns per edge tile: a power of two >= d_conv - 1 (d_conv <= 4, the contract's range)."""
+EDGE_BLOCK_C = 128
+"""Channels per block of the edge kernel (tiny work: batch * conv_dim * (d_conv - 1) outputs)."""
+
+
+# ----------------------------------------------------------------------------- tile helpers
+def _ct_silu(v):
+    """silu(v) = v / (1 + exp(-v)) of an fp32 tile, with the approximate division (rcp + mul, ~2 ulp;
+    exp(-v) overflows to inf for v << 0, giving -0)."""
+    return ct.truediv(v, 1.0 + ct.exp(-v), rounding_mode=ct.RoundingMode.APPROX)
+
+
+def _ct_act(v, SILU: ConstBool):
+    """silu(v) or v (fp32 tile)."""
+    if SILU:
+        return _ct_silu(v)
+    return v
+
+
+def _ct_bias(bias, ci, BLOCK_C: ConstInt, HAS_BIAS: ConstBool):
+    """bias[c-tile ci] as a (BLOCK_C,) fp32 tile (0 if absent or past conv_dim)."""
+    if HAS_BIAS:
+        return ct.load(bias, index=(ci,), shape=(BLOCK_C,), padding_mode=_ZERO).astype(ct.float32)
+    return ct.full((BLOCK_C,), 0.0, dtype=ct.float32)
+
+
+# ----------------------------------------------------------------------------- kernels
+@ct.kernel
+def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt,
+                      HAS_BIAS: ConstBool, SILU: ConstBool):
+    """Prefill, tokens t >= d_conv-1 (they read no state). Grid: (cdiv(seqlen - (D_CONV-1), BLOCK_T),
+    cdiv(conv_dim, BLOCK_C), batch).
+
+    Block (tt, ci, b) owns tokens t = D_CONV-1 + [tt*BLOCK_T, ...) and channels [ci*BLOCK_C, ...)
+    of batch b: y[b, t, c] = act(bias[c] + sum_k weight[c, k] * x[b, t - (D_CONV-1) + k, c]); tap k
+    is the tile tt of ``x.slice(axis=1, start=k)`` (every start >= 0), y the tile tt of
+    ``y.slice(axis=1, start=D_CONV-1)`` (bounds-checked). x: (batch, seqlen, conv_dim), last stride 1.
+    """
+    tt = ct.bid(0)
+    ci = ct.bid(1)
+    b = ct.bid(2)
+    f32 = ct.float32
+    seqlen = x.shape[1]
+    acc = ct.full((BLOCK_T, BLOCK_C), 0.0, dtype=f32) + _ct_bias(bias, ci, BLOCK_C, HAS_BIAS)[None, :]
+    for k in range(D_CONV):
+        xs = ct.load(x.slice(axis=1, start=k, stop=seqlen), index=(b, tt, ci), shape=(1, BLOCK_T, BLOCK_C),
+                     padding_mode=_ZERO).reshape((BLOCK_T, BLOCK_C))
+        w = ct.load(weight, index=(ci, k), shape=(BLOCK_C, 1), padding_mode=_ZERO).reshape((BLOCK_C,))
+        acc = acc + xs.astype(f32) * w.astype(f32)[None, :]
+    ct.store(y.slice(axis=1, start=D_CONV - 1, stop=seqlen), index=(b, tt, ci),
+             tile=_ct_act(acc, SILU).astype(y.dtype).reshape((1, BLOCK_T, BLOCK_C)))
+
+
+@ct.kernel
+def conv1d_edge_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_C: ConstInt, D_CONV: ConstInt,
+                       HAS_BIAS: ConstBool, HAS_STATE: ConstBool, SILU: ConstBool):
+    """Prefill, the tokens that read conv_state and the final state. Grid: (cdiv(conv_dim, BLOCK_C), batch, 1).
+
+    Block (ci, b) owns channels [ci*BLOCK_C, ...) of batch b: y for tokens t < min(D_CONV-1, seqlen)
+    and state_out[b, c-tile, :] (the last D_CONV-1 inputs). It gathers the padded input
+    xp[t + k] (t + k - (D_CONV-1) < 0: conv_state[b, c, t + k], else x[b, t + k - (D_CONV-1), c]) as
+    the sum of two gathers: a negative token index is out of bounds of x (0) and in bounds of
+    conv_state. Tiles are (STATE_TILE, BLOCK_C); columns past the array are dropped by the
+    bounds-checked scatters. conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased.
+    """
+    ci = ct.bid(0)
+    b = ct.bid(1)
+    f32 = ct.float32
+    seqlen = x.shape[1]
+    j = ct.arange(STATE_TILE, dtype=ct.int32)
+    cidx = ci * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    acc = ct.full((STATE_TILE, BLOCK_C), 0.0, dtype=f32) + _ct_bias(bias, ci, BLOCK_C, HAS_BIAS)[None, :]
+    for k in range(D_CONV):
+        tk = j - (D_CONV - 1) + k  # token read by tap k for output token j (< 0: from conv_state)
+        xs = ct.gather(x, (b, tk[:, None], cidx[None, :])).astype(f32)
+        if HAS_STATE:
+            xs = xs + ct.gather(conv_state, (b, cidx[None, :], tk[:, None] + (D_CONV - 1))).astype(f32)
+        w = ct.load(weight, index=(ci, k), shape=(BLOCK_C, 1), padding_mode=_ZERO).reshape((BLOCK_C,))
+        acc = acc + xs * w.astype(f32)[None, :]
+    keep = (j[:, None] < D_CONV - 1) & (j[:, None] < seqlen)
+    ct.scatter(y, (b, j[:, None], cidx[None, :]), _ct_act(acc, SILU).astype(y.dtype), mask=keep)
+    ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
+    st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
+    if HAS_STATE:
+        st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
+    ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+
+
+@ct.kernel
+def conv1d_update_kernel(x, weight, bias, conv_state, y,
+                         BLOCK_B: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt,
+                         HAS_BIAS: ConstBool, SILU: ConstBool):
+    """Single-token update, in place on conv_state. Grid: (cdiv(batch, BLOCK_B), cdiv(conv_dim, BLOCK_C), 1).
+
+    Block (bb, ci) owns rows [bb*BLOCK_B, ...) and channels [ci*BLOCK_C, ...): reads x (batch,
+    conv_dim) and its conv_state tile (batch, conv_dim, D_CONV-1), writes y (batch, conv_dim) and
+    the state shifted by one token (oldest dropped, x appended).
+    """
+    bb = ct.bid(0)
+    ci = ct.bid(1)
+    f32 = ct.float32
+    W = STATE_TILE
+    j = ct.arange(W, dtype=ct.int32)
+    bidx = bb * BLOCK_B + ct.arange(BLOCK_B, dtype=ct.int32)
+    cidx = ci * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    xt = ct.load(x, index=(bb, ci), shape=(BLOCK_B, BLOCK_C), padding_mode=_ZERO).astype(f32)
+    st = ct.gather(conv_state, (bidx[:, None, None], cidx[None, :, None], j[None, None, :])).astype(f32)
+    # window [state columns 0..D_CONV-2, x] (column D_CONV-1 of the state tile is out of bounds: 0)
+    win = ct.where(j[None, None, :] == D_CONV - 1, xt[:, :, None], st)
+    w = ct.gather(weight, (cidx[:, None], j[None, :])).astype(f32)  # (BLOCK_C, W), 0 past d_conv
+    acc = ct.sum(win * w[None, :, :], axis=2) + _ct_bias(bias, ci, BLOCK_C, HAS_BIAS)[None, :]
+    nxt = ct.gather(conv_state, (bidx[:, None, None], cidx[None, :, None], j[None, None, :] + 1)).astype(f32)
+    new = ct.where(j[None, None, :] == D_CONV - 2, xt[:, :, None], nxt)
+    ct.store(y, index=(bb, ci), tile=_ct_act(acc, SILU).astype(y.dtype))
+    ct.scatter(conv_state, (bidx[:, None, None], cidx[None, :, None], j[None, None, :]), new.astype(conv_state.dtype))
+
+
+# ----------------------------------------------------------------------------- launch configuration
+def choose_fwd_tiles(p: Conv1dProblem) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) of the streaming prefill kernel: 16 tokens x 256 channels (bf16, sm_90, read on
+    the CPU from the cubin: 128 registers per thread at 128 threads, no stack, so 4 blocks per SM;
+    32 x 128 needs 218 registers, 64 x 128 254 and a stack frame). Smaller for tiny problems."""
+    bt = 16 if p.seqlen > 8 else 4
+    bc = 256 if p.conv_dim > 128 else max(16, 1 << (p.conv_dim - 1).bit_length())
+    return bt, bc
+
+
+def choose_update_tiles(p: Conv1dProblem) -> tuple[int, int]:
+    """(BLOCK_B, BLOCK_C) of the update: 4 rows x 256 channels."""
+    bb = min(4, 1 << max(0, p.batch - 1).bit_length())
+    bc = 256 if p.conv_dim > 128 else max(16, 1 << (p.conv_dim - 1).bit_length())
+    return bb, bc
+
+
+def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
+                         state_out=None, stream=None, tiles: tuple[int, int] | None = None,
+                         occupancy: int | None = None) -> Conv1dOutput:
+    """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
+
+    ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
+    in_proj output); weight/bias/conv_state are made contiguous. ``tiles`` = (BLOCK_T, BLOCK_C)
+    and ``occupancy`` override :func:`choose_fwd_tiles` and the compiler's default (benchmarks).
+    """
+    from m2export.kernels.conv1d import conv_out_buffers
+
+    p = problem
+    dev = x.device
+    launch_stream = _torch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+        weight, bias, conv_state = (None if t is None else t.contiguous() for t in (weight, bias, conv_state))
+        y, st_out = conv_out_buffers(x, p, out, state_out, allocate=True)
+        if p.batch == 0:
+            return Conv1dOutput(y, st_out)
+        if p.seqlen == 0:
+            st_out.copy_(conv_state) if conv_state is not None else st_out.zero_()
+            return Conv1dOutput(y, st_out)
+        bt, bc = tiles or choose_fwd_tiles(p)
+        raw = int(launch_stream.cuda_stream)
+        b_arg = bias if bias is not None else weight
+        n_main = p.seqlen - (p.d_conv - 1)
+        if n_main > 0:
+            ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), _hinted(conv1d_fwd_kernel, occupancy),
+                      (x, weight, b_arg, y, bt, bc, p.d_conv, bias is not None, bool(silu)))
+        ct.launch(raw, (-(-p.conv_dim // EDGE_BLOCK_C), p.batch, 1), conv1d_edge_kernel,
+                  (x, weight, b_arg, conv_state if conv_state is not None else st_out, y, st_out, EDGE_BLOCK_C,
+                   p.d_conv, bias is not None, conv_state is not None, bool(silu)))
+    return Conv1dOutput(y, st_out)
+
+
+def conv_update_cutile(x, conv_state, weight, bias, *, problem: Conv1dProblem, silu: bool, out=None,
+                       stream=None, tiles: tuple[int, int] | None = None) -> Conv1dOutput:
+    """cuTile single-token update on validated arguments, in place on ``conv_state`` (which must be
+    contiguous); see :func:`m2export.kernels.conv1d.conv_update`."""
+    from m2export.kernels.ssd import check_out
+
+    p = problem
+    dev = x.device
+    if not conv_state.is_contiguous():
+        raise ContractError("conv_state: the in-place update needs a contiguous conv_state, got strides "
+                            f"{tuple(conv_state.stride())}")
+    launch_stream = _torch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+        weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
+        if out is None:
+            out = torch.empty(p.batch, p.conv_dim, dtype=x.dtype, device=dev)
+        check_out("out", out, (p.batch, p.conv_dim), x.dtype, dev)
+        if p.batch == 0:
+            return Conv1dOutput(out, conv_state)
+        bb, bc = tiles or choose_update_tiles(p)
+        ct.launch(int(launch_stream.cuda_stream), (-(-p.batch // bb), -(-p.conv_dim // bc), 1), conv1d_update_kernel,
+                  (x, weight, bias if bias is not None else weight, conv_state, out, bb, bc, p.d_conv,
+                   bias is not None, bool(silu)))
+    return Conv1dOutput(out, conv_state)

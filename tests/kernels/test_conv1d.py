@@ -1,0 +1,190 @@
+"""CausalConv1d: the PyTorch reference vs an explicit float64 sum (CPU), the model's conv, and the cuTile
+kernels (prefill and in-place update, backend="cutile") vs that float64 oracle (GPU).
+
+Error bounds (rel-L2 of y vs the float64 oracle): fp32 arithmetic with one approximate division in
+SiLU: 1e-5 for float32; y carries the rounding of its final cast otherwise (float16 2e-3, bfloat16
+1e-2). The conv state holds input values, so it must match exactly. Outputs are NaN-poisoned
+through ``out=`` / ``state_out=`` before each launch; x is also passed as a strided slice of a
+wider tensor, the layout of the in_proj output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m2export.errors import BackendUnavailable, ContractError
+from m2export.kernels.conv1d import causal_conv1d, causal_conv1d_ref, conv_update, conv_update_ref
+from tests.helpers import TORCH_DTYPES, assert_close, requires_cutile
+
+Y_REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def oracle(x, weight, bias, conv_state, silu=True):
+    """float64 explicit sum over taps: y[b, t, c] = act(bias + sum_k w[c, k] * xp[b, t + k, c])."""
+    b, L, C = x.shape
+    K = weight.shape[1]
+    st = torch.zeros(b, C, K - 1, dtype=torch.float64) if conv_state is None else conv_state.double().cpu()
+    xp = torch.cat([st.transpose(1, 2), x.double().cpu()], dim=1)  # (b, K-1+L, C)
+    y = torch.zeros(b, L, C, dtype=torch.float64)
+    if bias is not None:
+        y += bias.double().cpu()
+    w = weight.double().cpu()
+    for k in range(K):
+        y += xp[:, k:k + L, :] * w[:, k]
+    return (F.silu(y) if silu else y), xp[:, L:, :].transpose(1, 2).contiguous()
+
+
+def make(batch, seqlen, conv_dim, d_conv, dtype="float32", *, seed, state=True, bias=True, pad=0, device="cpu"):
+    """Random inputs; x is a slice [pad : pad + conv_dim] of a (batch, seqlen, conv_dim + 2*pad) tensor."""
+    g = torch.Generator().manual_seed(seed)
+    dt = TORCH_DTYPES[dtype]
+    wide = torch.randn(batch, seqlen, conv_dim + 2 * pad, generator=g).to(dt).to(device)
+    x = wide[..., pad:pad + conv_dim]
+    w = (torch.randn(conv_dim, d_conv, generator=g) * 0.5).to(dt).to(device)
+    bs = (torch.randn(conv_dim, generator=g) * 0.3).to(dt).to(device) if bias else None
+    cs = torch.randn(batch, conv_dim, d_conv - 1, generator=g).to(dt).to(device) if state else None
+    return x, w, bs, cs
+
+
+@pytest.mark.parametrize("seqlen", [1, 2, 3, 4, 37])
+@pytest.mark.parametrize("d_conv", [2, 3, 4])
+def test_reference_matches_explicit_sum(seqlen, d_conv):
+    x, w, bs, cs = make(3, seqlen, 20, d_conv, seed=seqlen * 10 + d_conv, pad=3)
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    res = causal_conv1d_ref(x, w, bs, cs, dtype=torch.float64)
+    assert_close("y", y_ref, res.y, rel=1e-12)
+    assert torch.equal(res.final_conv_state, st_ref)
+    res32 = causal_conv1d(x, w, bs, cs, backend="torch")
+    assert res32.y.dtype == torch.float32 and res32.y.is_contiguous()
+    assert_close("y fp32", y_ref, res32.y, rel=1e-6)
+
+
+def test_reference_without_state_bias_or_activation():
+    x, w, _, _ = make(2, 9, 12, 4, seed=1, state=False, bias=False)
+    y_ref, st_ref = oracle(x, w, None, None, silu=False)
+    res = causal_conv1d_ref(x, w, activation="none", dtype=torch.float64)
+    assert_close("y", y_ref, res.y, rel=1e-12)
+    assert torch.equal(res.final_conv_state, st_ref)
+
+
+def test_prefill_then_updates_equals_longer_prefill():
+    x, w, bs, cs = make(2, 11, 16, 4, seed=2)
+    full = causal_conv1d_ref(x, w, bs, cs, dtype=torch.float64)
+    head = causal_conv1d_ref(x[:, :6], w, bs, cs)
+    state = head.final_conv_state.clone()
+    for t in range(6, 11):
+        res = conv_update(x[:, t], state, w, bs, backend="torch")
+        assert res.final_conv_state is state  # in place
+        assert_close(f"y[{t}]", full.y[:, t], res.y, rel=1e-6)
+    assert torch.equal(state.double(), full.final_conv_state)
+
+
+def test_update_reference_leaves_its_input_state_alone():
+    x, w, bs, cs = make(3, 1, 8, 3, seed=3)
+    before = cs.clone()
+    res = conv_update_ref(x[:, 0], cs, w, bs)
+    assert torch.equal(cs, before)
+    assert torch.equal(res.final_conv_state, torch.cat([before[:, :, 1:], x[:, 0, :, None]], dim=2))
+
+
+def test_reference_is_the_models_conv():
+    """Mamba2Mixer's conv (F.conv1d over concat(conv_state, xBC)) computes the same function."""
+    x, w, bs, cs = make(2, 7, 24, 4, seed=4)
+    xp = torch.cat([cs, x.transpose(1, 2)], dim=2)
+    y_model = F.silu(F.conv1d(xp, w[:, None, :], bs, groups=24)).transpose(1, 2)
+    assert_close("y", y_model, causal_conv1d_ref(x, w, bs, cs).y, rel=1e-6)
+
+
+def test_explicit_backends_only():
+    x, w, bs, cs = make(1, 4, 8, 4, seed=5)
+    with pytest.raises(ContractError, match="backend: expected one of"):
+        causal_conv1d(x, w, bs, cs, backend="triton")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="no CUDA device"):
+            causal_conv1d(x, w, bs, cs, backend="cutile")
+        with pytest.raises(BackendUnavailable, match="no CUDA device"):
+            conv_update(x[:, 0], cs, w, bs, backend="cutile")
+
+
+# ----------------------------------------------------------------------------- GPU: cuTile vs float64
+gpu = requires_cutile
+DTYPES = ["float32", "float16", "bfloat16"]
+PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the edge
+    pytest.param(2, 1, 200, 4, True, True, 8, id="L1"),
+    pytest.param(2, 2, 200, 4, True, True, 8, id="L2"),
+    pytest.param(3, 3, 200, 4, True, True, 0, id="L3_lt_dconv_plus1"),
+    pytest.param(1, 4, 136, 4, False, True, 0, id="L4_no_state"),
+    pytest.param(2, 19, 5376 // 8, 4, True, True, 8, id="L19_tile_plus_edge"),
+    pytest.param(1, 16 + 3, 520, 3, True, False, 0, id="L_tile_plus_dconv_m1_d3_nobias"),
+    pytest.param(3, 100, 264, 2, True, True, 16, id="L100_d2"),
+    pytest.param(2, 1000, 1000, 4, True, True, 8, id="L1000_C1000"),
+    pytest.param(1, 2, 40, 3, False, False, 0, id="L2_d3_plain"),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,seqlen,conv_dim,d_conv,state,bias,pad", PREFILL)
+def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype):
+    x, w, bs, cs = make(batch, seqlen, conv_dim, d_conv, dtype, seed=seqlen + conv_dim + d_conv, state=state,
+                        bias=bias, pad=pad, device="cuda")
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    y = torch.full((batch, seqlen, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
+    st = torch.full((batch, conv_dim, d_conv - 1), float("nan"), dtype=x.dtype, device="cuda")
+    cs_before = None if cs is None else cs.clone()
+    res = causal_conv1d(x, w, bs, cs, out=y, state_out=st)
+    torch.cuda.synchronize()
+    assert res.y is y and res.final_conv_state is st
+    assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
+    assert torch.equal(st.cpu().double(), st_ref), "final_conv_state must be the last d_conv-1 inputs exactly"
+    if cs is not None:
+        assert torch.equal(cs, cs_before), "the prefill must not modify conv_state"
+
+
+@pytest.mark.gpu
+@gpu
+def test_cutile_prefill_allocates_and_refuses_aliasing():
+    x, w, bs, cs = make(2, 50, 300, 4, "bfloat16", seed=9, device="cuda")
+    res = causal_conv1d(x, w, bs, cs)
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    assert_close("y", y_ref, res.y.cpu(), rel=Y_REL["bfloat16"])
+    assert torch.equal(res.final_conv_state.cpu().double(), st_ref)
+    with pytest.raises(ContractError, match="state_out: must not alias conv_state"):
+        causal_conv1d(x, w, bs, cs, state_out=cs)
+
+
+UPDATE = [pytest.param(1, 200, 4, id="B1"), pytest.param(5, 5376 // 8, 3, id="B5_d3"),
+          pytest.param(130, 1000, 4, id="B130_C1000"), pytest.param(7, 48, 2, id="B7_d2")]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,conv_dim,d_conv", UPDATE)
+def test_cutile_update_in_place(batch, conv_dim, d_conv, dtype):
+    x, w, bs, cs = make(batch, 1, conv_dim, d_conv, dtype, seed=batch + conv_dim, pad=8, device="cuda")
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    y = torch.full((batch, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
+    state = cs.clone()
+    res = conv_update(x[:, 0], state, w, bs, out=y)
+    torch.cuda.synchronize()
+    assert res.y is y and res.final_conv_state is state
+    assert_close("y", y_ref[:, 0], y.cpu(), rel=Y_REL[dtype])
+    assert torch.equal(state.cpu().double(), st_ref), "conv_state must be shifted by one token exactly"
+
+
+@pytest.mark.gpu
+@gpu
+def test_cutile_prefill_then_updates_equals_longer_prefill():
+    x, w, bs, cs = make(3, 40, 264, 4, "float32", seed=11, device="cuda")
+    full = causal_conv1d(x, w, bs, cs)
+    head = causal_conv1d(x[:, :33], w, bs, cs)
+    state = head.final_conv_state
+    for t in range(33, 40):
+        res = conv_update(x[:, t], state, w, bs)
+        assert_close(f"y[{t}]", full.y[:, t], res.y, rel=1e-5)
+    torch.cuda.synchronize()
+    assert torch.equal(state, full.final_conv_state)
