@@ -222,9 +222,11 @@ def run_mode(ly: Layer, mode: str, mamba_norm, rows_out: list, *, rep: int, conv
                   lambda: gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout), norm_fl))
     nprob = norm_validate(y2, z, W["norm_w"], group_size=gsz)
     for tl in norm_tiles(gsz):
-        parts.append(("gated RMSNorm", f"cutile tiles {tl[0]}x{tl[1]}" + (f" occ {tl[2]}" if tl[2] else ""),
-                      lambda tl=tl: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, tiles=tl[:2],
-                                                         occupancy=tl[2] or None), norm_fl))
+        if tl[2] == 1 and tl[1] > gsz and g > 1:
+            continue  # a padded tile would run into the next group
+        parts.append(("gated RMSNorm", f"cutile tiles {tl[0]}x{tl[1]}x{tl[2]} occ {tl[3]}",
+                      lambda tl=tl: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, tiles=tl[:3],
+                                                         occupancy=tl[3] or None), norm_fl))
     parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
     if mamba_norm is not None:
         with torch.no_grad():
@@ -284,21 +286,29 @@ def main(argv=None):
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    ap.add_argument("--conv-tiles", default="16:128:0,32:128:0,16:256:4",
+    ap.add_argument("--conv-tiles", default="16:256:0,32:128:0,16:128:4",
                     help="extra prefill conv configs BLOCK_T:BLOCK_C:occupancy (0: no hint), '' for none")
-    ap.add_argument("--norm-rows", default="2:0,1:4",
-                    help="extra gated-norm configs BLOCK_R:occupancy (tile width: the group padded), '' for none")
+    ap.add_argument("--norm-variants", default="1:4,2:4,4:2,1:8,2:8",
+                    help="extra gated-norm configs BLOCK_R:occupancy, each with the chooser's tiling of the group and, "
+                         "for a group that is not a power of two, also in chunks of its largest power-of-two divisor")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)  # inference: no autograd records (the model's norm weight is a Parameter)
     import triton
     import cuda.tile as ct
 
     conv_tiles = [tuple(int(v) for v in s.split(":")) for s in args.conv_tiles.split(",") if s]
-    norm_rows = [tuple(int(v) for v in s.split(":")) for s in args.norm_rows.split(",") if s]
+    norm_rows = [tuple(int(v) for v in s.split(":")) for s in args.norm_variants.split(",") if s]
 
     def norm_tiles(gsz):
-        bg = 1 << (gsz - 1).bit_length()
-        return [(r, bg, o) for r, o in norm_rows]
+        """(BLOCK_R, CHUNK, NCHUNK, occupancy) variants for one group of gsz channels per row group."""
+        out = []
+        for r, o in norm_rows:
+            if gsz & (gsz - 1) == 0:
+                out.append((r, gsz, 1, o))
+            else:
+                out += [(r, 1 << (gsz - 1).bit_length(), 1, o), (r, gsz & -gsz, gsz // (gsz & -gsz), o)]
+        return out
 
     mamba_norm, why = load_mamba_norm()
     head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()} "

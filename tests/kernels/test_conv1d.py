@@ -117,7 +117,8 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
     pytest.param(3, 3, 200, 4, True, True, 0, id="L3_lt_dconv_plus1"),
     pytest.param(1, 4, 136, 4, False, True, 0, id="L4_no_state"),
     pytest.param(2, 19, 5376 // 8, 4, True, True, 8, id="L19_tile_plus_edge"),
-    pytest.param(1, 16 + 3, 520, 3, True, False, 0, id="L_tile_plus_dconv_m1_d3_nobias"),
+    pytest.param(1, 64 + 2, 520, 3, True, False, 0, id="L_one_tile_plus_dconv_m1_d3_nobias"),
+    pytest.param(2, 64 + 4, 130, 4, True, True, 0, id="L_one_tile_plus_dconv"),
     pytest.param(3, 100, 264, 2, True, True, 16, id="L100_d2"),
     pytest.param(2, 1000, 1000, 4, True, True, 8, id="L1000_C1000"),
     pytest.param(1, 2, 40, 3, False, False, 0, id="L2_d3_plain"),
@@ -154,6 +155,24 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
     assert torch.equal(res.final_conv_state.cpu().double(), st_ref)
     with pytest.raises(ContractError, match="state_out: must not alias conv_state"):
         causal_conv1d(x, w, bs, cs, state_out=cs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tiles,occupancy", [((16, 256), None), ((32, 128), 2), ((4, 16), None), ((64, 64), 4)])
+def test_cutile_prefill_tile_variants(tiles, occupancy):
+    from m2export.contract_conv1d import validate
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+
+    x, w, bs, cs = make(2, 300, 5376 // 4, 4, "bfloat16", seed=tiles[0], pad=8, device="cuda")
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    y = torch.full((2, 300, 5376 // 4), float("nan"), dtype=x.dtype, device="cuda")
+    st = torch.full((2, 5376 // 4, 3), float("nan"), dtype=x.dtype, device="cuda")
+    causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st, tiles=tiles,
+                         occupancy=occupancy)
+    torch.cuda.synchronize()
+    assert_close("y", y_ref, y.cpu(), rel=Y_REL["bfloat16"])
+    assert torch.equal(st.cpu().double(), st_ref)
 
 
 UPDATE = [pytest.param(1, 200, 4, id="B1"), pytest.param(5, 5376 // 8, 3, id="B5_d3"),

@@ -107,6 +107,36 @@ def test_cutile_gated_norm(lead, d_inner, group_size, pad, norm_before_gate, dty
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("tiles", [(1, 1024, 5), (4, 1024, 5), (2, 8192, 1), (1, 8192, 1)],
+                         ids=["chunks_R1", "chunks_R4", "padded_R2", "padded_R1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_gated_norm_tile_variants(tiles, dtype):
+    """The 5120-channel group of mamba2-2.7b both ways: one padded tile, five chunks in two passes."""
+    from m2export.contract_gated_norm import validate
+    from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
+
+    x, z, w = make((3, 3), 5120, dtype, seed=tiles[0] + tiles[2], pad=16, device="cuda")
+    ref = oracle(x, z, w, 5120, 1e-5, False)
+    out = torch.full_like(x, float("nan"))
+    gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w), out=out, tiles=tiles, occupancy=4)
+    torch.cuda.synchronize()
+    assert_close("out", ref, out.cpu(), rel=REL[dtype])
+
+
+def test_tiles_must_cover_the_group():
+    from m2export.contract_gated_norm import GatedNormProblem
+    from m2export.kernels.gated_norm.cutile import check_tiles, choose_tiles
+
+    p = GatedNormProblem(rows=10, d_inner=10240, group_size=5120)
+    assert choose_tiles(p) == (2, 1024, 5)
+    assert choose_tiles(GatedNormProblem(rows=10, d_inner=5120, group_size=5120)) == (1, 8192, 1)
+    assert choose_tiles(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == (2, 1024, 1)
+    with pytest.raises(ContractError, match="do not cover group_size 5120"):
+        check_tiles(p, (1, 8192, 1))  # padding would run into the next group
+
+
+@pytest.mark.gpu
+@gpu
 def test_cutile_gated_norm_large_and_tiny_values():
     """Large |z| (exp overflow inside SiLU) and a row of zeros (rsqrt(eps)) stay finite and right."""
     x, z, w = make((4,), 1024, "float32", seed=5, device="cuda")

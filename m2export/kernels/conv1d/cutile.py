@@ -16,6 +16,12 @@ bounds of conv_state at d_conv-1+t, so the sum of two gathers is the padded inpu
 final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Splitting them keeps
 the gathers' registers and code out of the streaming kernel. Accumulation in fp32; y in x's dtype.
 
+Measured (benchmarks/NOTES_fusion.md): tileiras compiles the tap loads to one 2-byte load per
+thread and element (coalesced across the warp; an array slice's base is not known to be 16-byte
+aligned, so no bulk tensor copy), which holds this kernel at about 1.6 TB/s. A variant that loads
+one (BLOCK_T, 4, BLOCK_C) tile of a window view (x.as_strided with equal token and tap strides) and
+reduces it over the taps does get TMA, but ran 1.8x slower at its best configuration.
+
 Update. Block (b-tile, c-tile) reads the (BLOCK_B, BLOCK_C, 4) window [conv_state, x], writes y and
 the state shifted by one token, in place (each block reads its state tile before writing it, and
 no two blocks share one).
@@ -158,11 +164,12 @@ def conv1d_update_kernel(x, weight, bias, conv_state, y,
 
 # ----------------------------------------------------------------------------- launch configuration
 def choose_fwd_tiles(p: Conv1dProblem) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_C) of the streaming prefill kernel: 16 tokens x 256 channels (bf16, sm_90, read on
-    the CPU from the cubin: 128 registers per thread at 128 threads, no stack, so 4 blocks per SM;
-    32 x 128 needs 218 registers, 64 x 128 254 and a stack frame). Smaller for tiny problems."""
+    """(BLOCK_T, BLOCK_C) of the streaming prefill kernel, no occupancy hint: 16 tokens x 128 channels,
+    the fastest of the configurations timed on the H200 (benchmarks/NOTES_fusion.md: 448 us at
+    mamba2-2.7b 4 x 8192 bf16, against 972 us for 16 x 256 and 590 us for 32 x 128); smaller tiles
+    for tiny problems."""
     bt = 16 if p.seqlen > 8 else 4
-    bc = 256 if p.conv_dim > 128 else max(16, 1 << (p.conv_dim - 1).bit_length())
+    bc = 128 if p.conv_dim > 64 else max(16, 1 << (p.conv_dim - 1).bit_length())
     return bt, bc
 
 

@@ -1,18 +1,21 @@
 """cuTile kernel of GatedRMSNorm (m2export/contract_gated_norm.py), memory-bound.
 
-Order: ``@ct.kernel`` -> launch configuration -> :func:`gated_rmsnorm_cutile` (called by
-:func:`m2export.kernels.gated_norm.gated_rmsnorm`).
+Order: tile helpers -> ``@ct.kernel`` -> launch configuration -> :func:`gated_rmsnorm_cutile`
+(called by :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
-Block (r, g) owns BLOCK_R rows of group g: it loads the group's slice of x and z (``x.slice(axis=1,
-start=g*group_size)``, so a group need not start on a tile boundary; the tile is the next power
-of two >= group_size, zero-padded, and padded channels add 0 to the sum of squares), computes in
+Block (r, g) owns BLOCK_R rows of group g. Loads are plain tile loads of x and z (no array
+slices: a slice's base address is not known to be 16-byte aligned, and tileiras then gives up the
+Hopper bulk tensor copy, TMA; read from the PTX of CPU-compiled sm_90 cubins). A power-of-two
+group is one (BLOCK_R, group_size) tile; one group of another size (5120) is one tile padded to
+the next power of two (the padding reads as 0 and adds 0 to the sum of squares); several groups
+of another size are NCHUNK tiles of the group's largest power-of-two divisor, in two passes. In
 fp32::
 
     gate = silu(z);  u = x * gate (or x when norm_before_gate)
     out  = u * rsqrt(sum(u^2) / group_size + eps) * weight (* gate when norm_before_gate)
 
-and stores out in x's dtype. One pass: x and z read once, out written once (3 * rows * d_inner *
-itemsize bytes; weight is re-read per block from L2).
+and out is stored in x's dtype. x and z are read once from DRAM, out written once (3 * rows *
+d_inner * itemsize bytes; weight is re-read per block from L2).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import cuda.tile as ct
 
 from m2export.contract_gated_norm import GatedNormProblem
+from m2export.errors import ContractError
 from m2export.kernels.conv1d.cutile import _ct_silu
 from m2export.kernels.ssd.cutile import _hinted, _torch_stream
 
@@ -30,55 +34,108 @@ ConstBool = ct.Constant[bool]
 _ZERO = ct.PaddingMode.ZERO
 
 
-@ct.kernel
-def gated_rmsnorm_kernel(x, z, weight, out, group_size: int, eps: float,
-                         BLOCK_R: ConstInt, BLOCK_G: ConstInt, NORM_BEFORE_GATE: ConstBool):
-    """Grid: (cdiv(rows, BLOCK_R), ngroups, 1). x, z: (rows, d_inner), last stride 1; out contiguous.
-
-    Block (r, g) owns rows [r*BLOCK_R, ...) and channels [g*group_size, (g+1)*group_size).
-    """
-    r = ct.bid(0)
-    g = ct.bid(1)
-    f32 = ct.float32
-    c0 = g * group_size
-    c1 = c0 + group_size
-    xt = ct.load(x.slice(axis=1, start=c0, stop=c1), index=(r, 0), shape=(BLOCK_R, BLOCK_G),
-                 padding_mode=_ZERO).astype(f32)
-    zt = ct.load(z.slice(axis=1, start=c0, stop=c1), index=(r, 0), shape=(BLOCK_R, BLOCK_G),
-                 padding_mode=_ZERO).astype(f32)
-    wt = ct.load(weight.slice(axis=0, start=c0, stop=c1), index=(0,), shape=(BLOCK_G,),
-                 padding_mode=_ZERO).astype(f32)
+# ----------------------------------------------------------------------------- tile helpers
+def _ct_gated_input(x, z, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt, NORM_BEFORE_GATE: ConstBool):
+    """(u, gate) of tile (r, c) of x and z, fp32: gate = silu(z); u = x (norm first) or x * gate."""
+    xt = ct.load(x, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO).astype(ct.float32)
+    zt = ct.load(z, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO).astype(ct.float32)
     gate = _ct_silu(zt)
     if NORM_BEFORE_GATE:
-        u = xt
-    else:
-        u = xt * gate
-    rstd = ct.rsqrt(ct.sum(u * u, axis=1) / group_size + eps)  # (BLOCK_R,)
+        return xt, gate
+    return xt * gate, gate
+
+
+def _ct_store_normed(out, weight, u, gate, rstd, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt,
+                     NORM_BEFORE_GATE: ConstBool):
+    """out tile (r, c) = u * rstd * weight (* gate when NORM_BEFORE_GATE), in out's dtype."""
+    wt = ct.load(weight, index=(c,), shape=(CHUNK,), padding_mode=_ZERO).astype(ct.float32)
     o = u * rstd[:, None] * wt[None, :]
     if NORM_BEFORE_GATE:
         o = o * gate
-    ct.store(out.slice(axis=1, start=c0, stop=c1), index=(r, 0), tile=o.astype(out.dtype))
+    ct.store(out, index=(r, c), tile=o.astype(out.dtype))
 
 
-def choose_tiles(p: GatedNormProblem) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_G): the group padded to a power of two, and rows so a tile holds ~8192 elements."""
-    bg = max(16, 1 << (p.group_size - 1).bit_length())
-    br = max(1, min(16, 8192 // bg))
+# ----------------------------------------------------------------------------- kernel
+@ct.kernel
+def gated_rmsnorm_kernel(x, z, weight, out, group_size: int, eps: float,
+                         BLOCK_R: ConstInt, CHUNK: ConstInt, NCHUNK: ConstInt, NORM_BEFORE_GATE: ConstBool):
+    """Grid: (cdiv(rows, BLOCK_R), ngroups, 1). x, z: (rows, d_inner), last stride 1; out contiguous.
+
+    Block (r, g) owns rows [r*BLOCK_R, ...) of group g: tiles g*NCHUNK .. g*NCHUNK + NCHUNK-1 of the
+    (BLOCK_R, CHUNK) tile space, where group_size == NCHUNK * CHUNK, or (one group) NCHUNK == 1 and
+    CHUNK >= group_size with the tile zero-padded past d_inner. NCHUNK == 1: one pass, the tile kept
+    on chip; otherwise the sum of squares over the chunks first, then a second pass re-reads them
+    (from L2) to normalise.
+    """
+    r = ct.bid(0)
+    g = ct.bid(1)
+    if NCHUNK == 1:
+        u, gate = _ct_gated_input(x, z, r, g, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+        rstd = ct.rsqrt(ct.sum(u * u, axis=1) / group_size + eps)
+        _ct_store_normed(out, weight, u, gate, rstd, r, g, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+    else:
+        ss = ct.full((BLOCK_R,), 0.0, dtype=ct.float32)
+        for c in range(NCHUNK):
+            u, _gate = _ct_gated_input(x, z, r, g * NCHUNK + c, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+            ss = ss + ct.sum(u * u, axis=1)
+        rstd = ct.rsqrt(ss / group_size + eps)
+        for c in range(NCHUNK):
+            u, gate = _ct_gated_input(x, z, r, g * NCHUNK + c, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+            _ct_store_normed(out, weight, u, gate, rstd, r, g * NCHUNK + c, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+
+
+# ----------------------------------------------------------------------------- launch configuration
+def choose_tiles(p: GatedNormProblem) -> tuple[int, int, int]:
+    """(BLOCK_R, CHUNK, NCHUNK). A power-of-two group is one tile; one group of another size is one
+    tile padded to the next power of two; otherwise NCHUNK tiles of the group's largest power-of-two
+    divisor. BLOCK_R: rows so that a tile holds about 2048 elements (at most 16)."""
+    gs = p.group_size
+    if gs & (gs - 1) == 0:
+        ch, nch = gs, 1
+    elif p.ngroups == 1:
+        ch, nch = 1 << (gs - 1).bit_length(), 1
+    else:
+        ch = gs & -gs
+        nch = gs // ch
+    br = max(1, min(16, 2048 // ch))
     br = min(br, max(1, 1 << max(0, p.rows - 1).bit_length()))
-    return br, bg
+    return br, ch, nch
+
+
+def choose_occupancy(tiles: tuple[int, int, int], itemsize: int) -> int:
+    """Blocks-per-SM hint: about 128 KiB of x and z tiles in shared memory per SM, at most 8 (without a
+    hint tileiras gives the kernel 255 registers per thread, one block per SM; with 4, 64 registers
+    and no stack at (1, 8192) bf16, read from the sm_90 cubin on the CPU)."""
+    tile = 2 * tiles[0] * tiles[1] * itemsize
+    return max(1, min(8, 1 << max(0, (131072 // tile).bit_length() - 1)))
+
+
+def check_tiles(p: GatedNormProblem, tiles: tuple[int, int, int]) -> None:
+    """Raise ContractError unless ``tiles`` (BLOCK_R, CHUNK, NCHUNK) cover every group exactly."""
+    br, ch, nch = tiles
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (br, ch))
+    if not (pow2 and nch >= 1 and (ch * nch == p.group_size or (p.ngroups == 1 and nch == 1 and ch >= p.group_size))):
+        raise ContractError(f"tiles: {tiles} do not cover group_size {p.group_size} (ngroups {p.ngroups}); expected "
+                            "powers of two BLOCK_R, CHUNK with CHUNK * NCHUNK == group_size")
 
 
 def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, stream=None,
-                         tiles: tuple[int, int] | None = None, occupancy: int | None = None) -> torch.Tensor:
+                         tiles: tuple[int, int, int] | None = None, occupancy: int | None = None) -> torch.Tensor:
     """cuTile GatedRMSNorm on validated arguments (see :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
     x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view);
-    ``tiles``/``occupancy`` override :func:`choose_tiles` and the compiler's default (benchmarks).
+    ``tiles`` = (BLOCK_R, CHUNK, NCHUNK) and ``occupancy`` override :func:`choose_tiles` and the
+    compiler's default (benchmarks, tests).
     """
     from m2export.kernels.ssd import check_out
 
     p = problem
     dev = x.device
+    if tiles is None:
+        tiles = choose_tiles(p)
+        if occupancy is None:
+            occupancy = choose_occupancy(tiles, x.element_size())
+    check_tiles(p, tiles)
     launch_stream = _torch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
         if out is None:
@@ -87,9 +144,9 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
         if p.rows == 0:
             return out
         x2, z2 = x.reshape(p.rows, p.d_inner), z.reshape(p.rows, p.d_inner)
-        br, bg = tiles or choose_tiles(p)
+        br, ch, nch = tiles
         ct.launch(int(launch_stream.cuda_stream), (-(-p.rows // br), p.ngroups, 1),
-                  _hinted(gated_rmsnorm_kernel, occupancy),
+                  _hinted(gated_rmsnorm_kernel, occupancy or None),
                   (x2, z2, weight.contiguous(), out.view(p.rows, p.d_inner), int(p.group_size), float(p.eps),
-                   br, bg, bool(p.norm_before_gate)))
+                   br, ch, nch, bool(p.norm_before_gate)))
     return out
