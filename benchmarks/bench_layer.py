@@ -34,7 +34,6 @@ import argparse
 import datetime
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,36 +45,17 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_ssd import floor_s as scan_floor_s  # noqa: E402
 from benchmarks.bench_ssd import time_fn  # noqa: E402
 from benchmarks.bench_ssd_step import step_bytes  # noqa: E402
+from m2export.models.config import Mamba2Config  # noqa: E402
 from m2export.models.mamba2 import RMSNormGated  # noqa: E402
 
 HBM = 4.3e12
 MMA = 790e12
 
 
-@dataclass(frozen=True)
-class Layer:
-    name: str
-    d_model: int
-    nheads: int
-    ngroups: int
-    headdim: int = 64
-    d_state: int = 128
-    d_conv: int = 4
-
-    @property
-    def d_inner(self):
-        return self.nheads * self.headdim
-
-    @property
-    def conv_dim(self):
-        return self.d_inner + 2 * self.ngroups * self.d_state
-
-    @property
-    def d_in_proj(self):
-        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
-
-
-LAYERS = {"mamba2-2.7b": Layer("mamba2-2.7b", 2560, 80, 1), "nemotron-h-8b": Layer("nemotron-h-8b", 4096, 128, 8)}
+LAYERS = {  # one mixer layer each (expand 2, headdim 64, d_state 128, d_conv 4: the config's defaults)
+    "mamba2-2.7b": Mamba2Config(d_model=2560, n_layer=1, vocab_size=16, ngroups=1),
+    "nemotron-h-8b": Mamba2Config(d_model=4096, n_layer=1, vocab_size=16, ngroups=8),
+}
 MODES = {"prefill_4x8192": (4, 8192), "prefill_1x8192": (1, 8192), "decode_128": (128, 1)}
 
 
@@ -100,7 +80,7 @@ def rel_err(ref, out):
     return ((o - r).norm() / r.norm()).item()
 
 
-def weights(ly: Layer, gen):
+def weights(ly: Mamba2Config, gen):
     r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device="cuda") * sc  # noqa: E731
     bf = torch.bfloat16
     return dict(
@@ -111,11 +91,11 @@ def weights(ly: Layer, gen):
         dt_bias=r(ly.nheads, sc=0.5), norm_w=(1 + 0.1 * r(ly.d_inner)).to(bf))
 
 
-def split(ly: Layer, zxbcdt):
+def split(ly: Mamba2Config, zxbcdt):
     return torch.split(zxbcdt, [ly.d_inner, ly.conv_dim, ly.nheads], dim=-1)
 
 
-def torch_conv(ly: Layer, xBC, w, b):
+def torch_conv(ly: Mamba2Config, xBC, w, b):
     """The model's prefill conv (m2export/models/mamba2.py Mamba2Mixer.forward), fresh sequence."""
     xt = xBC.transpose(1, 2)
     xpad = torch.cat([xt.new_zeros(xt.shape[0], ly.conv_dim, ly.d_conv - 1), xt], dim=2)
@@ -123,7 +103,7 @@ def torch_conv(ly: Layer, xBC, w, b):
     return F.silu(F.conv1d(xpad, w[:, None, :], b, groups=ly.conv_dim)).transpose(1, 2), new_state
 
 
-def torch_conv_step(ly: Layer, x, state, w, b):
+def torch_conv_step(ly: Mamba2Config, x, state, w, b):
     """The model's decode conv (the same forward with seqlen 1): concat, conv1d, keep the last d_conv-1."""
     xpad = torch.cat([state, x[:, :, None]], dim=2)
     y = F.silu(F.conv1d(xpad, w[:, None, :], b, groups=ly.conv_dim))[:, :, 0]
@@ -131,7 +111,7 @@ def torch_conv_step(ly: Layer, x, state, w, b):
     return y
 
 
-def run_mode(ly: Layer, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles):
+def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles):
     from m2export.kernels.conv1d import causal_conv1d, conv_update
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
     from m2export.kernels.gated_norm import gated_rmsnorm
@@ -260,10 +240,10 @@ def run_mode(ly: Layer, mode: str, mamba_norm, rows_out: list, *, rep: int, conv
         try:
             t = time_fn(fn, graph=True, rep=rep, warmup=min(25, rep))
         except Exception as e:  # noqa: BLE001
-            print(f"  {ly.name} {mode} {part} {impl}: FAILED {e!r}", file=sys.stderr, flush=True)
+            print(f"  {name} {mode} {part} {impl}: FAILED {e!r}", file=sys.stderr, flush=True)
             continue
-        rows_out.append(dict(layer=ly.name, mode=mode, part=part, impl=impl, us=t * 1e3, floor_us=fl * 1e6))
-        print(f"  {ly.name:14s} {mode:15s} {part:14s} {impl:58s} {t * 1e3:9.1f} us  floor {fl * 1e6:8.1f} us  "
+        rows_out.append(dict(layer=name, mode=mode, part=part, impl=impl, us=t * 1e3, floor_us=fl * 1e6))
+        print(f"  {name:14s} {mode:15s} {part:14s} {impl:58s} {t * 1e3:9.1f} us  floor {fl * 1e6:8.1f} us  "
               f"x{t * 1e-3 / fl:5.2f}", flush=True)
     non_gemm_floor = sum({pt: fl for pt, _i, _f, fl in parts if pt not in ("in_proj GEMM", "out_proj GEMM")}.values())
     gemm_fl = sum(fl for pt, _i, _f, fl in parts if pt.endswith("GEMM"))
@@ -272,11 +252,11 @@ def run_mode(ly: Layer, mode: str, mamba_norm, rows_out: list, *, rep: int, conv
         try:
             t = time_fn(lambda ours=ours: layer(ours), graph=True, rep=rep, warmup=min(25, rep))
         except Exception as e:  # noqa: BLE001
-            print(f"  {ly.name} {mode} whole layer {label}: FAILED {e!r}", file=sys.stderr, flush=True)
+            print(f"  {name} {mode} whole layer {label}: FAILED {e!r}", file=sys.stderr, flush=True)
             continue
-        rows_out.append(dict(layer=ly.name, mode=mode, part="whole layer", impl=label, us=t * 1e3,
+        rows_out.append(dict(layer=name, mode=mode, part="whole layer", impl=label, us=t * 1e3,
                              floor_us=(non_gemm_floor + gemm_fl) * 1e6))
-        print(f"  {ly.name:14s} {mode:15s} whole layer    {label:58s} {t * 1e3:9.1f} us  floor "
+        print(f"  {name:14s} {mode:15s} whole layer    {label:58s} {t * 1e3:9.1f} us  floor "
               f"{(non_gemm_floor + gemm_fl) * 1e6:8.1f} us (non-GEMM floor {non_gemm_floor * 1e6:.1f})", flush=True)
     torch.cuda.empty_cache()
 
@@ -319,7 +299,7 @@ def main(argv=None):
     for ln in args.layers.split(","):
         for mode in args.modes.split(","):
             print(f"{ln} {mode} ...", file=sys.stderr, flush=True)
-            run_mode(LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles)
+            run_mode(ln, LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles)
     lines = [f"### Mamba-2 layer parts (issue 18), {head}", "",
              "| layer | mode | part | implementation | us | floor us | x floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -213,6 +213,40 @@ def _fmt_expected(spec: TensorSpec, sizes: dict[str, int | None]) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def check_specs(specs: Sequence[TensorSpec], args: dict, sizes: dict, xdtype: str) -> None:
+    """Check each tensor of ``args`` (by spec name) against its :class:`TensorSpec`, in order: present
+    unless optional, rank, every dim against ``sizes`` (a symbol still None is fixed by the first
+    tensor that has it; ``sizes`` is updated in place), dtype (``"x"``: ``xdtype``). Shared by the
+    contracts of every op (SSMScan here, m2export/contract_conv1d.py).
+
+    Raises:
+        ContractError: naming the argument, the expected shape in symbols (sizes fixed so far filled
+            in) and its actual shape, or the expected and actual dtype.
+    """
+    for spec in specs:
+        t = args[spec.name]
+        if t is None:
+            if not spec.optional:
+                raise ContractError(f"{spec.name}: required input is None")
+            continue
+        shape = tuple(int(d) for d in t.shape)
+        if len(shape) != len(spec.dims):
+            raise ContractError(
+                f"{spec.name}: expected {len(spec.dims)}-D {_fmt_expected(spec, sizes)}, got shape {shape}")
+        for sym, n in zip(spec.dims, shape):
+            if sizes.get(sym) is None:
+                sizes[sym] = n
+            elif sizes[sym] != n:
+                raise ContractError(
+                    f"{spec.name}: expected {_fmt_expected(spec, sizes)}, got {shape} ({sym} mismatch)")
+        want = xdtype if spec.dtype == "x" else spec.dtype
+        got = dtype_name(t.dtype)
+        if got != want:
+            raise ContractError(
+                f"{spec.name}: expected dtype {want}" + (" (the dtype of x)" if spec.dtype == "x" else "")
+                + f", got {got}")
+
+
 def validate(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None) -> SSMScanProblem:
     """Check SSMScan arguments against the contract and return their :class:`SSMScanProblem`.
 
@@ -227,28 +261,7 @@ def validate(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None) -> SSMSca
     xdtype = dtype_name(x.dtype)
     if xdtype not in FLOAT_DTYPES:
         raise ContractError(f"x: expected dtype in {FLOAT_DTYPES}, got {xdtype}")
-    for spec in INPUTS:
-        t = args[spec.name]
-        if t is None:
-            if not spec.optional:
-                raise ContractError(f"{spec.name}: required input is None")
-            continue
-        shape = tuple(int(d) for d in t.shape)
-        if len(shape) != len(spec.dims):
-            raise ContractError(
-                f"{spec.name}: expected {len(spec.dims)}-D {_fmt_expected(spec, sizes)}, got shape {shape}")
-        for sym, n in zip(spec.dims, shape):
-            if sizes[sym] is None:
-                sizes[sym] = n
-            elif sizes[sym] != n:
-                raise ContractError(
-                    f"{spec.name}: expected {_fmt_expected(spec, sizes)}, got {shape} ({sym} mismatch)")
-        want = xdtype if spec.dtype == "x" else spec.dtype
-        got = dtype_name(t.dtype)
-        if got != want:
-            raise ContractError(
-                f"{spec.name}: expected dtype {want}" + (" (the dtype of x)" if spec.dtype == "x" else "")
-                + f", got {got}")
+    check_specs(INPUTS, args, sizes, xdtype)
     if sizes["nheads"] % sizes["ngroups"]:
         raise ContractError(
             f"B: expected (batch, seqlen, ngroups, d_state) with nheads % ngroups == 0, "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m2export.contract import FLOAT_DTYPES, AttributeSpec, TensorSpec, _fmt_expected, dtype_name
+from m2export.contract import FLOAT_DTYPES, AttributeSpec, TensorSpec, check_specs, dtype_name
 from m2export.errors import ContractError
 
 OP_NAME = "CausalConv1d"
@@ -95,32 +95,6 @@ def check_activation(activation: str) -> str:
     return activation
 
 
-def _check(args: dict, specs, sizes: dict, xdtype: str) -> None:
-    for spec in specs:
-        t = args[spec.name]
-        if t is None:
-            if not spec.optional:
-                raise ContractError(f"{spec.name}: required input is None")
-            continue
-        shape = tuple(int(d) for d in t.shape)
-        if len(shape) != len(spec.dims):
-            raise ContractError(
-                f"{spec.name}: expected {len(spec.dims)}-D {_fmt_expected(spec, sizes)}, got shape {shape}")
-        for sym, n in zip(spec.dims, shape):
-            if sym == "d_conv_m1" and sizes.get("d_conv") is not None:
-                sizes[sym] = sizes["d_conv"] - 1
-            if sizes.get(sym) is None:
-                sizes[sym] = n
-            elif sizes[sym] != n:
-                raise ContractError(
-                    f"{spec.name}: expected {_fmt_expected(spec, sizes)}, got {shape} ({sym} mismatch)")
-        got = dtype_name(t.dtype)
-        if got != xdtype:
-            raise ContractError(f"{spec.name}: expected dtype {xdtype} (the dtype of x), got {got}")
-        if spec.name == "x" and len(shape) and shape[-1] > 1 and t.stride(-1) != 1:
-            raise ContractError(f"x: expected last stride 1 (channels contiguous), got strides {tuple(t.stride())}")
-
-
 def validate(x, weight, bias=None, conv_state=None) -> Conv1dProblem:
     """Check prefill arguments against the contract and return their :class:`Conv1dProblem`.
 
@@ -134,7 +108,12 @@ def validate(x, weight, bias=None, conv_state=None) -> Conv1dProblem:
     if xdtype not in FLOAT_DTYPES:
         raise ContractError(f"x: expected dtype in {FLOAT_DTYPES}, got {xdtype}")
     sizes: dict = dict.fromkeys(("batch", "seqlen", "conv_dim", "d_conv", "d_conv_m1"))
-    _check(dict(x=x, weight=weight, bias=bias, conv_state=conv_state), INPUTS, sizes, xdtype)
+    args = dict(x=x, weight=weight, bias=bias, conv_state=conv_state)
+    check_specs(INPUTS[:3], args, sizes, xdtype)
+    sizes["d_conv_m1"] = sizes["d_conv"] - 1
+    check_specs(INPUTS[3:], args, sizes, xdtype)
+    if x.dim() == 3 and x.shape[-1] > 1 and x.numel() and x.stride(-1) != 1:
+        raise ContractError(f"x: expected last stride 1 (channels contiguous), got strides {tuple(x.stride())}")
     return Conv1dProblem(batch=sizes["batch"], seqlen=sizes["seqlen"], conv_dim=sizes["conv_dim"],
                          d_conv=sizes["d_conv"], dtype=xdtype)
 
