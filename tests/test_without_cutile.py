@@ -21,7 +21,8 @@ for m in pkgutil.walk_packages(m2export.__path__, "m2export."):
         skipped.append(m.name)
         continue
     importlib.import_module(m.name)
-assert skipped == ["m2export.kernels.ssd.cutile", "m2export.kernels.ssd_step.cutile"], skipped
+assert skipped == ["m2export.kernels.conv1d.cutile", "m2export.kernels.gated_norm.cutile",
+                   "m2export.kernels.ssd.cutile", "m2export.kernels.ssd_step.cutile"], skipped
 
 import torch
 from m2export.contract import SSMScanProblem
@@ -37,6 +38,20 @@ except BackendUnavailable as e:
     assert "m2export[gpu]" in (e.hint or ""), e.hint
 else:
     raise AssertionError("backend='cutile' without cuda.tile did not raise")
+
+from m2export.kernels.conv1d import causal_conv1d
+from m2export.kernels.gated_norm import gated_rmsnorm
+
+x, w = torch.randn(2, 5, 12), torch.randn(12, 4)
+assert torch.isfinite(causal_conv1d(x, w, backend="torch").y).all()
+assert torch.isfinite(gated_rmsnorm(x, x, torch.ones(12), backend="torch")).all()
+for call in (lambda: causal_conv1d(x, w), lambda: gated_rmsnorm(x, x, torch.ones(12))):
+    try:
+        call()
+    except BackendUnavailable as e:
+        assert "m2export[gpu]" in (e.hint or ""), e.hint
+    else:
+        raise AssertionError("backend='cutile' without cuda.tile did not raise")
 print("ok")
 """
 

@@ -17,10 +17,11 @@ final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Split
 the gathers' registers and code out of the streaming kernel. Accumulation in fp32; y in x's dtype.
 
 Measured (benchmarks/NOTES_fusion.md): tileiras compiles the tap loads to one 2-byte load per
-thread and element (coalesced across the warp; an array slice's base is not known to be 16-byte
-aligned, so no bulk tensor copy), which holds this kernel at about 1.6 TB/s. A variant that loads
-one (BLOCK_T, 4, BLOCK_C) tile of a window view (x.as_strided with equal token and tap strides) and
-reduces it over the taps does get TMA, but ran 1.8x slower at its best configuration.
+thread and element (coalesced across the warp), no bulk tensor copy (TMA): in the CPU-compiled
+sm_90 PTX, kernels of plain elementwise tiles had none, with or without array slices, while the
+same loads feeding a reduction did (without slices). That holds this kernel near 1.6 TB/s. A
+variant that loads one (BLOCK_T, 4, BLOCK_C) tile of a window view (x.as_strided with equal token
+and tap strides) and reduces it over the taps does get TMA, but ran 1.8x slower at its best configuration.
 
 Update. Block (b-tile, c-tile) reads the (BLOCK_B, BLOCK_C, 4) window [conv_state, x], writes y and
 the state shifted by one token, in place (each block reads its state tile before writing it, and

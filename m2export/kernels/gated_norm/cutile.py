@@ -3,9 +3,10 @@
 Order: tile helpers -> ``@ct.kernel`` -> launch configuration -> :func:`gated_rmsnorm_cutile`
 (called by :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
-Block (r, g) owns BLOCK_R rows of group g. Loads are plain tile loads of x and z (no array
-slices: a slice's base address is not known to be 16-byte aligned, and tileiras then gives up the
-Hopper bulk tensor copy, TMA; read from the PTX of CPU-compiled sm_90 cubins). A power-of-two
+Block (r, g) owns BLOCK_R rows of group g. Loads are plain tile loads of x and z, no array
+slices: in the PTX of CPU-compiled sm_90 cubins, loads from ``x.slice(...)`` were one 2-byte load
+per element, plain tile loads the Hopper bulk tensor copy (TMA) into shared memory (likely because
+a slice's base is not known to be 16-byte aligned); measured 1454 -> 372 us at mamba2-2.7b 4 x 8192. A power-of-two
 group is one (BLOCK_R, group_size) tile; one group of another size (5120) is one tile padded to
 the next power of two (the padding reads as 0 and adds 0 to the sum of squares); several groups
 of another size are NCHUNK tiles of the group's largest power-of-two divisor, in two passes. In
