@@ -40,6 +40,13 @@ def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
     if backend != "cutile":
         raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     check_supported(problem, kernel)
+    require_cuda_tile(tensors)
+
+
+def require_cuda_tile(tensors: dict) -> None:
+    """Raise BackendUnavailable unless a CUDA device and cuda.tile are there and every tensor of ``tensors``
+    (name -> tensor or None) is on CUDA: the size-free part of :func:`require_cutile`, for kernels with
+    no headdim/d_state (m2export/kernels/conv1d, gated_norm)."""
     if not torch.cuda.is_available():
         raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
     try:

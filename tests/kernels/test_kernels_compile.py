@@ -132,6 +132,6 @@ def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
     from m2export.kernels.gated_norm import cutile as K
 
     tiles = K.choose_tiles(GatedNormProblem(rows=32768, d_inner=group_size * ngroups, group_size=group_size))
-    kernel = K._hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
+    kernel = K.hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
     cubin = _export(kernel, [_arr(dt, 2), _arr(dt, 2), _arr(dt, 1), _arr(dt, 2), _i32(), _f32(), *tiles, norm_before_gate])
     assert cubin[:4] == b"\x7fELF"

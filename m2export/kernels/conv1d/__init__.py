@@ -11,7 +11,7 @@ import torch
 from m2export.contract_conv1d import check_activation, validate, validate_update
 from m2export.errors import ContractError
 from m2export.kernels.conv1d.naive import Conv1dOutput, causal_conv1d_ref, conv_update_ref
-from m2export.kernels.ssd import BACKENDS, _require_cutile, check_out
+from m2export.kernels._host import BACKENDS, check_out, require_cuda_tile
 
 __all__ = ["causal_conv1d", "conv_update", "causal_conv1d_ref", "conv_update_ref", "Conv1dOutput"]
 
@@ -35,7 +35,7 @@ def _backend(backend: str, tensors: dict) -> None:
     if backend not in BACKENDS:
         raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "cutile":
-        _require_cutile(tensors)
+        require_cuda_tile(tensors)
 
 
 def causal_conv1d(x, weight, bias=None, conv_state=None, *, activation: str = "silu", backend: str = "cutile",

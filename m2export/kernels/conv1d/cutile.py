@@ -40,7 +40,7 @@ import cuda.tile as ct
 from m2export.contract_conv1d import Conv1dProblem
 from m2export.errors import ContractError
 from m2export.kernels.conv1d.naive import Conv1dOutput
-from m2export.kernels.ssd.cutile import _hinted, _torch_stream
+from m2export.kernels._host import check_out, hinted, launch_stream
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -194,8 +194,8 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
 
     p = problem
     dev = x.device
-    launch_stream = _torch_stream(stream, dev)
-    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+    stream_ = launch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(stream_):
         weight, bias, conv_state = (None if t is None else t.contiguous() for t in (weight, bias, conv_state))
         y, st_out = conv_out_buffers(x, p, out, state_out, allocate=True)
         if p.batch == 0:
@@ -204,11 +204,11 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
             st_out.copy_(conv_state) if conv_state is not None else st_out.zero_()
             return Conv1dOutput(y, st_out)
         bt, bc = tiles or choose_fwd_tiles(p)
-        raw = int(launch_stream.cuda_stream)
+        raw = int(stream_.cuda_stream)
         b_arg = bias if bias is not None else weight
         n_main = p.seqlen - (p.d_conv - 1)
         if n_main > 0:
-            ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), _hinted(conv1d_fwd_kernel, occupancy),
+            ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_fwd_kernel, occupancy),
                       (x, weight, b_arg, y, bt, bc, p.d_conv, bias is not None, bool(silu)))
         ct.launch(raw, (-(-p.conv_dim // EDGE_BLOCK_C), p.batch, 1), conv1d_edge_kernel,
                   (x, weight, b_arg, conv_state if conv_state is not None else st_out, y, st_out, EDGE_BLOCK_C,
@@ -220,15 +220,13 @@ def conv_update_cutile(x, conv_state, weight, bias, *, problem: Conv1dProblem, s
                        stream=None, tiles: tuple[int, int] | None = None) -> Conv1dOutput:
     """cuTile single-token update on validated arguments, in place on ``conv_state`` (which must be
     contiguous); see :func:`m2export.kernels.conv1d.conv_update`."""
-    from m2export.kernels.ssd import check_out
-
     p = problem
     dev = x.device
     if not conv_state.is_contiguous():
         raise ContractError("conv_state: the in-place update needs a contiguous conv_state, got strides "
                             f"{tuple(conv_state.stride())}")
-    launch_stream = _torch_stream(stream, dev)
-    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+    stream_ = launch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(stream_):
         weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
         if out is None:
             out = torch.empty(p.batch, p.conv_dim, dtype=x.dtype, device=dev)
@@ -236,7 +234,7 @@ def conv_update_cutile(x, conv_state, weight, bias, *, problem: Conv1dProblem, s
         if p.batch == 0:
             return Conv1dOutput(out, conv_state)
         bb, bc = tiles or choose_update_tiles(p)
-        ct.launch(int(launch_stream.cuda_stream), (-(-p.batch // bb), -(-p.conv_dim // bc), 1), conv1d_update_kernel,
+        ct.launch(int(stream_.cuda_stream), (-(-p.batch // bb), -(-p.conv_dim // bc), 1), conv1d_update_kernel,
                   (x, weight, bias if bias is not None else weight, conv_state, out, bb, bc, p.d_conv,
                    bias is not None, bool(silu)))
     return Conv1dOutput(out, conv_state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from m2export.contract_gated_norm import validate
 from m2export.errors import ContractError
 from m2export.kernels.gated_norm.naive import gated_rmsnorm_ref
-from m2export.kernels.ssd import BACKENDS, _require_cutile, check_out
+from m2export.kernels._host import BACKENDS, check_out, require_cuda_tile
 
 __all__ = ["gated_rmsnorm", "gated_rmsnorm_ref"]
 
@@ -51,7 +51,7 @@ def gated_rmsnorm(x, z, weight, *, group_size: int | None = None, eps: float = 1
             return res
         check_out("out", out, x.shape, x.dtype, x.device)
         return out.copy_(res)
-    _require_cutile(dict(x=x, z=z, weight=weight))
+    require_cuda_tile(dict(x=x, z=z, weight=weight))
     from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
 
     return gated_rmsnorm_cutile(x, z, weight, problem=p, out=out, stream=stream)

@@ -28,7 +28,7 @@ import cuda.tile as ct
 from m2export.contract_gated_norm import GatedNormProblem
 from m2export.errors import ContractError
 from m2export.kernels.conv1d.cutile import _ct_silu
-from m2export.kernels.ssd.cutile import _hinted, _torch_stream
+from m2export.kernels._host import check_out, hinted, launch_stream
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -128,8 +128,6 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
     ``tiles`` = (BLOCK_R, CHUNK, NCHUNK) and ``occupancy`` override :func:`choose_tiles` and the
     compiler's default (benchmarks, tests).
     """
-    from m2export.kernels.ssd import check_out
-
     p = problem
     dev = x.device
     if tiles is None:
@@ -137,8 +135,8 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
         if occupancy is None:
             occupancy = choose_occupancy(tiles, x.element_size())
     check_tiles(p, tiles)
-    launch_stream = _torch_stream(stream, dev)
-    with torch.cuda.device(dev), torch.cuda.stream(launch_stream):
+    stream_ = launch_stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(stream_):
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=dev)
         check_out("out", out, x.shape, x.dtype, dev)
@@ -146,8 +144,8 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
             return out
         x2, z2 = x.reshape(p.rows, p.d_inner), z.reshape(p.rows, p.d_inner)
         br, ch, nch = tiles
-        ct.launch(int(launch_stream.cuda_stream), (-(-p.rows // br), p.ngroups, 1),
-                  _hinted(gated_rmsnorm_kernel, occupancy or None),
+        ct.launch(int(stream_.cuda_stream), (-(-p.rows // br), p.ngroups, 1),
+                  hinted(gated_rmsnorm_kernel, occupancy or None),
                   (x2, z2, weight.contiguous(), out.view(p.rows, p.d_inner), int(p.group_size), float(p.eps),
                    br, ch, nch, bool(p.norm_before_gate)))
     return out
