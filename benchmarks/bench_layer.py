@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_ssd import floor_s as scan_floor_s  # noqa: E402
-from benchmarks.bench_ssd import time_fn  # noqa: E402
+from benchmarks.bench_ssd import append_results, load_mamba_triton, time_fn  # noqa: E402
 from benchmarks.bench_ssd_step import step_bytes  # noqa: E402
 from m2export.models.config import Mamba2Config  # noqa: E402
 from m2export.models.mamba2 import RMSNormGated  # noqa: E402
@@ -64,15 +64,7 @@ def gemm_floor(m, k, n):
 
 
 def load_mamba_norm():
-    path = ROOT / ".devcarry" / "mamba_ssm_triton"
-    if not path.is_dir():
-        return None, f"no {path}"
-    sys.path.insert(0, str(path))
-    try:
-        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-    except Exception as e:  # noqa: BLE001  (report, don't hide: the table says why the column is empty)
-        return None, f"import failed: {e!r}"
-    return rmsnorm_fn, ""
+    return load_mamba_triton("layernorm_gated", "rmsnorm_fn")
 
 
 def rel_err(ref, out):
@@ -309,11 +301,7 @@ def main(argv=None):
               "prefill scan bench_ssd.floor_s. Whole layer: the five parts in one graph; its floor sums the parts'."
               + ("" if mamba_norm is not None else f" mamba_ssm not run: {why}.")
               + " causal-conv1d (CUDA extension) not on the device image.", ""]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(text + "\n")
+    append_results("\n".join(lines), args.results)
 
 
 if __name__ == "__main__":

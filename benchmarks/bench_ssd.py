@@ -90,16 +90,31 @@ def make_inputs(dims, seed=0, device="cuda", dtype=torch.bfloat16):
     )
 
 
-def load_mamba():
+def load_mamba_triton(module: str, name: str):
+    """(``name`` from ``mamba_ssm.ops.triton.<module>``, "") out of the git-ignored copy of state-spaces/mamba's
+    ``mamba_ssm/ops/triton`` under ``.devcarry/mamba_ssm_triton`` (never committed), or (None, why not)."""
+    import importlib
+
     path = ROOT / ".devcarry" / "mamba_ssm_triton"
     if not path.is_dir():
         return None, f"no {path}"
     sys.path.insert(0, str(path))
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return getattr(importlib.import_module(f"mamba_ssm.ops.triton.{module}"), name), ""
     except Exception as e:  # report, don't hide: the table says why the column is empty
         return None, f"import failed: {e!r}"
-    return mamba_chunk_scan_combined, ""
+
+
+def load_mamba():
+    return load_mamba_triton("ssd_combined", "mamba_chunk_scan_combined")
+
+
+def append_results(text: str, path: str) -> None:
+    """Print the table to stdout and append it to the markdown file ``path`` ('' for none)."""
+    print("\n" + text)
+    if path:
+        with open(path, "a") as f:
+            f.write(text + "\n")
 
 
 def time_fn(fn, *, graph: bool, rep: int = 300, warmup: int = 50) -> float:
@@ -284,11 +299,7 @@ def main(argv=None):
     floors = ", ".join(f"{k}: {floor_s(SHAPES[k]) * 1e3:.3f} ms" for k in args.shapes.split(","))
     lines += ["", f"Floor max(bytes/4.3 TB/s, FLOPs/790 TFLOP/s): {floors}."
               + ("" if mamba is not None else f" mamba_ssm not run: {why_no_mamba}."), ""]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(text + "\n")
+    append_results("\n".join(lines), args.results)
 
 
 if __name__ == "__main__":

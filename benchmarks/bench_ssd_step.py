@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_ssd import time_fn  # noqa: E402
+from benchmarks.bench_ssd import load_mamba_triton, time_fn  # noqa: E402
 from m2export.kernels.ssd_step import ssm_step  # noqa: E402
 
 SHAPES = {  # name: (batch, nheads, headdim, ngroups, d_state)
@@ -46,15 +46,7 @@ def step_bytes(b, h, p, g, n, s=2):
 
 
 def load_selective_state_update():
-    path = ROOT / ".devcarry" / "mamba_ssm_triton"
-    if not path.is_dir():
-        return None, f"no {path}"
-    sys.path.insert(0, str(path))
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-    except Exception as e:  # noqa: BLE001  (reported in the output)
-        return None, f"import failed: {e!r}"
-    return selective_state_update, ""
+    return load_mamba_triton("selective_state_update", "selective_state_update")
 
 
 class _TrtLike:
