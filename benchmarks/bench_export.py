@@ -62,7 +62,7 @@ def _random_checkpoint(ck: Path, preset: str, dtype) -> None:
         model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**PRESETS[preset])), seed=0)
     finally:
         torch.set_default_dtype(prev)
-    save_checkpoint(model, ck)
+    save_checkpoint(model, ck, force=True)
 
 
 def _timeit(fn, reps: int) -> tuple[float, float]:

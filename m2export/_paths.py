@@ -1,23 +1,382 @@
-"""Guards for the folders m2export replaces (export OUTDIR, random-checkpoint output)."""
+"""Writing output folders and files without ever destroying what m2export did not write.
+
+One home for the output logic of ``export`` (OUTDIR), ``save_checkpoint``/``random_checkpoint`` and
+``check``'s reports:
+
+* :func:`staged_output` — a folder is written into a marked temporary sibling ``.NAME.tmp-XXXX/new`` and
+  swapped in at the end: the previous folder is renamed aside (into the same marked sibling), the new one
+  renamed in, then the old one deleted; on any failure before that the previous folder is intact, and
+  SIGINT/SIGTERM are held back during the three renames (and reported after them). A folder is replaced only with ``force=True``
+  and only if ``owned(folder)`` says m2export wrote it (``force_foreign=True`` overrides that, never the
+  protected paths). A symlinked target is refused (never followed); nothing the ``protect`` paths resolve
+  into (a checkpoint's files through their symlinks), nor the current directory, is ever deleted; a
+  mount point (cannot be renamed over) is written in place when empty and refused before anything is
+  deleted otherwise. Stale marked siblings of killed runs are cleaned (their previous folder restored when
+  the kill hit the swap); parent folders created for a failed write are removed again.
+* :func:`atomic_write_text` / :func:`atomic_file` — temp file in the same folder + fsync + ``os.replace``.
+* Interrupts stick: inside :func:`staged_output` SIGINT/SIGTERM set a flag and raise
+  :class:`~m2export.errors.Interrupted` (a BaseException, so ``except Exception`` fallbacks in third-party
+  code cannot swallow it); :func:`raise_if_interrupted` re-raises after a step that caught it anyway.
+  SIGXFSZ is ignored meanwhile, so a file-size limit is an EFBIG error instead of a core dump.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from m2export.errors import Interrupted, M2ExportError, OutputFolderError
+
+#: marker file inside every temporary sibling m2export creates (JSON: pid, host, target, started)
+STAGING_MARKER = ".m2export-staging"
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+#: the signal received inside staged_output (None: none); read by raise_if_interrupted
+_received: list[int] = []
+#: non-empty while a critical section defers interrupts (see _signals_held)
+_holding: list[int] = []
 
 
-def replace_hazard(target: Path, checkpoint: Path | None = None) -> str | None:
+# ------------------------------------------------------------------------------------------------ hazards
+def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Iterable[Path] = ()) -> str | None:
     """Why replacing (deleting) ``target`` would be wrong, or None.
 
-    Wrong when ``target`` is, or contains, the current directory or ``checkpoint``.
+    Wrong when ``target`` is, or contains, the current directory, ``checkpoint``, or any ``protect`` path
+    (each resolved through its symlinks: a weight file linked from elsewhere protects the file it points to).
     """
     out = target.resolve()
 
     def inside(p: Path) -> bool:
-        r = p.resolve()
+        r = Path(p).resolve()
         return r == out or out in r.parents
 
     if checkpoint is not None and inside(checkpoint):
         return f"holds the checkpoint {checkpoint}"
+    for p in protect:
+        if inside(p):
+            return f"holds {Path(p).resolve()}, a file of the checkpoint being read"
     if inside(Path.cwd()):
         return "is (or contains) the current directory"
     return None
+
+
+def _interesting_entries(folder: Path) -> list[str]:
+    """Entries of ``folder`` other than m2export's own staging folders."""
+    return sorted(p.name for p in folder.iterdir() if not _is_staging(p))
+
+
+def _is_staging(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and (p / STAGING_MARKER).is_file()
+
+
+# ------------------------------------------------------------------------------------------------ signals
+def interrupted() -> int | None:
+    """The SIGINT/SIGTERM received inside :func:`staged_output`, or None."""
+    return _received[-1] if _received else None
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`Interrupted` if a signal arrived (call after any step that may have swallowed it)."""
+    if _received:
+        raise Interrupted(_received[-1])
+
+
+@contextlib.contextmanager
+def _interrupts_stick() -> Iterator[None]:
+    """SIGINT/SIGTERM -> flag + :class:`Interrupted`; SIGXFSZ ignored (main thread only; else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        _received.append(signum)
+        if not _holding:
+            raise Interrupted(signum)
+
+    saved = {s: signal.signal(s, handler) for s in _INTERRUPTS}
+    saved[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM (recorded, raised by the next :func:`raise_if_interrupted`) in a critical section.
+
+    Done in Python rather than with pthread_sigmask: a process-directed signal blocked in the main thread
+    is taken by another thread (torch's pools), and Python still runs the handler in the main thread.
+    """
+    _holding.append(1)
+    try:
+        yield
+    finally:
+        _holding.pop()
+
+
+# ------------------------------------------------------------------------------------------------ files
+def os_error_message(e: OSError) -> str:
+    """'No space left on device' etc. (strerror, else the exception text)."""
+    return e.strerror or str(e)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success fsync it and ``os.replace`` it onto ``path``.
+
+    On any failure (a full disk included) the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temp file + fsync + os.replace). Raises OSError."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+# ------------------------------------------------------------------------------------------------ folders
+def _marker_owner(staging: Path) -> dict | None:
+    try:
+        d = json.loads((staging / STAGING_MARKER).read_text())
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(target: Path) -> list[Path]:
+    """Remove the marked temporary siblings of ``target`` left by killed runs (dead pid, this host).
+
+    A sibling holding ``old/`` while ``target`` is missing is a swap killed half-way: ``old`` (the previous
+    folder) is renamed back first. Returns what was removed. Unmarked folders are never touched.
+    """
+    removed = []
+    for where in (target.parent, target):
+        if not where.is_dir() or where.is_symlink():
+            continue
+        for p in where.glob(f".{target.name}.tmp-*" if where == target.parent else ".m2export.tmp-*"):
+            owner = _marker_owner(p) if _is_staging(p) else None
+            if owner is None or owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+                continue
+            if owner["pid"] != os.getpid() and _alive(owner["pid"]):
+                continue
+            old = p / "old"
+            if old.is_dir() and where == target.parent and not os.path.lexists(target):
+                os.rename(old, target)
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _is_mount(p: Path) -> bool:
+    return p.is_dir() and os.path.ismount(p)
+
+
+def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Iterable[Path],
+                 owned: Callable[[Path], str | None], error: type[M2ExportError] = OutputFolderError) -> None:
+    """Refuse a target folder before any work (see :func:`staged_output`). Raises ``error``."""
+    if target.is_symlink():
+        raise error(f"{target}: is a symbolic link; m2export never writes through one",
+                    hint=f"pass the real folder ({target.resolve()}) or another path")
+    if target.exists() and not target.is_dir():
+        raise error(f"{target}: exists and is not a directory", hint="choose another output folder")
+    if target.is_dir() and _interesting_entries(target):
+        if not force:
+            raise error(f"{target}: exists and is not empty",
+                        hint="pass `force=True` to replace a folder m2export wrote, or choose another output folder")
+        hazard = replace_hazard(target, protect=protect)
+        if hazard:
+            raise error(f"{target}: {hazard}; `force` would delete it", hint="choose a new or dedicated folder")
+        why = owned(target)
+        if why and not force_foreign:
+            raise error(f"{target}: {why}; `force` replaces only folders m2export wrote",
+                        hint="delete it yourself, choose another folder, or add `force_foreign=True` to delete its "
+                             "contents anyway")
+        if _is_mount(target):
+            raise error(f"{target}: is a mount point and not empty; it cannot be replaced atomically, and "
+                        "m2export deletes nothing it cannot restore",
+                        hint="empty it yourself, or write into a new folder inside it")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(f"{target}: {parent} is not a directory", hint="choose another output folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.is_dir() and not os.access(target, os.W_OK)):
+        raise error(f"{target}: cannot write there (no write permission on {parent})",
+                    hint="choose a writable output folder")
+
+
+def _make_parents(d: Path) -> list[Path]:
+    """mkdir -p ``d``; returns the folders created (deepest last)."""
+    made = []
+    for p in reversed([d, *d.parents]):
+        if not p.exists():
+            p.mkdir()
+            made.append(p)
+    return made
+
+
+def _new_staging(where: Path, prefix: str, target: Path) -> Path:
+    s = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+    (s / STAGING_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                "target": str(target), "started": time.time()}))
+    new = s / "new"
+    new.mkdir()
+    os.chmod(new, 0o777 & ~_umask())
+    return s
+
+
+@contextlib.contextmanager
+def staged_output(target: str | os.PathLike, *, force: bool = False, force_foreign: bool = False,
+                  protect: Iterable[Path] = (), owned: Callable[[Path], str | None] = lambda p: None,
+                  error: type[M2ExportError] = OutputFolderError) -> Iterator[Path]:
+    """Yield an empty folder to write the output into; swap it in as ``target`` when the block succeeds.
+
+    Args:
+        target: the output folder (need not exist; missing parents are created, and removed on failure).
+        force: allow replacing a non-empty ``target`` whose ``owned(target)`` is None (m2export wrote it).
+        force_foreign: with ``force``, replace it even when ``owned`` objects (the contents are deleted).
+        protect: paths that must survive (a checkpoint's config and weight files): ``target`` holding any
+            of them (through symlinks), or the current directory, is refused whatever the flags.
+        owned: ``folder -> None`` if m2export wrote it, else the reason it is not m2export's.
+        error: the M2ExportError subclass raised (messages name ```force```/```force_foreign```, which the
+            CLI shows as its flags).
+    Raises:
+        ``error``: the target is refused (before any work), cannot be written (full disk, EFBIG, permissions:
+        the OS message is named), or changed during the write so that swapping would destroy something.
+        Interrupted: SIGINT/SIGTERM (nothing is left behind; the previous folder is intact or replaced whole).
+    """
+    target = Path(target)
+    target = target.absolute() if target.name not in ("", ".", "..") else target.resolve()
+    target = target.parent.resolve() / target.name  # resolve the parents, never the target itself
+    protect = [Path(p) for p in protect]
+    _received.clear()
+    with _interrupts_stick():
+        with _signals_held():
+            try:
+                clean_stale(target)
+            except OSError:
+                pass
+        check_target(target, force=force, force_foreign=force_foreign, protect=protect, owned=owned, error=error)
+        in_place = _is_mount(target)  # empty (check_target refused a non-empty one): write inside it
+        made: list[Path] = []
+        staging = None
+        done = False
+        try:
+            made = _make_parents(target.parent)
+            staging = _new_staging(target if in_place else target.parent,
+                                   ".m2export.tmp-" if in_place else f".{target.name}.tmp-", target)
+            yield staging / "new"
+            raise_if_interrupted()
+            with _signals_held():
+                if in_place:
+                    _move_in_place(staging / "new", target, error)
+                else:
+                    _swap(staging, target, force=force, force_foreign=force_foreign, owned=owned, error=error)
+                done = True
+                shutil.rmtree(staging, ignore_errors=True)
+            if _received:  # arrived during the swap: reported now, with the new output complete in place
+                raise Interrupted(_received[-1], f"{target} was written completely before stopping")
+        except OSError as e:
+            raise error(f"{target}: cannot write the output ({os_error_message(e)})",
+                        hint="free some space or choose a writable output folder" if e.errno in
+                        (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "choose a writable output folder") from None
+        finally:
+            if not done:
+                with _signals_held():
+                    if staging is not None:
+                        _restore_and_remove(staging, target)
+                    for p in reversed(made):
+                        with contextlib.suppress(OSError):
+                            p.rmdir()
+
+
+def _restore_and_remove(staging: Path, target: Path) -> None:
+    old = staging / "old"
+    if old.is_dir() and not os.path.lexists(target):
+        with contextlib.suppress(OSError):
+            os.rename(old, target)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _swap(staging: Path, target: Path, *, force, force_foreign, owned, error) -> None:
+    """new -> target, the previous target (if any) aside into ``staging/old`` first and re-checked there."""
+    new, old = staging / "new", staging / "old"
+    if not os.path.lexists(target):
+        try:
+            os.rename(new, target)  # fails if something appeared meanwhile (non-empty dir, file)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+        raise error(f"{target}: appeared while m2export was writing; left it alone and wrote nothing",
+                    hint="is another export writing there? choose another output folder")
+    if target.is_symlink() or not target.is_dir():
+        raise error(f"{target}: was replaced by a {'symbolic link' if target.is_symlink() else 'file'} while "
+                    "m2export was writing; left it alone and wrote nothing")
+    os.rename(target, old)  # EBUSY (a mount point) etc.: nothing moved yet
+    why = None
+    if _interesting_entries(old):
+        if not force:
+            why = "was filled while m2export was writing"
+        elif not force_foreign:
+            why = owned(old)
+    if why:
+        os.rename(old, target)
+        raise error(f"{target}: {why}; left it alone and wrote nothing",
+                    hint="`force` replaces only folders m2export wrote; choose another output folder")
+    try:
+        os.rename(new, target)
+    except OSError:
+        os.rename(old, target)
+        raise
+
+
+def _move_in_place(new: Path, target: Path, error) -> None:
+    """Move the entries of ``new`` into the (empty, unrenameable) ``target``; refuses if it got entries."""
+    have = _interesting_entries(target)
+    if have:
+        raise error(f"{target}: got {have[:5]} while m2export was writing; left it alone and wrote nothing")
+    for p in sorted(new.iterdir()):
+        os.rename(p, target / p.name)

@@ -28,6 +28,7 @@ class ExitCode(enum.IntEnum):
     BACKEND_UNAVAILABLE = 4
     INTERNAL = 70
     INTERRUPTED = 130
+    TERMINATED = 143
 
     @property
     def meaning(self) -> str:
@@ -42,7 +43,8 @@ _MEANINGS = {
     ExitCode.ACCURACY: "accuracy check failed (the failing outputs are named)",
     ExitCode.BACKEND_UNAVAILABLE: "a required backend (TensorRT, CUDA, cuTile) is unavailable",
     ExitCode.INTERNAL: "internal error (a bug: traceback printed, please report it)",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C, SIGINT; an output being written is left as it was)",
+    ExitCode.TERMINATED: "terminated (SIGTERM; an output being written is left as it was)",
 }
 
 
@@ -157,3 +159,23 @@ class InternalError(Exception):
     """A bug in m2export (an internal invariant does not hold): please report it with the traceback."""
 
     exit_code = ExitCode.INTERNAL
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived while m2export was writing an output (see :mod:`m2export._paths`).
+
+    A BaseException (like KeyboardInterrupt) so that ``except Exception`` fallbacks in third-party code
+    (torch.onnx's capture strategies) cannot swallow it. ``exit_code``: 130 (SIGINT) or 143 (SIGTERM).
+    ``note`` says what became of the output (default: nothing was written).
+    """
+
+    def __init__(self, signum: int, note: str = "nothing was written"):
+        import signal
+
+        super().__init__(signum, note)
+        self.signum, self.note = signum, note
+        self.exit_code = ExitCode.TERMINATED if signum == signal.SIGTERM else ExitCode.INTERRUPTED
+        self.name = signal.Signals(signum).name
+
+    def __str__(self) -> str:
+        return f"interrupted by {self.name}; {self.note}"

@@ -107,7 +107,8 @@ def main(argv=None) -> int:
             step += 1
     model.eval()
     out = Path(args.out)
-    save_checkpoint(model, out, format="mamba_ssm", dtype=torch.bfloat16)
+    # this script owns the folder (it also writes heldout.txt and train_log.json there): replace it whole
+    save_checkpoint(model, out, format="mamba_ssm", dtype=torch.bfloat16, force=True, force_foreign=True)
     (out / "heldout.txt").write_bytes(held)
     reloaded = load_checkpoint(out).model  # evaluate what was saved (bf16 weights), not the fp32 copy
     log["final_step"] = step

@@ -38,16 +38,14 @@ from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, r
 from m2export import backends, names
 from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
+from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
 from m2export.exporter.configs import Mamba2OnnxConfig
-from m2export.exporter.manifest import REEXPORT_HINT, Manifest, read_manifest
+from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
-REPORT_JSON = "check_report.json"
-REPORT_MD = "check_report.md"
-REPORT_PNG = "check_errors.png"
-DATA_LOADER_SCRIPT = "check_data_loader.py"
+REPORT_JSON, REPORT_MD, REPORT_PNG, DATA_LOADER_SCRIPT = CHECK_REPORT_FILES
 REFERENCE = names.REFERENCE_RUNTIME
 RUNTIMES = ("onnxrt", "trt")  # the defaults; "onnx-reference" on request, and instead of onnxrt for bf16
 ALL_RUNTIMES = tuple(r for r in names.RUNTIMES if r != REFERENCE)  # what check can compare with the reference
@@ -175,8 +173,8 @@ class CheckReport:
         return d
 
     def write_json(self, path: Path) -> Path:
-        path.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
-        return path
+        """Write the report atomically (a full disk leaves the previous report, never a truncated one)."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
 
     def to_markdown(self) -> str:
         lines = [f"# m2export check: {'PASSED' if self.passed else 'FAILED'}", "",
@@ -453,7 +451,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
         report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
         report.write_json(report_dir / REPORT_JSON)
-        (report_dir / REPORT_MD).write_text(report.to_markdown())
+        atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
     except OSError as e:
         raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
                                 hint="pass a writable folder as `report_dir`") from None
@@ -679,7 +677,8 @@ def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | Non
     ax.set_ylabel("elements")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return str(path), ""
 
@@ -719,7 +718,7 @@ def load_data():
 
 def write_data_loader_script(path: Path, outdir: Path, shapes, text, seed, *, checkpoint: Path,
                              past_len: int) -> Path:
-    path.write_text(DATA_LOADER_TEMPLATE.format(script=path.name, outdir=str(Path(outdir).resolve()),
+    atomic_write_text(path, DATA_LOADER_TEMPLATE.format(script=path.name, outdir=str(Path(outdir).resolve()),
                                                 shapes=[tuple(s) for s in shapes],
                                                 text=str(Path(text).resolve()) if text else None, seed=seed,
                                                 checkpoint=str(Path(checkpoint).resolve()), past_len=past_len))

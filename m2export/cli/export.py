@@ -47,7 +47,14 @@ def add_arguments(p):
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; scan internals and ssm states stay fp32 (default: %(default)s)")
     g.add_argument("--opset", type=int, default=None, help="default-domain ONNX opset (default: 18)")
-    g.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR")
+    g.add_argument("--force", action="store_true",
+                   help="replace a non-empty OUTDIR that m2export wrote (its m2export.json says so, and it holds only "
+                        "m2export's files); anything else is refused")
+    g.add_argument("--force-foreign", action="store_true",
+                   help="with --force, replace OUTDIR even if m2export did not write it (its contents are deleted)")
+    g.add_argument("--allow-non-finite-weights", action="store_true", dest="allow_nonfinite",
+                   help="export NaN/Inf weights, and weights beyond the fp16/bf16 range for --dtype fp16/bf16 "
+                        "(refused by default)")
     g.add_argument("--no-check", action="store_true", help="skip onnx.checker full check of the written graphs")
 
 
@@ -57,7 +64,8 @@ def run(args) -> int:
     from m2export.exporter import export_model
 
     m = export_model(args.checkpoint, args.output, ssm_impl=args.ssm_impl, dtype=args.dtype, opset=args.opset,
-                     force=args.force, check=not args.no_check, progress=not args.quiet)
+                     force=args.force, force_foreign=args.force_foreign,
+                     allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet)
     files = ", ".join(g.file for g in m.graphs)
     logging.getLogger("m2export").info("wrote %s: %s, m2export.json (dtype %s, opset %d)", args.output, files,
                                        m.dtype, m.opset)

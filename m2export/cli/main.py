@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from m2export.errors import ExitCode, M2ExportError, exit_codes_text
+from m2export.errors import ExitCode, Interrupted, M2ExportError, exit_codes_text
 
 VERBS = {
     "export": "m2export.cli.export",
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         if hint:
             print(f"hint: {hint}", file=sys.stderr)
+        return int(e.exit_code)
+    except Interrupted as e:  # raised while an output was being written: it is left as it was (or complete)
+        print(f"error: {e}", file=sys.stderr)
         return int(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

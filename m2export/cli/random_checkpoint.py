@@ -12,12 +12,17 @@ examples:
   m2export random-checkpoint --d-model 256 --n-layer 4 --vocab-size 256 --ngroups 2 --format hf -o /tmp/tiny
 """
 
+PARAM_FLAGS = {"outdir": "--output"}  # random_checkpoint's parameter -> this verb's flag
+
 
 def add_arguments(p):
     from m2export.models.config import PRESETS
 
     p.add_argument("-o", "--output", required=True, help="output directory (must be empty or absent)")
-    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists and is not empty")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUTPUT if it holds a checkpoint m2export wrote (anything else is refused)")
+    p.add_argument("--force-foreign", action="store_true",
+                   help="with --force, replace OUTPUT even if m2export did not write it (its contents are deleted)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="published model shape")
     p.add_argument("--format", choices=["mamba_ssm", "hf"], default="mamba_ssm")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="stored tensor dtype")
@@ -32,25 +37,15 @@ def run(args) -> int:
 
     import torch
 
-    from m2export.errors import ConfigError, OutputFolderError
+    from m2export.errors import ConfigError
     from m2export.models.checkpoint import random_checkpoint
 
     fields = {k: getattr(args, k) for k in ("d_model", "n_layer", "vocab_size", "d_state", "headdim", "ngroups",
                                             "expand", "d_conv", "chunk_size") if getattr(args, k) is not None}
     if args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
         raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size")
-    from pathlib import Path
-
-    out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        raise OutputFolderError(f"{out}: exists and is not a directory", hint="choose another -o")
-    if out.exists() and not args.force and any(out.iterdir()):
-        raise OutputFolderError(f"{out}: exists and is not empty", hint="pass --force to replace it, or choose another -o")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    try:
-        out = random_checkpoint(out, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype, **fields)
-    except OSError as e:
-        raise OutputFolderError(f"{out}: cannot write the checkpoint ({e.strerror or e})",
-                                hint="choose a writable -o") from None
+    out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
+                            force=args.force, force_foreign=args.force_foreign, **fields)
     logging.getLogger("m2export").info("wrote %s", out)
     return 0

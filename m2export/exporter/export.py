@@ -5,7 +5,8 @@ trace with ``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatc
 through ``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node); attach the
 model-local function body; save (external data above 2 GB); for the ``std`` flavour inline the function
 (standard ops only); ``onnx.checker`` full check of every file; write the manifest. Everything is written
-into a temporary sibling of OUTDIR and renamed into place at the end: a failed export leaves nothing.
+through :func:`m2export._paths.staged_output`: a temporary sibling of OUTDIR swapped in at the end, so a
+failed or interrupted export leaves nothing and the previous export stays intact until the swap.
 """
 
 from __future__ import annotations
@@ -13,19 +14,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import signal
-import tempfile
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 from m2export import contract
-from m2export._paths import replace_hazard
-from m2export.errors import ExportError, InternalError, OutputFolderError, ParameterError
+from m2export import _paths
+from m2export.errors import ExportError, Interrupted, InternalError, ParameterError
 from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
-from m2export.exporter.manifest import GraphEntry, Manifest, write_manifest
+from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
 from m2export.names import BOTH, FLAVOURS, PRIMARY_FLAVOUR, canonical
 
 log = logging.getLogger("m2export")
@@ -53,27 +50,6 @@ def tool_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "not installed"
     return out
-
-
-def _check_outdir(outdir: Path, force: bool, checkpoint: Path) -> None:
-    if outdir.exists() and not outdir.is_dir():
-        raise OutputFolderError(f"{outdir}: exists and is not a directory", hint="choose another output folder (`outdir`)")
-    if outdir.is_dir() and any(outdir.iterdir()):
-        if not force:
-            raise OutputFolderError(f"{outdir}: exists and is not empty",
-                                    hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")
-        hazard = replace_hazard(outdir, checkpoint=checkpoint)
-        if hazard:
-            raise OutputFolderError(f"{outdir}: {hazard}; `force` would delete it",
-                                    hint="choose a new or dedicated output folder (`outdir`)")
-    parent = outdir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise OutputFolderError(f"{outdir}: {parent} is not a directory", hint="choose another output folder (`outdir`)")
-    if not os.access(parent, os.W_OK | os.X_OK) or (outdir.is_dir() and not os.access(outdir, os.W_OK)):
-        raise OutputFolderError(f"{outdir}: cannot write there (no write permission on {parent})",
-                                hint="choose a writable output folder (`outdir`)")
 
 
 class _GraphModule:
@@ -229,8 +205,8 @@ def _io_entry(onnx_cfg: Mamba2OnnxConfig, decode: bool, dtype_name: str) -> tupl
 
 
 def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ssm_impl: str = PRIMARY_FLAVOUR,
-                 dtype: str = "fp32", opset: int | None = None, force: bool = False, check: bool = True,
-                 progress: bool = False) -> Manifest:
+                 dtype: str = "fp32", opset: int | None = None, force: bool = False, force_foreign: bool = False,
+                 allow_nonfinite: bool = False, check: bool = True, progress: bool = False) -> Manifest:
     """Export a Mamba-2 checkpoint to ONNX prefill and decode graphs in ``outdir``.
 
     Args:
@@ -242,16 +218,23 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
             "onnx" are accepted with a DeprecationWarning.
         dtype: "fp32" | "fp16" | "bf16": weights and activations; scan internals and ssm states stay fp32.
         opset: default ONNX opset (default :attr:`Mamba2OnnxConfig.DEFAULT_OPSET`).
-        force: replace an existing non-empty ``outdir``.
+        force: replace an existing non-empty ``outdir`` that m2export wrote (its manifest says so and it
+            holds only m2export's files). Never a symlink, a folder holding the checkpoint's files (through
+            symlinks too) or the current directory, nor a non-empty mount point.
+        force_foreign: with ``force``, replace ``outdir`` even if m2export did not write it (deletes it).
+        allow_nonfinite: export NaN/Inf weights and (fp16/bf16) weights beyond the dtype's range; refused by
+            default with the tensor, its first bad index and the value.
         check: run ``onnx.checker.check_model(full_check=True)`` on every written graph.
         progress: show a rich progress bar over the steps.
     Returns:
         The :class:`Manifest` written to ``outdir/m2export.json``.
     Raises:
         ParameterError: a bad ``ssm_impl``, ``dtype`` or ``opset``.
-        OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace, or not writable.
+        OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace (see ``force``),
+            changed during the export, or not writable (full disk included).
         ExportError: the ONNX export itself failed (nothing is left behind).
         CheckpointError, ConfigError: the checkpoint cannot be loaded or its config is unsupported.
+        Interrupted: SIGINT/SIGTERM (exit 130/143 in the CLI); nothing is left, the previous export intact.
     """
     ssm_impl = canonical("flavour", ssm_impl)
     if ssm_impl not in SSM_IMPL_CHOICES:
@@ -264,71 +247,51 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     if not 18 <= opset <= onnx.defs.onnx_opset_version():
         raise ParameterError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
                              f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
-    _check_outdir(Path(outdir), force, Path(checkpoint))
-    outdir = Path(outdir).resolve()  # '.' has no name and no parent to put the temporary sibling in
-
     impls = list(FLAVOURS) if ssm_impl == BOTH else [ssm_impl]  # ssmscan first: inlining is in place
     roles = ("prefill", "decode")
     n_steps = 1 + len(roles) * (2 + len(impls) * (1 + int(check))) + 1
     bar = _Progress(progress, n_steps)
-    try:
-        outdir.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputFolderError(f"{outdir.parent}: cannot create it ({e.strerror})",
-                                hint="choose a writable output folder (`outdir`)") from None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
-    except OSError as e:
-        raise OutputFolderError(f"{outdir}: cannot create a temporary folder next to it ({e.strerror})",
-                                hint="choose a writable output folder (`outdir`)") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
-    try:
-        with bar, _sigterm_raises(), _quiet_third_party_logs():
-            import torch
+    from m2export.models.checkpoint import checkpoint_files
 
-            from m2export.models.checkpoint import load_checkpoint
+    with _paths.staged_output(outdir, force=force, force_foreign=force_foreign, owned=foreign_reason,
+                              protect=checkpoint_files(checkpoint)) as tmp, bar, _quiet_third_party_logs():
+        import torch
 
-            torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-            bar.step(f"loading {checkpoint}")
-            ck = load_checkpoint(checkpoint, dtype=torch_dtype)
-            cfg = ck.config
-            onnx_cfg = Mamba2OnnxConfig(cfg)
-            graphs: list[GraphEntry] = []
-            for role in roles:
-                decode = role == "decode"
-                bar.step(f"tracing {role} graph (torch.onnx dynamo)")
-                prog = _export_step(ck.model, cfg, onnx_cfg, decode, torch_dtype, opset)
-                model = prog.model
-                _rename_dims(model, onnx_cfg, decode)
-                bar.step(f"attaching the SSMScan function to {role}")
-                _attach_function(model, opset)
-                ins, outs = _io_entry(onnx_cfg, decode, DTYPES[dtype])
-                for impl in impls:  # ssmscan first: inlining mutates the model in place
-                    primary = impl == impls[0]
-                    fname = graph_file(role, impl, primary)
-                    bar.step(f"saving {fname}")
-                    if impl == "std":
-                        _inline(model)
-                    data = _save(model, tmp / fname)
-                    if check:
-                        bar.step(f"onnx.checker full check of {fname}")
-                        _check(tmp / fname)
-                    graphs.append(GraphEntry(role=role, ssm_impl=impl, file=fname, inputs=ins, outputs=outs,
-                                             external_data=data))
-                del prog, model
-            bar.step("writing manifest")
-            manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,
-                                checkpoint_sha256=ck.sha256, config=cfg.to_dict(), dtype=dtype, opset=opset,
-                                graphs=graphs, tool_versions=tool_versions())
-            write_manifest(tmp, manifest)
-        if outdir.exists():
-            shutil.rmtree(outdir)
-        tmp.rename(outdir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        from m2export.models.checkpoint import load_checkpoint
+
+        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        bar.step(f"loading {checkpoint}")
+        ck = load_checkpoint(checkpoint, dtype=torch_dtype, allow_nonfinite=allow_nonfinite)
+        cfg = ck.config
+        onnx_cfg = Mamba2OnnxConfig(cfg)
+        graphs: list[GraphEntry] = []
+        for role in roles:
+            decode = role == "decode"
+            bar.step(f"tracing {role} graph (torch.onnx dynamo)")
+            prog = _export_step(ck.model, cfg, onnx_cfg, decode, torch_dtype, opset)
+            model = prog.model
+            _rename_dims(model, onnx_cfg, decode)
+            bar.step(f"attaching the SSMScan function to {role}")
+            _attach_function(model, opset)
+            ins, outs = _io_entry(onnx_cfg, decode, DTYPES[dtype])
+            for impl in impls:  # ssmscan first: inlining mutates the model in place
+                primary = impl == impls[0]
+                fname = graph_file(role, impl, primary)
+                bar.step(f"saving {fname}")
+                if impl == "std":
+                    _inline(model)
+                data = _save(model, tmp / fname)
+                if check:
+                    bar.step(f"onnx.checker full check of {fname}")
+                    _check(tmp / fname)
+                graphs.append(GraphEntry(role=role, ssm_impl=impl, file=fname, inputs=ins, outputs=outs,
+                                         external_data=data))
+            del prog, model
+        bar.step("writing manifest")
+        manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,
+                            checkpoint_sha256=ck.sha256, config=cfg.to_dict(), dtype=dtype, opset=opset,
+                            graphs=graphs, tool_versions=tool_versions())
+        write_manifest(tmp, manifest)
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
 
@@ -355,33 +318,20 @@ def _quiet_third_party_logs():
             logging.getLogger(n).setLevel(lvl)
 
 
-@contextlib.contextmanager
-def _sigterm_raises():
-    """Turn SIGTERM into an ExportError while exporting, so the temporary folder is removed (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise ExportError("export interrupted by SIGTERM; nothing was written")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _export_step(model, cfg, onnx_cfg, decode, torch_dtype, opset):
     """One torch.onnx export, its failures turned into ExportError (kept as a seam for failure tests)."""
     try:
-        return _trace(model, cfg, onnx_cfg, decode, torch_dtype, opset)
+        prog = _trace(model, cfg, onnx_cfg, decode, torch_dtype, opset)
     except ExportError:
         raise
     except Exception as e:  # torch.export / onnx conversion raise many types
+        if _paths.interrupted():  # a fallback caught the Interrupted our signal handler raised: re-raise it
+            raise Interrupted(_paths.interrupted()) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx export of the {'decode' if decode else 'prefill'} graph failed: "
                           f"{type(e).__name__}: {first}", hint="rerun with -v for the traceback") from e
+    _paths.raise_if_interrupted()  # ... or a fallback caught it and went on: the result does not count
+    return prog
 
 
 class _Progress:
@@ -403,6 +353,7 @@ class _Progress:
         return self
 
     def step(self, what: str) -> None:
+        _paths.raise_if_interrupted()  # every step boundary re-checks: a swallowed interrupt still stops here
         log.debug("export: %s", what)
         if self._p is not None:
             if self._p.tasks[0].description != "starting":

@@ -8,14 +8,17 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
     model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; ssmscan by default)
     model.onnx.data ...      external data, only when a graph exceeds 2 GB
     model.std.onnx  decode.std.onnx   the std (standard-op) flavour, when both are exported
+    model.plan  decode.plan  TensorRT engines written by ``m2export build`` (+ .timing.cache)
+    check_report.json ...    ``m2export check``'s reports (:data:`CHECK_REPORT_FILES`)
 
 Graph flavours are named as in :mod:`m2export.names`; a manifest written with the old names
-(``plugin``/``onnx``) is read with the new ones.
-    model.plan  decode.plan  TensorRT engines written by ``m2export build``
+(``plugin``/``onnx``) is read with the new ones. :func:`foreign_reason` tells a folder m2export wrote
+(``export --force`` may replace it) from any other.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +31,10 @@ from m2export.names import canonical
 
 MANIFEST_VERSION = 1
 ROLES = ("prefill", "decode")
+#: what ``m2export check`` writes into OUTDIR: report JSON, report markdown, error histogram, data-loader script
+CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py")
+#: other names m2export writes into OUTDIR (besides the manifest's graphs and engines)
+_OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.cache", *CHECK_REPORT_FILES)
 
 
 @dataclass
@@ -132,9 +139,32 @@ def read_manifest(outdir: str | Path) -> Manifest:
 
 
 def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:
-    """Write OUTDIR/m2export.json atomically (temp file + rename)."""
-    f = Path(outdir) / MANIFEST_FILE
-    tmp = f.with_suffix(".json.tmp")
-    tmp.write_text(manifest.to_json())
-    tmp.replace(f)
-    return f
+    """Write OUTDIR/m2export.json atomically (temp file + fsync + rename). Raises OSError."""
+    from m2export._paths import atomic_write_text
+
+    return atomic_write_text(Path(outdir) / MANIFEST_FILE, manifest.to_json())
+
+
+def foreign_reason(folder: str | Path) -> str | None:
+    """None if ``folder`` is an m2export output folder holding only what m2export writes, else why not.
+
+    m2export's: a readable manifest (``manifest_version`` and ``graphs``), and every entry is one of the
+    manifest's graph/data/engine files or a name m2export writes (:data:`_OUTDIR_PATTERNS`).
+    """
+    d = Path(folder)
+    try:
+        raw = json.loads((d / MANIFEST_FILE).read_text())
+        ok = isinstance(raw, dict) and "manifest_version" in raw and isinstance(raw.get("graphs"), list)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        return f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
+    listed = set()
+    for g in raw["graphs"] + list(raw.get("engines") or []):
+        if isinstance(g, dict):
+            listed |= {str(g.get("file"))} | {str(x) for x in g.get("external_data") or []}
+    other = sorted(p.name for p in d.iterdir() if p.name not in listed and not p.name.startswith(".m2export")
+                   and not any(fnmatch.fnmatchcase(p.name, pat) for pat in _OUTDIR_PATTERNS))
+    if other:
+        return f"holds file(s) m2export did not write ({', '.join(other[:5])}{' ...' if len(other) > 5 else ''})"
+    return None

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from m2export._paths import replace_hazard
+from m2export import _paths
 from m2export.errors import CheckpointError, ConfigError
 from m2export.models.config import PRESETS, Mamba2Config
 from m2export.models.families import READERS, decode_hf_floats, detect_family
@@ -177,6 +178,9 @@ def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -
                 raise CheckpointError(f"tensor {k!r} is in both {origin[k]} and {f}: ambiguous checkpoint")
             if not isinstance(v, torch.Tensor):
                 raise CheckpointError(f"{f}: entry {k!r} is a {type(v).__name__}, expected a tensor")
+            if v.is_meta or v.layout != torch.strided:
+                raise CheckpointError(f"{f}: tensor {k!r} is a {'meta' if v.is_meta else str(v.layout)} tensor; "
+                                      "expected a dense tensor with data")
             out[k], origin[k] = v, f
     if weight_map is not None:
         lost = sorted(k for k, shard in weight_map.items() if k not in out)
@@ -231,21 +235,29 @@ def _tensor_shapes(files: list[Path], weight_map: dict[str, str] | None
 _FLOAT_ST = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> LoadedCheckpoint:
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    allow_nonfinite: bool = False) -> LoadedCheckpoint:
     """Load a Mamba-2 or hybrid checkpoint (directory or weight-file path), format/family auto-detected.
 
     The tensor names and shapes in the weight files are checked against config.json before the model is
     built or any tensor data is read (safetensors).
 
+    Every size config.json declares is checked against the weight files before the model is built (a
+    config claiming n_layer=10**6 or d_model=10**9 is an error, not an out-of-memory).
+
     Args:
         path: checkpoint directory, its config.json, or a weight file next to config.json.
         dtype: build the model in this dtype (default float32). MoE routers stay float32 (as transformers
             keeps them: ``_keep_in_fp32_modules_strict``).
+        allow_nonfinite: accept NaN/Inf weights and, for fp16/bf16 ``dtype``, values beyond that dtype's
+            range (which the cast would turn into inf); refused by default (:func:`check_weights`).
     Returns:
         LoadedCheckpoint with the model in eval mode.
     Raises:
         CheckpointError: missing/malformed file, missing/unexpected/mis-shaped tensor (named, with
-            expected and found shapes), tied embeddings with a different lm_head.weight.
+            expected and found shapes), tied embeddings with a different lm_head.weight, fewer layers
+            in the files than config.json declares or sizes no model can have (before anything is built),
+            sparse/meta tensors, a non-finite or out-of-range weight (named, with its first index and value).
         ConfigError: unsupported model type or unsupported/malformed config field (named).
     """
     d, files, index = _resolve(path)
@@ -254,14 +266,20 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     shapes, sd = _tensor_shapes(files, wm)
     family = "mamba2" if fmt == "hf" else fmt
     plan = plan_weights(family, spec, sorted(shapes))
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in _build(spec, cfg).state_dict().items()}
+    where = ", ".join(str(f) for f in files)
+    _check_layer_count(shapes, spec.n_layer, where)
+    try:
+        with torch.device("meta"):  # shapes only: no memory, whatever config.json claims
+            expected = {k: tuple(v.shape) for k, v in _build(spec, cfg).state_dict().items()}
+    except (RuntimeError, OverflowError) as e:
+        raise CheckpointError(f"{where}: config.json declares sizes no model can have ({str(e).splitlines()[0]})",
+                              hint="compare its d_model/hidden_size, d_state, vocab_size with the weight files") \
+            from None
     tied_head = None
     if spec.tie_embeddings:
         expected.pop("lm_head.weight", None)
         src = plan.sources.pop("lm_head.weight", None)
         tied_head = src.keys[0] if src is not None else None
-    where = ", ".join(str(f) for f in files)
     what = f"a {fmt} model with {spec.n_layer} layers" if cfg is None else f"a {fmt} Mamba-2 with n_layer={cfg.n_layer}"
     missing = sorted(set(expected) - set(plan.sources))
     extra = sorted(plan.unmapped + [src.keys[0] for k, src in plan.sources.items() if k not in expected])
@@ -287,6 +305,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                               "embeddings are tied (tie_word_embeddings/tie_embeddings)")
     if sd is None:
         sd = _read_tensors(files, wm)
+    if not allow_nonfinite:
+        check_weights(sd, dtype, where)
     target = dtype or torch.float32
     prev_default = torch.get_default_dtype()
     torch.set_default_dtype(target)  # build in the target dtype: no fp32 copy of a large model (2.7B: 10.8 GB)
@@ -316,62 +336,156 @@ def _build(spec: ModelSpec, cfg: Mamba2Config | None) -> HybridLM:
     return Mamba2LMHeadModel(cfg) if cfg is not None else HybridLM(spec)
 
 
+def _check_layer_count(names, n_layer: int, where: str) -> None:
+    """Every layer 0..n_layer-1 config.json declares has tensors (``*.layers.N.*`` names; checked before
+    even a meta model is built: n_layer=10**6 would take minutes and gigabytes); extra layers are reported
+    by the name/shape check."""
+    import re
+
+    found = {int(m.group(1)) for k in names if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))}
+    if found and not set(range(n_layer)) <= found:
+        have = f"layers {min(found)}..{max(found)} ({len(found)} of them)"
+        raise CheckpointError(f"{where}: config.json says n_layer={n_layer} but the weight files hold {have}")
+
+
+_NARROW = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def check_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, where: str) -> None:
+    """Refuse NaN/Inf weights and, for an fp16/bf16 ``dtype``, values whose cast overflows to inf.
+
+    Raises:
+        CheckpointError: naming the tensor, its first bad index and the value.
+    """
+    for k, v in sd.items():
+        bad = ~torch.isfinite(v)
+        what = "a non-finite value"
+        if not bad.any() and dtype in _NARROW and v.dtype != dtype:
+            lim = torch.finfo(dtype).max
+            bad = v.abs() > lim
+            what = f"a value outside the {_NARROW[dtype]} range (|x| <= {lim:.6g})"
+        if bad.any():
+            idx = [int(i) for i in bad.nonzero()[0]]
+            raise CheckpointError(f"{where}: tensor {k!r} has {what} at index {idx}: {v[tuple(idx)].item()!r}",
+                                  hint="fix the checkpoint (or export it anyway with `allow_nonfinite=True`)")
+
+
+#: safetensors metadata key/value that marks a checkpoint m2export wrote (``--force`` may replace its folder)
+WRITTEN_BY = ("written_by", "m2export")
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32"}
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The paths a checkpoint consists of (its folder, config.json, index, weight files), for protection
+    against deletion: callers resolve each through its symlinks. Never raises (a checkpoint that cannot be
+    resolved yields just ``path``: loading it reports the problem)."""
+    out = [Path(path)]
+    try:
+        d, files, index = _resolve(path)
+    except (CheckpointError, OSError):
+        return out
+    return out + [d, d / "config.json", *([index] if index is not None else []), *files]
+
+
+def checkpoint_foreign_reason(folder: str | os.PathLike) -> str | None:
+    """None if ``folder`` is a checkpoint :func:`save_checkpoint` wrote (config.json + model.safetensors with
+    the :data:`WRITTEN_BY` mark, nothing else), else why not."""
+    d = Path(folder)
+    other = sorted(p.name for p in d.iterdir() if p.name not in ("config.json", "model.safetensors")
+                   and not p.name.startswith(".m2export"))
+    if other:
+        return f"holds file(s) m2export did not write ({', '.join(other[:5])})"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # missing or unreadable: not ours
+        meta = {}
+    if meta.get(WRITTEN_BY[0]) != WRITTEN_BY[1]:
+        return "is not a checkpoint m2export wrote (no m2export mark in model.safetensors)"
+    return None
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str],
+                       dtype: torch.dtype | None) -> None:
+    """Write ``tensors`` in the safetensors format (https://github.com/huggingface/safetensors, "Format":
+    8-byte little-endian header size, JSON header of dtype/shape/data_offsets, raw little-endian data),
+    one tensor at a time: no copy of the whole state dict (``safetensors.torch.save_file`` makes one)."""
+    import sys
+
+    if sys.byteorder != "little":
+        raise CheckpointError("writing safetensors needs a little-endian machine")
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for k, t in tensors.items():
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        n = t.numel() * torch.empty((), dtype=dt).element_size()
+        header[k] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(h)))
+        fh.write(h)
+        for k, t in tensors.items():
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, format: str = "mamba_ssm",
-                    dtype: torch.dtype | None = None) -> Path:
+                    dtype: torch.dtype | None = None, force: bool = False, force_foreign: bool = False) -> Path:
     """Write config.json + model.safetensors in ``format`` ('mamba_ssm' or 'hf'); returns the directory.
 
-    Written into a temporary sibling directory and renamed into place (no half-written checkpoint).
-    """
-    from safetensors.torch import save_file
+    Written through :func:`m2export._paths.staged_output` (a temporary sibling swapped in: no half-written
+    checkpoint, the previous one intact on failure), tensor by tensor (no copy of the state dict).
 
+    Args:
+        force: replace a non-empty ``outdir`` holding a checkpoint m2export wrote.
+        force_foreign: with ``force``, replace it even if m2export did not write it (deletes its contents).
+    Raises:
+        OutputFolderError: ``outdir`` refused (non-empty without ``force``, not m2export's, a symlink, holds
+            the current directory) or not writable (full disk included). Interrupted: SIGINT/SIGTERM.
+    """
     if format not in ("mamba_ssm", "hf"):
         raise ValueError(f"format must be 'mamba_ssm' or 'hf', got {format!r}")
-    out = Path(outdir)
-    hazard = replace_hazard(out) if out.exists() else None
-    if hazard:
-        raise CheckpointError(f"{out}: {hazard}; writing the checkpoint there would delete it",
-                              hint="choose a new or dedicated output directory")
-    out = out.resolve()  # '.' has no name and no parent to put the temporary sibling in
     cfg = model.cfg
-    sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone()
-          for k, v in model.state_dict().items()}
+    sd = dict(model.state_dict())
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     if format == "hf":
         sd = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v for k, v in sd.items()}
         if cfg.tie_embeddings:
-            sd["lm_head.weight"] = sd["backbone.embeddings.weight"].clone()
+            sd["lm_head.weight"] = sd["backbone.embeddings.weight"]  # written twice (the writer copies nothing)
         conf = cfg.to_hf_json()
     else:
         conf = cfg.to_mamba_ssm_json()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    import shutil
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with _paths.staged_output(outdir, force=force, force_foreign=force_foreign,
+                              owned=checkpoint_foreign_reason) as tmp:
         (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        _write_safetensors(sd, tmp / "model.safetensors", {"format": "pt", WRITTEN_BY[0]: WRITTEN_BY[1]}, dtype)
+    return Path(outdir).absolute()
 
 
 def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, format: str = "mamba_ssm",
-                      seed: int = 0, dtype: torch.dtype | None = None, **overrides) -> Path:
+                      seed: int = 0, dtype: torch.dtype | None = None, force: bool = False,
+                      force_foreign: bool = False, **overrides) -> Path:
     """Write a randomly initialised checkpoint (mamba_ssm init, see :func:`init_weights_`).
 
     Args:
         preset: a key of :data:`m2export.models.config.PRESETS` (e.g. 'mamba2-130m'), or None to give
             d_model/n_layer/vocab_size in ``overrides``.
         overrides: any :class:`Mamba2Config` field.
+        force, force_foreign: as in :func:`save_checkpoint` (a non-empty ``outdir`` is refused by default).
     """
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     fields = dict(PRESETS[preset]) if preset else {}
     fields.update(overrides)
     model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**fields)), seed=seed)
-    return save_checkpoint(model, outdir, format=format, dtype=dtype)
+    return save_checkpoint(model, outdir, format=format, dtype=dtype, force=force, force_foreign=force_foreign)

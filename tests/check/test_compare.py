@@ -216,3 +216,26 @@ def test_prefill_graph_ignoring_past_states_fails(tiny_out, tmp_path, graph, sta
     assert all(r.runner == runner for r in report.rows if not r.passed)
     failed = {it for r in report.rows if not r.passed for it in r.failed_iterations}
     assert failed and all("after" in it for it in failed)  # fresh sequences (zero past states) still pass
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE")
+def test_report_on_a_full_disk_keeps_the_previous_one(tmp_path):
+    """Reports are written atomically: a file-size limit (EFBIG, as a full disk's ENOSPC) leaves the old report."""
+    prev = tmp_path / REPORT_JSON
+    prev.write_text('{"previous": true}\n')
+    code = f"""
+import resource, signal
+from m2export.check.compare import CheckReport
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+r = CheckReport(outdir="o", dtype="fp32", reference="torch", runners=[], skipped=["x" * 100] * 100, shapes=[],
+                decode_steps=0, prompt_len=0, atol={{}}, rtol={{}}, rows=[], greedy={{}})
+try:
+    r.write_json(__import__("pathlib").Path({str(prev)!r}))
+except OSError as e:
+    print("errno", e.errno)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "errno 27" in r.stdout, r.stdout + r.stderr  # EFBIG
+    assert prev.read_text() == '{"previous": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == [REPORT_JSON]

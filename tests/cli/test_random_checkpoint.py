@@ -1,4 +1,5 @@
-"""m2export random-checkpoint: writes a loadable checkpoint; never replaces a non-empty folder without --force."""
+"""m2export random-checkpoint: writes a loadable checkpoint; never replaces a non-empty folder without --force,
+nor one m2export did not write without --force-foreign."""
 
 from m2export.cli.main import main
 from m2export.models.checkpoint import load_checkpoint
@@ -20,8 +21,12 @@ def test_refuses_non_empty_dir_without_force(tmp_path, capsys):
     assert main(ARGS + ["-o", str(tmp_path / "ck")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
     assert keep.read_text() == "precious"
-    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 0
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 1  # not m2export's folder
+    assert "m2export did not write (keep.txt)" in capsys.readouterr().err
+    assert keep.read_text() == "precious"
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force", "--force-foreign"]) == 0
     assert not keep.exists() and (tmp_path / "ck" / "model.safetensors").is_file()
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 0  # m2export's own now
 
 
 def test_needs_preset_or_shape(tmp_path, capsys):

@@ -1,12 +1,23 @@
-"""export never deletes what it should not: the current directory, and a SIGTERM leaves no temporary folder."""
+"""export never destroys what it should not, and never leaves a half-written OUTDIR.
+
+The current directory, a user's files (in OUT, appearing in OUT during the export, in a symlinked OUT's
+target, in a checkpoint's weights reached through a symlink, on a mount point) survive; SIGINT/SIGTERM
+at any point leave OUT as the previous export or the new one, complete, and nothing else; a killed
+export's temporary folder is cleaned by the next one; a file-size limit is a one-line error.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,10 +25,60 @@ from m2export.cli.main import main
 from m2export.models.checkpoint import random_checkpoint
 
 TINY = dict(d_model=32, n_layer=1, vocab_size=64, d_state=16, headdim=16, chunk_size=8)
+DRIVER = Path(__file__).with_name("kill_driver.py")
+REPO = Path(__file__).resolve().parents[2]
+posix = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 
-def test_force_refuses_current_directory(tmp_path, monkeypatch, capsys):
-    ck = random_checkpoint(tmp_path / "ck", **TINY)
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp("ck") / "ck", **TINY)
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory, ck):
+    """A previous export (plugin flavour only: the new exports below add *.std.onnx, so the two differ)."""
+    out = tmp_path_factory.mktemp("prev") / "prev"
+    assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
+    return out
+
+
+def fingerprint(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def is_complete_export(d: Path, ssm_impl: str) -> bool:
+    """The manifest is readable and names exactly the files present, each a loadable ONNX graph."""
+    import onnx
+
+    from m2export.exporter.manifest import read_manifest
+
+    m = read_manifest(d)
+    files = {g.file for g in m.graphs}
+    if sorted(files | {"m2export.json"}) != sorted(p.name for p in d.iterdir()):
+        return False
+    if ssm_impl == "both" and len(files) != 4:
+        return False
+    for f in files:
+        onnx.load(str(d / f))
+    return True
+
+
+def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240):
+    """m2export in a subprocess (through the kill driver when ``point`` is given)."""
+    cmd = [sys.executable, str(DRIVER), point, sig, *args] if point else [sys.executable, "-m", "m2export.cli.main",
+                                                                           *args]
+
+    def pre():
+        if limit_fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as a shell with 'ulimit -f' does not; see the test
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=pre, env=env)
+
+
+def test_force_refuses_current_directory(tmp_path, monkeypatch, capsys, ck):
     work = tmp_path / "work"
     work.mkdir()
     (work / "precious.txt").write_text("keep")
@@ -29,26 +90,212 @@ def test_force_refuses_current_directory(tmp_path, monkeypatch, capsys):
     assert (work / "precious.txt").read_text() == "keep"
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_sigterm_leaves_nothing(tmp_path):
-    ck = random_checkpoint(tmp_path / "ck", **TINY)
+# ------------------------------------------------------------------------------------------ item 7: --force
+def test_force_refuses_a_folder_m2export_did_not_write(tmp_path, capsys, ck):
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "has no m2export manifest" in err and "--force-foreign" in err
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
+
+
+def test_force_refuses_an_export_holding_a_users_file(tmp_path, capsys, ck, previous):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "m2export.cli.main", "export", str(ck), "-o", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    assert any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()), "export never started"
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1, err
-    assert "interrupted by SIGTERM" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "a temporary or partial folder was left"
+    shutil.copytree(previous, out)
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    assert "did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("opset", ["17", "99"])
-def test_opset_out_of_range_is_a_user_error(tmp_path, capsys, opset):
-    ck = random_checkpoint(tmp_path / "ck", **TINY)
-    assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 1
-    assert f"opset {opset}: m2export needs 18 <= opset <=" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+def test_force_foreign_replaces_on_request(tmp_path, ck):
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.tex").write_text("draft")
+    assert main(["export", str(ck), "-o", str(out), "--force", "--force-foreign", "-q"]) == 0
+    assert is_complete_export(out, "plugin")
+
+
+def test_force_never_follows_a_symlinked_outdir(tmp_path, capsys, ck, previous):
+    real = tmp_path / "real"
+    shutil.copytree(previous, real)
+    (tmp_path / "link").symlink_to(real)
+    before = fingerprint(real)
+    assert main(["export", str(ck), "-o", str(tmp_path / "link"), "--force", "-q"]) == 1
+    assert "symbolic link" in capsys.readouterr().err
+    assert fingerprint(real) == before and (tmp_path / "link").is_symlink()
+
+
+def test_force_never_deletes_a_checkpoint_reached_through_a_symlink(tmp_path, capsys, ck):
+    realw = tmp_path / "realw"
+    shutil.copytree(ck, realw)
+    ck2 = tmp_path / "ck2"
+    ck2.mkdir()
+    shutil.copy(ck / "config.json", ck2 / "config.json")
+    (ck2 / "model.safetensors").symlink_to(realw / "model.safetensors")
+    before = fingerprint(realw)
+    assert main(["export", str(ck2), "-o", str(realw), "--force", "-q"]) == 1
+    assert "a file of the checkpoint" in capsys.readouterr().err
+    assert fingerprint(realw) == before
+
+
+# ------------------------------------------------------------------------------------------ item 5: races
+def test_files_appearing_in_outdir_during_the_export_survive(tmp_path, monkeypatch, capsys, ck):
+    import m2export.exporter.export as ex
+
+    out = tmp_path / "out"
+    orig = ex._export_step
+
+    def step(*a, **k):
+        out.mkdir(exist_ok=True)
+        (out / "arrived.txt").write_text("someone else's")
+        return orig(*a, **k)
+    monkeypatch.setattr(ex, "_export_step", step)
+    assert main(["export", str(ck), "-o", str(out), "-q"]) == 1
+    assert "while m2export was writing" in capsys.readouterr().err
+    assert (out / "arrived.txt").read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["arrived.txt"]
+
+
+@posix
+def test_concurrent_exports_to_one_new_outdir(tmp_path, ck):
+    out = tmp_path / "out"
+    procs = []
+    threads = [threading.Thread(target=lambda i=i: procs.append(
+        (i, run_cli("export", str(ck), "-o", str(out), "-q", *(["--ssm-impl", "both"] if i else []))))) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rcs = sorted(p.returncode for _, p in procs)
+    assert rcs == [0, 1], [(p.returncode, p.stderr[-300:]) for _, p in procs]
+    loser = next(p for _, p in procs if p.returncode == 1)
+    assert "while m2export was writing" in loser.stderr
+    winner = next(i for i, p in procs if p.returncode == 0)
+    assert is_complete_export(out, "both" if winner else "plugin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ------------------------------------------------------------------------------------------ items 6, 11: signals
+@posix
+@pytest.mark.parametrize("point,sig", [("load", "SIGINT"), ("torch_export", "SIGTERM"), ("torch_export", "SIGINT"),
+                                       ("save", "SIGINT"), ("manifest", "SIGTERM"), ("swap", "SIGTERM")])
+def test_interrupt_leaves_previous_or_new_export(tmp_path, ck, previous, point, sig):
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    before = fingerprint(out)
+    r = run_cli("export", str(ck), "-o", str(out), "--ssm-impl", "both", "--force", "-q", point=point, sig=sig)
+    assert "fired=True" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr[-2000:]
+    assert f"interrupted by {sig}" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "a temporary or partial folder was left"
+    if point == "swap":  # signals are held during the swap: it completes, then the interrupt is reported
+        assert is_complete_export(out, "both")
+    else:
+        assert fingerprint(out) == before, "the previous export was changed"
+
+
+@posix
+def test_sigkill_leftovers_are_cleaned_by_the_next_export(tmp_path, ck, previous):
+    out = tmp_path / "out"
+    r = run_cli("export", str(ck), "-o", str(out), "-q", point="save", sig="SIGKILL")
+    assert r.returncode == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")], "nothing to clean: bad test"
+    assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert is_complete_export(out, "plugin")
+
+
+@posix
+def test_sigkill_in_the_middle_of_the_swap_restores_the_previous_export(tmp_path, ck, previous):
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    before = fingerprint(out)
+    r = run_cli("export", str(ck), "-o", str(out), "--ssm-impl", "both", "--force", "-q", point="swap_after",
+                sig="SIGKILL")
+    assert r.returncode == -signal.SIGKILL and not out.exists()  # the previous export is aside, in the marked folder
+    from m2export._paths import clean_stale
+
+    clean_stale(out.absolute())
+    assert fingerprint(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_unmarked_lookalike_folders_are_never_cleaned(tmp_path, ck):
+    (tmp_path / ".out.tmp-mine").mkdir()
+    (tmp_path / ".out.tmp-mine" / "data").write_text("not m2export's")
+    assert main(["export", str(ck), "-o", str(tmp_path / "out"), "-q"]) == 0
+    assert (tmp_path / ".out.tmp-mine" / "data").read_text() == "not m2export's"
+
+
+def test_failed_export_removes_the_parent_folders_it_created(tmp_path, ck):
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    (bad / "config.json").write_text('{"d_model": 32}')
+    assert main(["export", str(bad), "-o", str(tmp_path / "a" / "b" / "out"), "-q"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+# ------------------------------------------------------------------------------------------ item 8: mount points
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small tmpfs mounted at tmp_path/mnt (needs root and mount; skipped otherwise)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip() or r.returncode})")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_force_onto_a_mount_point_deletes_nothing(tmpfs, capsys, ck, previous):
+    shutil.copytree(previous, tmpfs, dirs_exist_ok=True)
+    before = fingerprint(tmpfs)
+    assert main(["export", str(ck), "-o", str(tmpfs), "--force", "-q"]) == 1
+    assert "mount point" in capsys.readouterr().err
+    assert fingerprint(tmpfs) == before
+
+
+def test_export_into_an_empty_mount_point_writes_in_place(tmpfs, ck):
+    assert main(["export", str(ck), "-o", str(tmpfs), "-q"]) == 0
+    assert is_complete_export(tmpfs, "plugin")
+
+
+# ------------------------------------------------------------------------------------------ item 12: full disk
+@posix
+def test_file_size_limit_is_a_one_line_error_and_leaves_the_previous_export(tmp_path, ck, previous):
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    before = fingerprint(out)
+    r = run_cli("export", str(ck), "-o", str(out), "--ssm-impl", "both", "--force", "-q", limit_fsize=16 * 1024)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "File too large" in r.stderr and "Traceback" not in r.stderr
+    assert fingerprint(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_full_disk_is_a_one_line_error(tmpfs, capsys):
+    (tmpfs / "fill").write_bytes(b"\0" * (8 * 1024 * 1024 - 64 * 1024))
+    assert main(["random-checkpoint", "--d-model", "256", "--n-layer", "4", "--vocab-size", "256",
+                 "-o", str(tmpfs / "ck"), "-q"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["fill"]
+
+
+def test_random_checkpoint_under_a_file_size_limit(tmp_path):
+    r = run_cli("random-checkpoint", "--d-model", "64", "--n-layer", "2", "--vocab-size", "256", "-o",
+                str(tmp_path / "ck"), "-q", limit_fsize=8 * 1024)
+    assert r.returncode == 1 and "File too large" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_opset_out_of_range_is_a_user_error(tmp_path, capsys, ck):
+    for opset in ("17", "99"):
+        assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 1
+        assert f"opset {opset}: m2export needs 18 <= opset <=" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

@@ -211,3 +211,114 @@ def test_malformed_index(tmp_path, weight_map, match):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------ writing (issue 13, item 9)
+@pytest.mark.parametrize("how", ["random_checkpoint", "save_checkpoint"])
+def test_writing_never_deletes_a_users_folder(tmp_path, how):
+    from m2export.models.checkpoint import save_checkpoint
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    model = load_checkpoint(_ckpt(tmp_path)).model
+
+    def write(**kw):
+        if how == "random_checkpoint":
+            return random_checkpoint(out, seed=1, **TINY, **kw)
+        return save_checkpoint(model, out, **kw)
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        write()
+    with pytest.raises(CheckpointError, match="did not write \\(thesis.tex\\)"):
+        write(force=True)
+    assert (out / "thesis.tex").read_text() == "years of work"
+    write(force=True, force_foreign=True)  # explicit: replaced
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    write(force=True)  # now m2export's own: --force is enough
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "mine"]
+
+
+@pytest.mark.parametrize("fmt,tie", [("mamba_ssm", True), ("hf", True), ("hf", False)])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_streamed_safetensors_match_the_state_dict(tmp_path, fmt, tie, dtype):
+    """The tensor-by-tensor writer produces a file safetensors reads back bit-exactly (names, dtypes, shapes)."""
+    from safetensors import safe_open
+
+    path = random_checkpoint(tmp_path / "ck", format=fmt, seed=4, dtype=dtype, **{**TINY, "tie_embeddings": tie})
+    sd = load_file(str(path / "model.safetensors"))
+    ref = init_reference(fmt, tie, dtype)
+    assert sorted(sd) == sorted(ref)
+    for k, v in ref.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "written_by": "m2export"}
+
+
+def init_reference(fmt, tie, dtype):
+    """The state dict random_checkpoint(seed=4) must have written, built the plain way."""
+    from m2export.models.config import Mamba2Config
+    from m2export.models.mamba2 import Mamba2LMHeadModel, init_weights_
+
+    m = init_weights_(Mamba2LMHeadModel(Mamba2Config(**{**TINY, "tie_embeddings": tie})), seed=4)
+    sd = {k: (v.to(dtype) if dtype else v).clone() for k, v in m.state_dict().items()}
+    if tie:
+        sd.pop("lm_head.weight")
+    if fmt == "hf":
+        sd["backbone.embeddings.weight"] = sd.pop("backbone.embedding.weight")
+        if tie:
+            sd["lm_head.weight"] = sd["backbone.embeddings.weight"]
+    return sd
+
+
+# ------------------------------------------------------------------------------------------ issue 13: items 3, 4, 12
+@pytest.mark.parametrize("value,dtype,match", [
+    (float("nan"), None, r"'backbone.embedding.weight' has a non-finite value at index \[77, 3\]: nan"),
+    (float("-inf"), None, r"non-finite value at index \[77, 3\]: -inf"),
+    (1e5, torch.float16, r"outside the fp16 range \(\|x\| <= 65504\) at index \[77, 3\]: 100000.0"),
+])
+def test_non_finite_and_out_of_range_weights_are_refused(tmp_path, value, dtype, match):
+    path = _tampered_ckpt(tmp_path, lambda sd: sd["backbone.embedding.weight"].__setitem__((77, 3), value))
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_checkpoint(path, dtype=dtype)
+    assert "--allow-non-finite-weights" in e.value.hint
+    ck = load_checkpoint(path, dtype=dtype, allow_nonfinite=True)  # explicitly allowed
+    assert not torch.isfinite(ck.model.backbone.embedding.weight[77, 3])
+    if dtype is not None:
+        load_checkpoint(path) if value == 1e5 else None  # in range for fp32: accepted
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n_layer", 10**6, r"n_layer=1000000 but the weight files hold layers 0..1 \(2 of them\)"),
+    ("d_model", 10**9, r"'backbone.embedding.weight' has shape \(112, 64\), expected \(112, 1000000000\)"),
+])
+def test_huge_declared_sizes_fail_before_building(tmp_path, field, value, match):
+    import resource
+    import time
+
+    path = _ckpt(tmp_path)
+    _edit_config(path, lambda c: c.__setitem__(field, value))
+    if field == "d_model":  # keep d_inner divisible by headdim and nheads by ngroups
+        _edit_config(path, lambda c: c["ssm_cfg"].update(headdim=16))
+    rss0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+    assert time.perf_counter() - t0 < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 200 * 1024  # KiB: nothing of that size built
+
+
+def test_distinct_lm_head_under_tied_embeddings_is_refused(tmp_path):
+    path = _tampered_ckpt(tmp_path, lambda sd: sd.update({"lm_head.weight": sd["backbone.embedding.weight"] + 1}))
+    with pytest.raises(CheckpointError, match=r"tie_embeddings=true .* lm_head.weight differs from the embedding"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_sparse_or_meta_tensors_in_a_bin_are_refused(tmp_path, kind):
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    k = "backbone.layers.0.mixer.D"
+    sd[k] = sd[k].to_sparse() if kind == "sparse" else torch.empty(sd[k].shape, device="meta")
+    torch.save(sd, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=rf"'{k}' is a .*{'sparse' if kind == 'sparse' else 'meta'}"):
+        load_checkpoint(path)

@@ -1,0 +1,83 @@
+"""Run ``m2export ARGS...`` and send this process a signal at a named point of an export (test harness).
+
+usage: python tests/exporter/kill_driver.py POINT SIGNAL m2export-args...
+
+POINT (each hooks a name that exists in every version of the exporter, so the same harness runs on old code):
+  load          before the checkpoint is loaded (m2export.models.checkpoint.load_checkpoint)
+  torch_export  inside torch.onnx's first capture strategy (torch.export.export), whose fallback catches
+                ``Exception``
+  save          after the first graph file is saved (m2export.exporter.export._save)
+  manifest      before the manifest is written (m2export.exporter.export.write_manifest)
+  swap          before the first rename that moves the output folder (OUT as source or destination)
+  swap_after    right after that rename (with SIGKILL: the swap is cut half-way)
+SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+
+
+def main() -> int:
+    point, sig, args = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3:]
+    out = os.path.abspath(args[args.index("-o") + 1])
+    fired = []
+
+    def fire():
+        if not fired:
+            fired.append(1)
+            os.kill(os.getpid(), sig)
+
+    def before(obj, name):
+        orig = getattr(obj, name)
+
+        @functools.wraps(orig)
+        def wrapper(*a, **k):
+            fire()
+            return orig(*a, **k)
+        setattr(obj, name, wrapper)
+
+    if point == "load":
+        import m2export.models.checkpoint as m
+        before(m, "load_checkpoint")
+    elif point == "torch_export":
+        import torch.export
+        before(torch.export, "export")
+    elif point in ("save", "manifest"):
+        import m2export.exporter.export as e
+        if point == "manifest":
+            before(e, "write_manifest")
+        else:
+            orig = e._save
+
+            def save(*a, **k):
+                r = orig(*a, **k)
+                fire()
+                return r
+            e._save = save
+    elif point in ("swap", "swap_after"):
+        orig_rename = os.rename
+
+        def rename(src, dst, *a, **k):
+            moves_out = out in (os.path.abspath(src), os.path.abspath(dst))
+            if moves_out and point == "swap":
+                fire()
+            r = orig_rename(src, dst, *a, **k)
+            if moves_out and point == "swap_after":
+                fire()
+            return r
+        os.rename = rename
+    else:
+        raise SystemExit(f"unknown point {point!r}")
+    from m2export.cli.main import main as m2main
+
+    rc = m2main(args)
+    print(f"fired={bool(fired)}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
