@@ -63,7 +63,7 @@ def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Ite
         return f"holds the checkpoint {checkpoint}"
     for p in protect:
         if inside(p):
-            return f"holds {Path(p).resolve()}, a file of the checkpoint being read"
+            return f"holds the checkpoint's file {Path(p).resolve()}"
     if inside(Path.cwd()):
         return "is (or contains) the current directory"
     return None
@@ -220,11 +220,11 @@ def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Ite
         raise error(f"{target}: is a symbolic link; m2export never writes through one",
                     hint=f"pass the real folder ({target.resolve()}) or another path")
     if target.exists() and not target.is_dir():
-        raise error(f"{target}: exists and is not a directory", hint="choose another output folder")
+        raise error(f"{target}: exists and is not a directory", hint="choose another output folder (`outdir`)")
     if target.is_dir() and _interesting_entries(target):
         if not force:
             raise error(f"{target}: exists and is not empty",
-                        hint="pass `force=True` to replace a folder m2export wrote, or choose another output folder")
+                        hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")
         hazard = replace_hazard(target, protect=protect)
         if hazard:
             raise error(f"{target}: {hazard}; `force` would delete it", hint="choose a new or dedicated folder")
@@ -241,10 +241,10 @@ def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Ite
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise error(f"{target}: {parent} is not a directory", hint="choose another output folder")
+        raise error(f"{target}: {parent} is not a directory", hint="choose another output folder (`outdir`)")
     if not os.access(parent, os.W_OK | os.X_OK) or (target.is_dir() and not os.access(target, os.W_OK)):
         raise error(f"{target}: cannot write there (no write permission on {parent})",
-                    hint="choose a writable output folder")
+                    hint="choose a writable output folder (`outdir`)")
 
 
 def _make_parents(d: Path) -> list[Path]:
@@ -320,8 +320,8 @@ def staged_output(target: str | os.PathLike, *, force: bool = False, force_forei
                 raise Interrupted(_received[-1], f"{target} was written completely before stopping")
         except OSError as e:
             raise error(f"{target}: cannot write the output ({os_error_message(e)})",
-                        hint="free some space or choose a writable output folder" if e.errno in
-                        (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "choose a writable output folder") from None
+                        hint="free some space or choose a writable output folder (`outdir`)" if e.errno in
+                        (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "choose a writable output folder (`outdir`)") from None
         finally:
             if not done:
                 with _signals_held():

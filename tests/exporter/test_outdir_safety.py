@@ -138,7 +138,7 @@ def test_force_never_deletes_a_checkpoint_reached_through_a_symlink(tmp_path, ca
     (ck2 / "model.safetensors").symlink_to(realw / "model.safetensors")
     before = fingerprint(realw)
     assert main(["export", str(ck2), "-o", str(realw), "--force", "-q"]) == 1
-    assert "a file of the checkpoint" in capsys.readouterr().err
+    assert "holds the checkpoint's file" in capsys.readouterr().err
     assert fingerprint(realw) == before
 
 
