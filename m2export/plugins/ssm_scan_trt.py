@@ -120,8 +120,31 @@ def torch_view(t: Any):
     return view
 
 
+_VIEWS: dict = {}
+VIEW_CACHE_SIZE = 1024
+
+
+def cached_torch_view(t: Any):
+    """:func:`torch_view`, remembered per (address, shape, strides, dtype) of the TensorRT tensor.
+
+    TensorRT hands an engine's enqueues the same buffers again and again; a view owns nothing (it only
+    describes that memory), so the one made for the same description is interchangeable with a new one,
+    and building ten of them per call is most of the plugin body's host time. At most
+    :data:`VIEW_CACHE_SIZE` views are kept (cleared when full).
+    """
+    strides = getattr(t, "strides", None)
+    key = (int(t.data_ptr), tuple(int(d) for d in t.shape), None if strides is None else tuple(int(v) for v in strides),
+           str(t.dtype))
+    view = _VIEWS.get(key)
+    if view is None:
+        if len(_VIEWS) >= VIEW_CACHE_SIZE:
+            _VIEWS.clear()
+        view = _VIEWS[key] = torch_view(t)
+    return view
+
+
 def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, stream: int, *,
-            backend: str = "cutile", as_tensor: Callable[[Any], Any] = torch_view) -> None:
+            backend: str = "cutile", as_tensor: Callable[[Any], Any] = cached_torch_view) -> None:
     """The ``@impl`` body: SSMScan of TensorRT's ``inputs`` into its ``outputs`` on ``stream``.
 
     ``inputs`` in contract order (x, dt, A, B, C, D, dt_bias, initial_state), ``outputs`` (y, final_state):

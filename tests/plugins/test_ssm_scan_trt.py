@@ -260,6 +260,23 @@ def test_torch_view_aliases_trt_memory(dtype):
     assert torch.all(base[:, 1:4] == 1)
 
 
+def test_views_of_trt_buffers_are_made_once_per_description(monkeypatch):
+    """The JIT body's views are cached by (address, shape, strides, dtype): same buffer -> same view,
+    any change -> a new one; the cache is bounded."""
+    made = []
+    monkeypatch.setattr(plug, "torch_view", lambda t: made.append(t) or object())
+    monkeypatch.setattr(plug, "_VIEWS", {})
+    t = SimpleNamespace(data_ptr=4096, shape=(2, 3), strides=(3, 1), dtype="DataType.BF16")
+    v = plug.cached_torch_view(t)
+    assert plug.cached_torch_view(SimpleNamespace(**vars(t))) is v and len(made) == 1
+    for change in (dict(data_ptr=8192), dict(shape=(3, 2)), dict(strides=(1, 2)), dict(dtype="DataType.HALF")):
+        assert plug.cached_torch_view(SimpleNamespace(**{**vars(t), **change})) is not v
+    assert len(made) == 5
+    monkeypatch.setattr(plug, "VIEW_CACHE_SIZE", 5)
+    plug.cached_torch_view(SimpleNamespace(**{**vars(t), "data_ptr": 1}))
+    assert len(plug._VIEWS) == 1
+
+
 def test_plugin_errors_are_recorded_for_the_build(fresh_registry, monkeypatch):
     """An exception inside a plugin function reaches TensorRT (which only logs it) and is kept for m2export build."""
     from m2export.errors import ContractError
