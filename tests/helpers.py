@@ -91,6 +91,112 @@ def count_unwritten(t: torch.Tensor) -> torch.Tensor:
     return (t.view(int_dtype) == bits).sum()
 
 
+def large_decay_inputs(p: SSMScanProblem, *, seed: int, chunk_sum: float = -4000.0, per: int = 256,
+                       spike_rate: float = 0.1) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` with step sizes whose dt*A sums reach ``chunk_sum`` every ``per`` tokens (issue 16).
+
+    Most steps are small (raw dt ~ -4: softplus ~ 0.018); a fraction ``spike_rate`` are spikes sized per
+    head so that ``per`` tokens sum to about ``chunk_sum`` (raw dt > 20: softplus passes it through). The
+    running in-chunk sums reach thousands while the segments between nearby small steps stay small: what
+    a segment sum built as a difference of two cumulative sums gets wrong in fp32.
+    """
+    out = make_inputs(p, seed=seed, A_range=(1.0, 8.0))
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = p.shape_of("dt")
+    spikes = torch.rand(shape, generator=g) < spike_rate
+    spike_dt = (-chunk_sum / (spike_rate * per)) / (-out["A"])  # (nheads,)
+    dt = torch.where(spikes, spike_dt.expand(shape), torch.full(shape, -4.0)) + 0.3 * torch.randn(shape, generator=g)
+    out["dt"] = dt.to(TORCH_DTYPES[p.dtype])
+    out["dt_bias"] = torch.zeros(p.nheads)
+    return out
+
+
+def assert_cumsum_trt_safe(nodes, initializers=()) -> None:
+    """Every CumSum (the segment sums, one per scan) on axis -2 with default attributes: the TensorRT
+    ICumulativeLayer bugs need CumSums on different axes (TensorRT#4551) or differing reverse (#4513)."""
+    import onnx
+
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in initializers}
+    values.update({n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    cums = [n for n in nodes if n.op_type == "CumSum"]
+    assert cums, "the segment sums are one CumSum per scan"
+    assert all(not n.attribute for n in cums), [n.attribute for n in cums]
+    assert {int(values[n.input[1]]) for n in cums} == {-2}
+
+
+#: HF transformers Mamba2Config shapes for :func:`hf_init_checkpoint`
+HF_SHAPES = {
+    # state-spaces/mamba2-130m: d_model 768, 24 layers, d_state 128, headdim 64 (vocab padded to 16)
+    "mamba2-130m": dict(hidden_size=768, num_hidden_layers=24, state_size=128, expand=2, head_dim=64,
+                        num_heads=24, n_groups=1, vocab_size=50288, chunk_size=256),
+    # test size; initializer_range 0.3 gives dt up to 16 and in-chunk sums of dt*A near -3,600 (like the 130m)
+    "large-dt-small": dict(hidden_size=256, num_hidden_layers=2, state_size=32, expand=2, head_dim=32,
+                           num_heads=16, n_groups=2, vocab_size=256, chunk_size=256, initializer_range=0.3),
+}
+
+
+def hf_init_checkpoint(outdir, shape: str, *, seed: int = 0, tie: bool = False):
+    """Write a random HF ``Mamba2ForCausalLM`` with *transformers'* default init (``save_pretrained``).
+
+    transformers' ``_init_weights`` (initializer_range 0.1, A_log = log(1..nheads)) gives far larger step
+    sizes than mamba_ssm's init: on the 130m shape dt reaches 6-10 and in-chunk sums of dt*A -1,300 to
+    -4,900, the regime of issue 16. Reuses ``outdir`` when its config.json exists. Returns the Path.
+    """
+    from pathlib import Path
+
+    import transformers
+
+    out = Path(outdir)
+    if not (out / "config.json").is_file():
+        torch.manual_seed(seed)
+        cfg = transformers.Mamba2Config(**HF_SHAPES[shape], tie_word_embeddings=tie)
+        transformers.Mamba2ForCausalLM(cfg).eval().save_pretrained(str(out))
+    return out
+
+
+def run_named(model, ids, past=None):
+    """A :class:`Mamba2LMHeadModel` call with the exported graphs' output names (numpy arrays).
+
+    Returns ({"logits", "present_conv_state.{i}", "present_ssm_state.{i}"}, (conv_states, ssm_states)),
+    the second item to pass back as ``past`` for a continuation.
+    """
+    with torch.no_grad():
+        o = model(ids, *(past or (None, None)))
+    out = {"logits": o.logits.numpy()}
+    out.update({f"present_conv_state.{i}": c.numpy() for i, c in enumerate(o.conv_states)})
+    out.update({f"present_ssm_state.{i}": s.numpy() for i, s in enumerate(o.ssm_states)})
+    return out, (o.conv_states, o.ssm_states)
+
+
+def scan_stats(model, ids, window: int | None = None) -> tuple[float, float, float]:
+    """(max dt, most negative and least negative per-layer minimum of the in-chunk running sum of dt*A)
+    over one forward of ``model`` on ``ids`` (chunks of ``window`` tokens, default the model's chunk_size)."""
+    from m2export.kernels.ssd.naive import dt_transform
+
+    seen = []
+    fns = [m.scan_fn for m in model.mixers]
+
+    def recording(fn):
+        def f(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, **kw):
+            d = dt_transform(dt, dt_bias, dt_limit=kw["dt_limit"])
+            Q = window or kw["chunk_size"]
+            cs = min(torch.cumsum(d[:, i:i + Q] * A, 1).min().item() for i in range(0, d.shape[1], Q))
+            seen.append((d.max().item(), cs))
+            return fn(x, dt, A, B, C, D, dt_bias, initial_state, **kw)
+        return f
+
+    for m, fn in zip(model.mixers, fns):
+        m.scan_fn = recording(fn)
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for m, fn in zip(model.mixers, fns):
+            m.scan_fn = fn
+    return max(s[0] for s in seen), min(s[1] for s in seen), max(s[1] for s in seen)
+
+
 def nan_outputs(p: SSMScanProblem, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """SSMScan output buffers poisoned with NaN (:func:`poison_`) before a kernel writes them: y (batch,
     seqlen, nheads, headdim) in p.dtype and final_state (batch, nheads, headdim, d_state) fp32."""

@@ -17,7 +17,7 @@ graph flavours (both are ONNX graphs; --ssm-impl picks):
   ssmscan  (default) one m2export::SSMScan custom-op node per layer carrying plugin_namespace/plugin_version
            (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
            (ONNX Runtime runs it as is)
-  std      standard ONNX ops only (no custom domain, no CumSum): any runtime, no plugin
+  std      standard ONNX ops only (no custom domain): any runtime, no plugin
   both     ssmscan as model.onnx/decode.onnx and std as model.std.onnx/decode.std.onnx
   (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)
 

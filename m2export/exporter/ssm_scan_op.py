@@ -21,10 +21,15 @@ Design of the body (every step in float32, Cast islands at entry/exit for fp16/b
    ``delta = clamp(v, dt_min, dt_max)``.
 2. Chunk length ``Q = min(chunk_size, seqlen)`` (evaluation order only, see the contract), ``seqlen``
    padded to ``nchunks * Q`` with ``delta = 0`` on padded steps (they neither decay nor add).
-3. Within-chunk cumulative sum of ``delta * A`` as a MatMul with a lower-triangular 0/1 matrix built
-   from ``Range`` (no ``CumSum`` node at all: TensorRT#4551, #4513).
-4. Intra-chunk output ``(C Bᵀ ∘ exp(min(cs_i - cs_j, 0)) masked to j <= i) · (delta ∘ x)``.
-5. Chunk states ``xᵀ · (exp(cs_last - cs) delta ∘ B)``.
+3. Within-chunk cumulative sum ``cs`` of ``delta * A`` (decay from the chunk start) as a MatMul with a
+   triangular 0/1 matrix built from ``Range``.
+4. Segment sums ``seg[i, j] = sum_{j<k<=i} delta_k A`` summed from their own terms (``delta_k A`` masked to
+   ``k > j``, one ``CumSum`` down ``i``), never ``cs_i - cs_j``: with large ``dt`` the cumulative sums reach
+   thousands and their difference carries that magnitude's fp32 rounding (~1e-4 in every exponent).
+   Every CumSum in the graph has the same axis (-2) and no ``reverse``/``exclusive``: the TensorRT
+   ICumulativeLayer bugs (TensorRT#4551: several CumSums on different axes; #4513: differing ``reverse``)
+   need those differences. Intra-chunk output ``(C Bᵀ ∘ exp(seg) masked to j <= i) · (delta ∘ x)``.
+5. Chunk states ``xᵀ · (exp(seg[last, :]) delta ∘ B)``.
 6. State passing in closed form: with the initial state as chunk -1, the state entering chunk c is
    ``sum_{m <= c} exp(sum_{k=m}^{c-1} T_k) S_m`` (``T_k`` the total log-decay of chunk k). The exponent
    is a masked sum (one MatMul with a 0/1 tensor, no difference of long cumulative sums, so no
@@ -220,27 +225,34 @@ def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
     Bc, Cc = chunk_bc(Bf), chunk_bc(Cf)
     A3 = b.op("Reshape", Af, b.op("Concat", g, hpg, one, axis=0))  # (g, hpg, 1)
 
-    # 3. within-chunk inclusive cumsum of delta*A as a MatMul with U[j, i] = (j <= i)
+    # 3. within-chunk inclusive cumsum of delta*A as a MatMul with U[j, i] = (j <= i): the decay from the
+    #    chunk start to token i (a sum from the anchor at the chunk start, accurate to its own terms)
     Qs = b.op("Squeeze", Q, b.const([0]))
     r = b.op("Range", b.const(0), Qs, b.const(1))
     r_col, r_row = b.op("Unsqueeze", r, i1(1)), b.op("Unsqueeze", r, i1(0))
     causal = b.op("GreaterOrEqual", r_col, r_row)  # [i, j] = i >= j
+    strict = b.op("Greater", r_col, r_row)  # [k, j] = k > j
     upper = b.op("Cast", b.op("LessOrEqual", r_col, r_row), to=F)  # [j, i] = j <= i
     dA = b.op("Mul", dc, A3)  # (b, nc, g, hpg, Q)
     cs = b.op("MatMul", dA, upper)  # cs_i = sum_{j <= i} dA_j
 
-    # 4. intra-chunk output
-    seg = b.op("Sub", b.op("Unsqueeze", cs, i1(-1)), b.op("Unsqueeze", cs, i1(-2)))  # [i, j] = cs_i - cs_j
-    decay = b.op("Where", causal, b.op("Exp", b.op("Min", seg, zero_f)), zero_f)  # mask before exp use
+    # 4. segment sums seg[i, j] = sum_{j < k <= i} dA_k from their own terms: dA_k masked to k > j, summed
+    #    down i (one CumSum, axis -2, no reverse/exclusive). Not cs_i - cs_j: that difference carries the
+    #    fp32 rounding of |cs| (thousands for large dt), ~1e-4 absolute error in every exponent.
+    terms = b.op("Where", strict, b.op("Unsqueeze", dA, i1(-1)), zero_f)  # (b, nc, g, hpg, Q(k), Q(j))
+    seg = b.op("CumSum", terms, b.const(-2))  # [i, j]; 0 above the diagonal (empty sum), <= 0
+    # intra-chunk output: mask before use (exp of the finite seg, kept on j <= i only; no inf*0)
+    decay = b.op("Where", causal, b.op("Exp", seg), zero_f)
     CB = b.op("MatMul", Cc, b.op("Transpose", Bc, perm=[0, 1, 2, 3, 5, 4]))  # (b, nc, g, 1, Q, Q)
-    M = b.op("Mul", b.op("Mul", CB, decay), b.op("Unsqueeze", dc, i1(-2)))  # (b, nc, g, hpg, Q, Q)
-    y_diag = b.op("MatMul", M, xc)  # (b, nc, g, hpg, Q, p)
+    xd = b.op("Mul", xc, b.op("Unsqueeze", dc, i1(-1)))  # delta ∘ x: (b, nc, g, hpg, Q, p)
+    y_diag = b.op("MatMul", b.op("Mul", CB, decay), xd)  # (b, nc, g, hpg, Q, p)
 
-    # 5. chunk states (zero state at chunk start)
-    cs_last = b.op("Slice", cs, i1(-1), i1(np.iinfo(np.int64).max), i1(-1))  # (b, nc, g, hpg, 1)
-    w = b.op("Mul", b.op("Exp", b.op("Min", b.op("Sub", cs_last, cs), zero_f)), dc)  # (b, nc, g, hpg, Q)
-    xw = b.op("Mul", xc, b.op("Unsqueeze", w, i1(-1)))
+    # 5. chunk states (zero state at chunk start): the last row of seg is the decay from token j to the chunk end
+    Qm1 = b.op("Sub", Q, one)
+    to_end = b.op("Squeeze", b.op("Slice", seg, Qm1, Q, i1(-2)), i1(-2))  # (b, nc, g, hpg, Q)
+    xw = b.op("Mul", xd, b.op("Unsqueeze", b.op("Exp", to_end), i1(-1)))
     states = b.op("MatMul", b.op("Transpose", xw, perm=[0, 1, 2, 3, 5, 4]), Bc)  # (b, nc, g, hpg, p, n)
+    cs_last = b.op("Slice", cs, i1(-1), i1(np.iinfo(np.int64).max), i1(-1))  # (b, nc, g, hpg, 1): chunk totals
 
     # 6. state passing over chunks in closed form; index m = 0 is the initial state, m = c + 1 chunk c
     T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (b, g, hpg, nc)

@@ -16,8 +16,8 @@ from m2export.contract import SSMScanProblem
 from m2export.errors import ContractError
 from m2export.kernels.ssd import ssm_scan
 from m2export.kernels.ssd.packed import ssm_scan_packed_chunked, ssm_scan_packed_recurrent
-from tests.helpers import SSD_STATE_REL, SSD_Y_REL, assert_close, count_unwritten, make_inputs, poison_, \
-    requires_cutile, stable_seed
+from tests.helpers import SSD_STATE_REL, SSD_Y_REL, assert_close, count_unwritten, large_decay_inputs, make_inputs, \
+    poison_, requires_cutile, stable_seed
 from tests.plugins.fakes import Expr
 
 # (id, sequence lengths); chunk 64: 63|64 puts a boundary inside chunk 0, 64 one on a chunk edge
@@ -55,6 +55,20 @@ def test_chunked_reference_matches_the_oracle(pack, dtype):
         assert out.final_state.shape == (len(lengths), p.nheads, p.headdim, p.d_state)
         assert_close(f"y chunk {chunk}", ref.y, out.y, rel=REF_REL[dtype])
         assert_close(f"final_state chunk {chunk}", ref.final_state, out.final_state, rel=REF_REL[dtype])
+
+
+def test_chunked_reference_large_decay_sums():
+    """dt*A summing to -4,000 per 256 tokens (issue 16), boundaries inside chunks: segment sums from their own
+    terms, 5e-6 of the oracle (as cumsum differences: 3e-5 .. 1e-4)."""
+    lengths = [100, 300, 112]
+    p = SSMScanProblem(1, sum(lengths), 8, 16, 2, 16)
+    inp = large_decay_inputs(p, seed=3)
+    inp["initial_state"] = torch.randn(len(lengths), 8, 16, 16, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    out = ssm_scan_packed_chunked(**inp, cu_seqlens=cu, chunk_size=256)
+    assert_close("y", ref.y, out.y, rel=5e-6)
+    assert_close("final_state", ref.final_state, out.final_state, rel=5e-6)
 
 
 def test_oracle_is_each_sequence_alone_and_empty_keeps_its_state():

@@ -4,7 +4,7 @@
 * :func:`ssm_scan_chunked` - the chunked SSD algorithm every kernel and graph reproduces,
   float32 internals, any ``seqlen`` (padded internally; padded steps neither decay nor add).
 * Stage references with the same names the cuTile kernels use: :func:`dt_transform`,
-  :func:`chunk_cumsum_ref`, :func:`chunk_state_ref`, :func:`state_passing_ref`,
+  :func:`chunk_cumsum_ref`, :func:`segment_sums_ref`, :func:`chunk_state_ref`, :func:`state_passing_ref`,
   :func:`chunk_scan_ref`.
 
 Source: Dao & Gu, "Transformers are SSMs" (arXiv:2405.21060), Sec. 6 and Listing 1; the stage
@@ -96,7 +96,7 @@ def ssm_scan_recurrent(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None,
 
 # ---------------------------------------------------------------- chunked SSD, stage by stage
 def chunk_cumsum_ref(delta: torch.Tensor, A: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Within-chunk inclusive cumulative sum of dt*A.
+    """Within-chunk inclusive cumulative sum of dt*A (the decay from the chunk start to each token).
 
     Args:
         delta: (batch, nchunks, chunk_size, nheads) fp32 step sizes (0 on padded steps).
@@ -107,13 +107,35 @@ def chunk_cumsum_ref(delta: torch.Tensor, A: torch.Tensor, chunk_size: int) -> t
     return torch.cumsum(delta * A.float(), dim=2)
 
 
-def chunk_state_ref(x, B, delta, dA_cumsum):
+def segment_sums_ref(dA: torch.Tensor) -> torch.Tensor:
+    """Segment sums of dt*A inside each chunk, each summed from its own terms.
+
+    ``seg[..., i, j, :] = sum_{j < k <= i} dA[..., k, :]`` for j <= i, 0 above the diagonal (empty sum).
+    Computed as a running sum down ``i`` of ``dA_k`` masked to ``k > j`` (the ``segsum`` of HF
+    transformers' Mamba-2 and of arXiv:2405.21060 Listing 1), *not* as ``cs_i - cs_j``: the difference of
+    two chunk-long cumulative sums carries the fp32 rounding of the sums' magnitude (thousands when dt is
+    large), an absolute error of ~1e-4 in every decay exponent, where this sum is accurate to the fp32
+    rounding of the segment's own terms (all terms <= 0, so every partial sum is bounded by the segment).
+
+    Args:
+        dA: (batch, nchunks, chunk_size, nheads) fp32, <= 0.
+    Returns:
+        seg: (batch, nchunks, chunk_size (i), chunk_size (j), nheads) fp32, <= 0.
+    """
+    L = dA.shape[2]
+    strict = torch.ones(L, L, dtype=torch.bool, device=dA.device).tril(-1)[None, None, :, :, None]  # [k, j]: k > j
+    terms = torch.where(strict, dA[:, :, :, None, :], torch.zeros((), dtype=dA.dtype, device=dA.device))
+    return torch.cumsum(terms, dim=2)
+
+
+def chunk_state_ref(x, B, delta, seg):
     """State contributed by each chunk alone (zero state at chunk start).
 
-    Args: x (b, c, l, h, p) fp32; B (b, c, l, h, n) fp32 (groups expanded); delta, dA_cumsum (b, c, l, h) fp32.
+    Args: x (b, c, l, h, p) fp32; B (b, c, l, h, n) fp32 (groups expanded); delta (b, c, l, h) fp32;
+    seg (b, c, l, l, h) from :func:`segment_sums_ref` (its last row is the decay from each token to the chunk end).
     Returns: states (b, c, h, p, n) fp32.
     """
-    decay_to_end = torch.exp(torch.clamp(dA_cumsum[:, :, -1:, :] - dA_cumsum, max=0.0))  # (b, c, l, h)
+    decay_to_end = torch.exp(seg[:, :, -1])  # (b, c, l, h): exp(sum_{k > j} dA_k)
     return torch.einsum("bclhn,bclhp->bchpn", B, (decay_to_end * delta)[..., None] * x)
 
 
@@ -132,17 +154,17 @@ def state_passing_ref(states, dA_cumsum, initial_state):
     return torch.stack(prev, dim=1), s
 
 
-def chunk_scan_ref(x, B, C, delta, dA_cumsum, prev_states):
+def chunk_scan_ref(x, B, C, delta, dA_cumsum, seg, prev_states):
     """Output of each chunk: intra-chunk (C·Bᵀ masked decay) plus inter-chunk (C·state_in) terms.
 
-    Args: x (b, c, l, h, p); B, C (b, c, l, h, n); delta, dA_cumsum (b, c, l, h); prev_states (b, c, h, p, n); all fp32.
+    Args: x (b, c, l, h, p); B, C (b, c, l, h, n); delta, dA_cumsum (b, c, l, h); seg (b, c, l, l, h) from
+    :func:`segment_sums_ref`; prev_states (b, c, h, p, n); all fp32.
     Returns: y (b, c, l, h, p) fp32, without the D skip.
     """
     L = x.shape[2]
-    seg = dA_cumsum[:, :, :, None, :] - dA_cumsum[:, :, None, :, :]  # (b, c, i, j, h) = cs_i - cs_j
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[None, None, :, :, None]
-    # mask before exp: exp(min(d, 0)) on the causal part, exactly 0 elsewhere (no inf*0).
-    decay = torch.where(causal, torch.exp(torch.clamp(seg, max=0.0)), torch.zeros((), device=x.device))
+    # mask before exp: seg is a finite sum (0 above the diagonal), exp of it is kept on j <= i only (no inf*0)
+    decay = torch.where(causal, torch.exp(seg), torch.zeros((), device=x.device))
     cb = torch.einsum("bcihn,bcjhn->bcijh", C, B)
     y_diag = torch.einsum("bcijh,bcjhp->bcihp", cb * decay, delta[..., None] * x)
     y_off = torch.einsum("bclhn,bchpn->bclhp", C * torch.exp(dA_cumsum)[..., None], prev_states)
@@ -164,7 +186,8 @@ def ssm_scan_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *
     Raises:
         ContractError: see :func:`m2export.contract.validate`.
     Source:
-        arXiv:2405.21060 Listing 1 (ssd_minimal), with fp32 segment sums and masking before exp.
+        arXiv:2405.21060 Listing 1 (ssd_minimal): fp32 segment sums built from their own terms
+        (:func:`segment_sums_ref`), masking before exp.
     """
     dt_limit = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit).dt_limit
     p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
@@ -184,11 +207,12 @@ def ssm_scan_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *
 
     xc, Bc, Cc, dc = chunks(xf), chunks(Bf), chunks(Cf), chunks(delta)
     cs = chunk_cumsum_ref(dc, A, chunk_size)
-    states = chunk_state_ref(xc, Bc, dc, cs)
+    seg = segment_sums_ref(dc * A.float())
+    states = chunk_state_ref(xc, Bc, dc, seg)
     h0 = (initial_state.to(f32) if initial_state is not None
           else torch.zeros(p.batch, p.nheads, p.headdim, p.d_state, dtype=f32, device=x.device))
     prev_states, final_state = state_passing_ref(states, cs, h0)
-    y = chunk_scan_ref(xc, Bc, Cc, dc, cs, prev_states)
+    y = chunk_scan_ref(xc, Bc, Cc, dc, cs, seg, prev_states)
     y = y.reshape(p.batch, nchunks * chunk_size, p.nheads, p.headdim)[:, : p.seqlen]
     if D is not None:
         y = y + D.to(f32)[:, None] * x.to(f32)

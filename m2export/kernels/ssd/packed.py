@@ -8,7 +8,8 @@
   carried into its chunk only if its sequence began before the chunk (else its own initial state,
   decayed from its start), and each sequence's final state is taken at its last token.
 
-Float32 internals, masking before exp (no inf*0), segment sums as cumsum differences inside a chunk.
+Float32 internals, masking before exp (no inf*0), segment sums summed from their own terms
+(:func:`~m2export.kernels.ssd.naive.segment_sums_ref`, never a difference of two cumulative sums: issue 16).
 Imports only torch.
 """
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from m2export.contract import SSMScanAttrs, check_cu_seqlens, validate_packed
 from m2export.kernels.ssd.naive import (SSMScanOutput, _expand_groups, check_decay, dt_transform,
-                                        ssm_scan_recurrent)
+                                        segment_sums_ref, ssm_scan_recurrent)
 
 
 def _offsets(cu_seqlens, seqlen: int) -> list[int]:
@@ -85,20 +86,22 @@ def ssm_scan_packed_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=
     for c in range(nchunks):
         sl = slice(c * Q, (c + 1) * Q)
         sq, st = seq[sl], start[sl]
-        cs = torch.cumsum(delta[sl] * A.float(), dim=0)  # (Q, H) inclusive
+        dA = delta[sl] * A.float()  # (Q, H)
+        cs = torch.cumsum(dA, dim=0)  # (Q, H) inclusive: decay from the chunk start
+        seg = segment_sums_ref(dA[None, None])[0, 0]  # (i, j, H): sum_{j<k<=i} dA_k, from its own terms
         begun_before = st < c * Q  # token's sequence started in an earlier chunk: reads the carry
-        # cs at the token before the sequence's start within this chunk (0 when it began before the chunk)
-        cs0 = torch.where(begun_before[:, None], torch.zeros((), device=dev),
-                          torch.cat([torch.zeros(1, H, device=dev), cs])[(st - c * Q).clamp(min=0)])
+        # decay from the start of the token's sequence (or of the chunk, if it began before) to the token:
+        # seg[i, start - 1] when the sequence starts inside the chunk after its first token, else cs_i
+        local = st - c * Q
+        from_start = torch.where((local >= 1)[:, None], seg[idx, (local - 1).clamp(min=0)], cs)  # (Q, H)
         same = (sq[:, None] == sq[None, :]) & causal  # (Q, Q) pairs of one sequence, j <= i
-        seg = cs[:, None, :] - cs[None, :, :]  # (i, j, H)
-        decay = torch.where(same[..., None], torch.exp(torch.clamp(seg, max=0.0)), torch.zeros((), device=dev))
+        decay = torch.where(same[..., None], torch.exp(seg), torch.zeros((), device=dev))
         cb = torch.einsum("ihn,jhn->ijh", Cf[sl], Bf[sl])
         y_in = torch.einsum("ijh,jhp->ihp", cb * decay, delta[sl][..., None] * xf[sl])
         # the state each token's sequence enters the chunk with: the carry, or the sequence's initial state
         base = torch.where(begun_before[:, None, None, None], carry[None],
                            h0[sq.clamp(max=nseq - 1)])  # (Q, H, P, N)
-        y_off = torch.einsum("ihn,ihpn->ihp", Cf[sl] * torch.exp(cs - cs0)[..., None], base)
+        y_off = torch.einsum("ihn,ihpn->ihp", Cf[sl] * torch.exp(from_start)[..., None], base)
         y[sl] = y_in + y_off
         # state at each token t that ends a sequence in this chunk, and at the chunk's last token (the carry)
         ends = [(s, cu[s + 1] - 1 - c * Q) for s in range(nseq) if cu[s] < cu[s + 1] and
@@ -107,11 +110,10 @@ def ssm_scan_packed_chunked(x, dt, A, B, C, D=None, dt_bias=None, initial_state=
         points = ends + ([(None, last)] if int(sq[last]) < nseq else [])
         for s, t in points:
             own = (sq == sq[t]) & (idx <= t)  # tokens of t's sequence up to t in this chunk
-            w = torch.where(own[:, None], delta[sl] * torch.exp(torch.clamp(cs[t] - cs, max=0.0)),
-                            torch.zeros((), device=dev))
+            w = torch.where(own[:, None], delta[sl] * torch.exp(seg[t]), torch.zeros((), device=dev))
             state = torch.einsum("jhn,jhp->hpn", Bf[sl], w[..., None] * xf[sl])
             b0 = carry if bool(begun_before[t]) else h0[int(sq[t])]
-            state = state + torch.exp(cs[t] - cs0[t])[:, None, None] * b0
+            state = state + torch.exp(from_start[t])[:, None, None] * b0
             if s is not None:
                 final[s] = state
             else:
