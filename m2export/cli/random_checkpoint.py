@@ -10,6 +10,11 @@ at full size; such checkpoints are generated on demand, never committed.
 examples:
   m2export random-checkpoint --preset mamba2-130m -o /tmp/m2-130m
   m2export random-checkpoint --d-model 256 --n-layer 4 --vocab-size 256 --ngroups 2 --format hf -o /tmp/tiny
+  m2export random-checkpoint --preset nemotron-nano-9b-v2 --dtype bf16 -o /tmp/nano9b
+  m2export random-checkpoint --config path/to/config.json -o /tmp/same-shape
+
+Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the numbers' sources, and the
+fields whose published value was not found (a warning names them), are in m2export/models/presets.py.
 """
 
 PARAM_FLAGS = {"outdir": "--output"}  # random_checkpoint's parameter -> this verb's flag
@@ -17,13 +22,17 @@ PARAM_FLAGS = {"outdir": "--output"}  # random_checkpoint's parameter -> this ve
 
 def add_arguments(p):
     from m2export.models.config import PRESETS
+    from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE
 
     p.add_argument("-o", "--output", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--force", action="store_true",
                    help="replace OUTPUT if it holds a checkpoint m2export wrote (anything else is refused)")
     p.add_argument("--force-foreign", action="store_true",
                    help="with --force, replace OUTPUT even if m2export did not write it (its contents are deleted)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="published model shape")
+    p.add_argument("--preset", choices=sorted(PRESETS) + sorted(HYBRID_PRESETS) + sorted(UNAVAILABLE),
+                   help="published model shape (hybrid presets: m2export.models.presets, with their sources)")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="write random weights for this config.json (any supported family) instead of a preset")
     p.add_argument("--format", choices=["mamba_ssm", "hf"], default="mamba_ssm")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="stored tensor dtype")
     p.add_argument("--seed", type=int, default=0)
@@ -42,10 +51,23 @@ def run(args) -> int:
 
     fields = {k: getattr(args, k) for k in ("d_model", "n_layer", "vocab_size", "d_state", "headdim", "ngroups",
                                             "expand", "d_conv", "chunk_size") if getattr(args, k) is not None}
-    if args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
+    from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE
+
+    config_json = None
+    if args.config is not None:
+        from m2export.models.checkpoint import read_config_json
+
+        config_json = read_config_json(args.config)
+    hybrid = config_json is not None or args.preset in HYBRID_PRESETS or args.preset in UNAVAILABLE
+    if hybrid and fields:
+        raise ConfigError(f"--{sorted(fields)[0].replace('_', '-')} applies to Mamba-2 shapes only; edit the "
+                          "config.json of a hybrid instead (--config)")
+    if args.preset is not None and args.config is not None:
+        raise ConfigError("give --preset or --config, not both")
+    if not hybrid and args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
         raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
-                            force=args.force, force_foreign=args.force_foreign, **fields)
+                            force=args.force, force_foreign=args.force_foreign, config_json=config_json, **fields)
     logging.getLogger("m2export").info("wrote %s", out)
     return 0

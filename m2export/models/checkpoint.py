@@ -17,6 +17,7 @@ Every declared tensor shape is checked against the weight files' headers before 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from m2export.models.config import PRESETS, Mamba2Config
 from m2export.models.families import READERS, decode_hf_floats, detect_family
 from m2export.models.mamba2 import HybridLM, Mamba2LMHeadModel, Router, init_weights_
 from m2export.models.spec import ModelSpec
-from m2export.models.weights import plan_weights
+from m2export.models.weights import plan_weights, to_checkpoint_names
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -122,6 +123,11 @@ def _read_json(f: Path) -> dict:
     return cfg
 
 
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A config.json file parsed (HF's non-finite float encoding decoded). Raises CheckpointError naming it."""
+    return decode_hf_floats(_read_json(Path(path)))
+
+
 def read_config(path: str | os.PathLike) -> tuple[Mamba2Config | ModelSpec, str]:
     """(config, format) of a checkpoint directory or weight file path: a :class:`Mamba2Config` for the
     Mamba-2 formats, the :class:`ModelSpec` for a hybrid family (format = its model_type)."""
@@ -136,7 +142,7 @@ def read_spec(path: str | os.PathLike) -> tuple[ModelSpec, str]:
 
 
 def _config_in(d: Path) -> tuple[Mamba2Config | None, ModelSpec, str]:
-    raw = decode_hf_floats(_read_json(d / "config.json"))
+    raw = read_config_json(d / "config.json")
     src = str(d / "config.json")
     fmt = detect_format(raw, src)
     try:
@@ -239,11 +245,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                     allow_nonfinite: bool = False) -> LoadedCheckpoint:
     """Load a Mamba-2 or hybrid checkpoint (directory or weight-file path), format/family auto-detected.
 
-    The tensor names and shapes in the weight files are checked against config.json before the model is
-    built or any tensor data is read (safetensors).
-
-    Every size config.json declares is checked against the weight files before the model is built (a
-    config claiming n_layer=10**6 or d_model=10**9 is an error, not an out-of-memory).
+    Every tensor name and size config.json declares is checked against the weight files (their safetensors
+    headers) before the model is built or any tensor data is read (a config claiming n_layer=10**6 or
+    d_model=10**9 is an error, not an out-of-memory).
 
     Args:
         path: checkpoint directory, its config.json, or a weight file next to config.json.
@@ -307,13 +311,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         sd = _read_tensors(files, wm)
     if not allow_nonfinite:
         check_weights(sd, dtype, where)
-    target = dtype or torch.float32
-    prev_default = torch.get_default_dtype()
-    torch.set_default_dtype(target)  # build in the target dtype: no fp32 copy of a large model (2.7B: 10.8 GB)
-    try:
-        model = _build(spec, cfg)
-    finally:
-        torch.set_default_dtype(prev_default)
+    model = _built_in(dtype, lambda: _build(spec, cfg))  # no fp32 copy of a large model (2.7B: 10.8 GB)
     for m in model.modules():
         if isinstance(m, Router):
             m.float()
@@ -438,9 +436,15 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: d
         os.fsync(fh.fileno())
 
 
-def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, format: str = "mamba_ssm",
-                    dtype: torch.dtype | None = None, force: bool = False, force_foreign: bool = False) -> Path:
-    """Write config.json + model.safetensors in ``format`` ('mamba_ssm' or 'hf'); returns the directory.
+def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str = "mamba_ssm",
+                    dtype: torch.dtype | None = None, force: bool = False, force_foreign: bool = False,
+                    config_json: dict | None = None) -> Path:
+    """Write config.json + model.safetensors in ``format``; returns the directory.
+
+    ``format``: 'mamba_ssm' or 'hf' for a :class:`Mamba2LMHeadModel`; a hybrid family (a key of
+    :data:`m2export.models.families.READERS`) for a :class:`HybridLM`, whose HF ``config_json`` must be given
+    (a spec is not turned back into a config.json) and whose tensors get the family's checkpoint names
+    (transformers loads the result).
 
     Written through :func:`m2export._paths.staged_output` (a temporary sibling swapped in: no half-written
     checkpoint, the previous one intact on failure), tensor by tensor (no copy of the state dict).
@@ -452,19 +456,26 @@ def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, form
         OutputFolderError: ``outdir`` refused (non-empty without ``force``, not m2export's, a symlink, holds
             the current directory) or not writable (full disk included). Interrupted: SIGINT/SIGTERM.
     """
-    if format not in ("mamba_ssm", "hf"):
-        raise ValueError(f"format must be 'mamba_ssm' or 'hf', got {format!r}")
-    cfg = model.cfg
+    hybrid = format in READERS
+    if not hybrid and format not in ("mamba_ssm", "hf"):
+        raise ValueError(f"format must be 'mamba_ssm', 'hf' or one of {sorted(READERS)}, got {format!r}")
+    if hybrid and config_json is None:
+        raise ValueError(f"format {format!r}: give config_json (the HF config.json of the model)")
+    spec = model.spec
     sd = dict(model.state_dict())
-    if cfg.tie_embeddings:
+    if spec.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    if format == "hf":
+    if hybrid:
+        sd = to_checkpoint_names(format, spec, sd)
+        conf = config_json
+    elif format == "hf":
+        cfg = model.cfg
         sd = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v for k, v in sd.items()}
         if cfg.tie_embeddings:
             sd["lm_head.weight"] = sd["backbone.embeddings.weight"]  # written twice (the writer copies nothing)
         conf = cfg.to_hf_json()
     else:
-        conf = cfg.to_mamba_ssm_json()
+        conf = model.cfg.to_mamba_ssm_json()
     with _paths.staged_output(outdir, force=force, force_foreign=force_foreign,
                               owned=checkpoint_foreign_reason) as tmp:
         (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
@@ -474,18 +485,51 @@ def save_checkpoint(model: Mamba2LMHeadModel, outdir: str | os.PathLike, *, form
 
 def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, format: str = "mamba_ssm",
                       seed: int = 0, dtype: torch.dtype | None = None, force: bool = False,
-                      force_foreign: bool = False, **overrides) -> Path:
+                      force_foreign: bool = False, config_json: dict | None = None, **overrides) -> Path:
     """Write a randomly initialised checkpoint (mamba_ssm init, see :func:`init_weights_`).
 
     Args:
-        preset: a key of :data:`m2export.models.config.PRESETS` (e.g. 'mamba2-130m'), or None to give
-            d_model/n_layer/vocab_size in ``overrides``.
-        overrides: any :class:`Mamba2Config` field.
+        preset: a key of :data:`m2export.models.config.PRESETS` (e.g. 'mamba2-130m') or of
+            :data:`m2export.models.presets.HYBRID_PRESETS` (e.g. 'nemotron-h-8b'), or None to give
+            d_model/n_layer/vocab_size in ``overrides`` (or a ``config_json``).
+        config_json: a parsed HF config.json (any supported family) to write random weights for; ``format``
+            is then the family's own.
+        overrides: any :class:`Mamba2Config` field (Mamba-2 presets); config.json keys (hybrid presets).
         force, force_foreign: as in :func:`save_checkpoint` (a non-empty ``outdir`` is refused by default).
+    Raises:
+        ConfigError: unknown/unavailable preset, or a config the family reader refuses.
     """
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    fields = dict(PRESETS[preset]) if preset else {}
+    from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE, preset_config
+
+    if config_json is None and preset is not None and (preset in HYBRID_PRESETS or preset in UNAVAILABLE):
+        _, config_json = preset_config(preset)
+        config_json.update(overrides)
+        overrides = {}
+    if config_json is not None:
+        raw = decode_hf_floats(dict(config_json))
+        fam = detect_format(raw, f"preset {preset}" if preset else "config")
+        if fam in READERS:
+            spec = READERS[fam](raw, f"preset {preset}" if preset else "config")
+            model = init_weights_(_built_in(dtype, lambda: HybridLM(spec)), seed=seed)
+            return save_checkpoint(model, outdir, format=fam, dtype=dtype, force=force, force_foreign=force_foreign,
+                                   config_json=config_json)
+        cfg = Mamba2Config.from_mamba_ssm_json(raw) if fam == "mamba_ssm" else Mamba2Config.from_hf_json(raw)
+        fields, format = dataclasses.asdict(cfg), fam
+    else:
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; expected one of "
+                              f"{sorted(PRESETS) + sorted(HYBRID_PRESETS)}")
+        fields = dict(PRESETS[preset]) if preset else {}
     fields.update(overrides)
     model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**fields)), seed=seed)
     return save_checkpoint(model, outdir, format=format, dtype=dtype, force=force, force_foreign=force_foreign)
+
+
+def _built_in(dtype: torch.dtype | None, make):
+    """``make()`` with ``dtype`` as torch's default dtype (no float32 copy of a large model)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(prev)

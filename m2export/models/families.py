@@ -314,7 +314,7 @@ _NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel"
                      "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
                      "mamba_dt_limit": "time_step_limit", "mamba_dt_init_floor": "time_step_floor",
                      "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
-                     "num_local_experts": "n_routed_experts"}
+                     "num_local_experts": "n_routed_experts", "attention_head_dim": "head_dim"}
 
 
 def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
@@ -327,7 +327,9 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
     MTP layers (num_nextn_predict_layers > 0) are ignored, with a log line.
     """
     r = FieldReader(raw, source, harmless={"expand", "moe_shared_expert_overlap", "mamba_ssm_cache_dtype",
-                                           "mtp_layers_block_type", "mtp_hybrid_override_pattern"},
+                                           "mtp_layers_block_type", "mtp_hybrid_override_pattern",
+                                           # transformers' Nemotron-H attention has no RoPE: these change nothing
+                                           "rope_theta", "partial_rotary_factor"},
                     aliases=_NEMOTRON_ALIASES)
     _no_quantization(r)
     lists = [(k, _layer_kinds(r, k, ("mamba", "attention", "mlp", "moe"))) for k in ("layers_block_type",
@@ -353,6 +355,13 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
 
     d = r.int("hidden_size")
     eps = r.float("layer_norm_epsilon", 1e-5)
+    for twin in ("rms_norm_eps", "norm_eps"):  # in NVIDIA's configs; transformers reads layer_norm_epsilon only
+        if r.has(twin) and r.float(twin) != eps:
+            raise r.error(f"{twin}={r.raw[twin]} conflicts with layer_norm_epsilon={eps} (transformers uses the "
+                          "latter for every norm)")
+    if r.has("hidden_act") and r.get("hidden_act") != r.raw.get("mlp_hidden_act", "relu2"):
+        raise r.error(f"hidden_act={r.raw['hidden_act']!r} conflicts with mlp_hidden_act="
+                      f"{r.raw.get('mlp_hidden_act', 'relu2')!r} (transformers uses the latter)")
     if "mamba" in kinds:
         r.expect("mamba_hidden_act", ("silu", "swish"), "silu")
         use_bias = r.bool("use_bias", False)
@@ -423,6 +432,7 @@ def read_granitemoehybrid(raw: dict[str, Any], source: str = "config.json") -> M
         kinds = ["mamba"] * r.int("num_hidden_layers", 32)
     _check_n_layers(r, kinds, "layer_types")
     r.expect("hidden_act", ("silu",), "silu")
+    r.expect("normalization_function", ("rmsnorm",), "rmsnorm")
     if "mamba" in kinds:
         mamba = _mamba_from_granite_like(r, d, eps)
     pos = r.expect("position_embedding_type", (None, "rope", "nope"), None)

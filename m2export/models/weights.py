@@ -142,3 +142,67 @@ def plan_weights(family: str, spec: ModelSpec, names: list[str]) -> WeightPlan:
     if plan.ignored:
         log.info("ignoring %d tensor(s) not used for inference (e.g. %s)", len(plan.ignored), plan.ignored[0])
     return plan
+
+
+# internal name -> checkpoint name, per family: (pattern, replacement); "{kind}" = mamba|self_attn (Granite, Bamba)
+_TO_HF = {
+    "nemotron_h": [
+        (r"backbone\.embedding\.weight", "backbone.embeddings.weight"),
+        (rf"backbone\.layers\.{_L}\.mixer\.router\.(?P<p>.+)", "backbone.layers.{i}.mixer.gate.{p}"),
+        (rf"backbone\.layers\.{_L}\.mixer\.shared\.(?P<p>.+)", "backbone.layers.{i}.mixer.shared_experts.{p}"),
+        (rf"backbone\.layers\.{_L}\.mixer\.latent_in\.(?P<p>.+)", "backbone.layers.{i}.mixer.fc1_latent_proj.{p}"),
+        (rf"backbone\.layers\.{_L}\.mixer\.latent_out\.(?P<p>.+)", "backbone.layers.{i}.mixer.fc2_latent_proj.{p}"),
+        (rf"backbone\.layers\.{_L}\.mixer\.experts_in", "backbone.layers.{i}.mixer.experts.{e}.up_proj.weight"),
+        (rf"backbone\.layers\.{_L}\.mixer\.experts_out", "backbone.layers.{i}.mixer.experts.{e}.down_proj.weight"),
+    ],
+    "granitemoehybrid": [
+        (r"backbone\.embedding\.weight", "model.embed_tokens.weight"),
+        (r"backbone\.norm_f\.weight", "model.norm.weight"),
+        (rf"backbone\.layers\.{_L}\.norm\.weight", "model.layers.{i}.input_layernorm.weight"),
+        (rf"backbone\.layers\.{_L}\.ffn_norm\.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        (rf"backbone\.layers\.{_L}\.mixer\.(?P<p>.+)", "model.layers.{i}.{kind}.{p}"),
+        (rf"backbone\.layers\.{_L}\.ffn\.experts_in", "model.layers.{i}.block_sparse_moe.input_linear.weight"),
+        (rf"backbone\.layers\.{_L}\.ffn\.experts_out", "model.layers.{i}.block_sparse_moe.output_linear.weight"),
+        (rf"backbone\.layers\.{_L}\.ffn\.router\.weight", "model.layers.{i}.block_sparse_moe.router.layer.weight"),
+        (rf"backbone\.layers\.{_L}\.ffn\.(?:shared\.)?gate_up_proj\.(?P<p>.+)",
+         "model.layers.{i}.shared_mlp.input_linear.{p}"),
+        (rf"backbone\.layers\.{_L}\.ffn\.(?:shared\.)?down_proj\.(?P<p>.+)",
+         "model.layers.{i}.shared_mlp.output_linear.{p}"),
+    ],
+    "bamba": [
+        (r"backbone\.embedding\.weight", "model.embed_tokens.weight"),
+        (r"backbone\.norm_f\.weight", "model.final_layernorm.weight"),
+        (rf"backbone\.layers\.{_L}\.norm\.weight", "model.layers.{i}.input_layernorm.weight"),
+        (rf"backbone\.layers\.{_L}\.ffn_norm\.weight", "model.layers.{i}.pre_ff_layernorm.weight"),
+        (rf"backbone\.layers\.{_L}\.mixer\.(?P<p>.+)", "model.layers.{i}.{kind}.{p}"),
+        (rf"backbone\.layers\.{_L}\.ffn\.(?P<p>.+)", "model.layers.{i}.feed_forward.{p}"),
+    ],
+}
+
+
+def to_checkpoint_names(family: str, spec: ModelSpec, state_dict: dict) -> dict:
+    """The inverse of :func:`plan_weights`: internal state dict -> tensors under ``family``'s checkpoint names
+    (stacked experts split into one tensor per expert where the family stores them so). Names no rule
+    matches are kept. Used to write random checkpoints that transformers loads."""
+    from m2export.models.spec import MambaSpec
+
+    rules = [(re.compile(p), r) for p, r in _TO_HF.get(family, [])]
+    out = {}
+    for name, t in state_dict.items():
+        for pat, rep in rules:
+            m = pat.fullmatch(name)
+            if m is None:
+                continue
+            g = m.groupdict()
+            kind = ""
+            if "{kind}" in rep:
+                kind = "mamba" if isinstance(spec.layers[int(g["i"])].mixer, MambaSpec) else "self_attn"
+            if "{e}" in rep:
+                for e in range(t.shape[0]):
+                    out[rep.format(e=e, kind=kind, **g)] = t[e].clone()  # own storage: safetensors refuses views
+            else:
+                out[rep.format(kind=kind, **g)] = t
+            break
+        else:
+            out[name] = t
+    return out

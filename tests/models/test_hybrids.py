@@ -100,14 +100,12 @@ def test_state_dtypes_in_bf16(tmp_path):
         assert t.dtype == (torch.float32 if st.dtype == "float32" else torch.bfloat16), st
 
 
-def test_nemotron_dims_from_its_own_fields(case):
-    name, _, _, ck = case
-    if name != "nemotron_h":
-        pytest.skip("Nemotron-H case only")
-    mb = ck.spec.layers[2].mamba
+def test_nemotron_dims_from_its_own_fields(tmp_path):
+    spec, _ = read_spec(make("nemotron_h", tmp_path / "n")[0])
+    mb = spec.layers[2].mamba
     assert (mb.nheads, mb.headdim, mb.d_inner, mb.ngroups, mb.norm_group_size) == (6, 10, 60, 2, 30)
-    assert ck.spec.layers[0].attention_in() is not None and ck.spec.layers[0].attention_in().rope is None
-    assert ck.spec.layers[1].mixer.top_k == 2 and ck.spec.layers[1].mixer.shared is not None
+    assert spec.layers[0].attention_in() is not None and spec.layers[0].attention_in().rope is None
+    assert spec.layers[1].mixer.top_k == 2 and spec.layers[1].mixer.shared is not None
 
 
 def test_transformers5_mamba2_save_reads_infinity(tmp_path):
@@ -118,23 +116,19 @@ def test_transformers5_mamba2_save_reads_infinity(tmp_path):
     assert fmt == "hf" and spec.layers[0].mamba.dt_limit == (0.0, math.inf)
 
 
-@pytest.mark.parametrize("impl", ["dense", "gather"])
-def test_moe_impls_agree(case, impl):
-    name, _, _, ck = case
-    moes = [m for m in ck.model.modules() if isinstance(m, MoE)]
-    if not moes:
-        pytest.skip("no MoE block")
-    ids = _ids(ck.spec.vocab_size, 2, 6)
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_latent", "granitemoehybrid"])
+def test_moe_impls_agree(tmp_path, name):
+    model = load_checkpoint(make(name, tmp_path / name)[0]).model
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes
+    ids = _ids(model.spec.vocab_size, 2, 6)
     with torch.no_grad():
-        ref = ck.model.forward_states(ids).logits
-        for m in moes:
-            m.impl = impl
-        try:
-            got = ck.model.forward_states(ids).logits
-        finally:
+        ref = model.forward_states(ids).logits
+        for impl in ("dense", "gather"):
             for m in moes:
-                m.impl = "loop"
-    assert (got - ref).abs().max().item() <= 1e-5
+                m.impl = impl
+            got = model.forward_states(ids).logits
+            assert (got - ref).abs().max().item() <= 1e-5, impl
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mamba", "jamba", "falcon_mamba"])
