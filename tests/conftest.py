@@ -29,3 +29,15 @@ def no_cuda_home(monkeypatch):
     toolkit's (an older one fails with "Return code 5")."""
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
+
+
+@pytest.fixture
+def single_threaded_torch():
+    """One torch thread: tiny models' matmuls and decode steps crawl with two threads on two busy cores
+    (~20x slower measured on the shared CI box)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,15 +19,7 @@ CHECKPOINT = REPO / "samples" / "checkpoints" / "stdlib-byte-mamba2"
 PROMPT = "def parse_args("
 
 
-@pytest.fixture(autouse=True)
-def _single_threaded_torch():
-    """One torch thread: the reference's decode steps are tiny, and two threads on two busy cores crawl."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tiny decode steps: see tests/conftest.py
 
 
 def test_main_job_export_build_check_generate(tmp_path, capsys):

@@ -22,17 +22,11 @@ from tests.models.hf_checkpoints import CASES, hf_greedy, hf_logits, make
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one intra-op thread is ~20x faster than two on a shared 2-core CI box (measured here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tiny models: see tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory, one_thread):
+def case(request, tmp_path_factory):
     path, hf = make(request.param, tmp_path_factory.mktemp(request.param))
     return request.param, path, hf, load_checkpoint(path)
 

@@ -16,12 +16,7 @@ from m2export.models.mamba2 import HybridLM
 from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE, preset_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tiny models: see tests/conftest.py
 
 
 def _spec(name):
