@@ -65,7 +65,7 @@ def run(args) -> int:
     if args.preset is not None and args.config is not None:
         raise ConfigError("give --preset or --config, not both")
     if not hybrid and args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
-        raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size")
+        raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size (or --config CONFIG_JSON)")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
                             force=args.force, force_foreign=args.force_foreign, config_json=config_json, **fields)
