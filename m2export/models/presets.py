@@ -157,7 +157,7 @@ def preset_config(name: str) -> tuple[str, dict[str, Any]]:
 
     if name in UNAVAILABLE:
         raise ConfigError(f"preset {name!r} is not available: {UNAVAILABLE[name]}",
-                          hint="download the model's config.json and pass it with --config")
+                          hint="download the model's config.json and pass it as `config_json`")
     if name not in HYBRID_PRESETS:
         raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(HYBRID_PRESETS)}")
     p = HYBRID_PRESETS[name]
