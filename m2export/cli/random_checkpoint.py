@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-#: library parameter -> this verb's flag, where their names differ (errors name parameters: m2export.errors)
-PARAM_FLAGS = {"config_json": "--config"}
-
 HELP = "write a randomly initialised checkpoint (mamba_ssm init) of a preset or custom shape"
 DESCRIPTION = """Write config.json + model.safetensors of a randomly initialised Mamba-2 (mamba_ssm's init:
 A_log ~ log U[1,16], dt_bias = inverse-softplus of log-uniform dt in [1e-3, 0.1]). For testing exports
@@ -20,7 +17,7 @@ Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF for
 fields whose published value was not found (a warning names them), are in m2export/models/presets.py.
 """
 
-PARAM_FLAGS = {"outdir": "--output"}  # random_checkpoint's parameter -> this verb's flag
+PARAM_FLAGS = {"outdir": "--output", "config_json": "--config"}  # random_checkpoint's parameter -> this verb's flag
 
 
 def add_arguments(p):
