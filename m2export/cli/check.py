@@ -24,7 +24,7 @@ Override with --atol/--rtol VALUE (the default) or NAME:VALUE (one output; NAME 
 'present_ssm_state.*').
 
 Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
-(error histogram, when matplotlib is installed) and check_data_loader.py (the same inputs for
+(error histogram, when matplotlib is installed: pip install 'm2export[plot]') and check_data_loader.py (the same inputs for
 'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed).
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
@@ -99,7 +99,7 @@ def add_arguments(p):
 def run(args) -> int:
     import time
 
-    from m2export.check.compare import REPORT_JSON, REPORT_MD, RUNTIMES, group_rows, run_check
+    from m2export.check.compare import REPORT_JSON, REPORT_MD, RUNTIMES, run_check
     from m2export.check.console import progress_bars, quiet_polygraphy
     from m2export.check.data import parse_shapes
     from m2export.errors import ToleranceError
@@ -116,7 +116,7 @@ def run(args) -> int:
                            polygraphy_log=args.verbose > 1)
     report_dir = args.report_dir or args.outdir
     if not args.quiet:
-        _print_report(report, report_dir, group_rows(report.rows), REPORT_JSON, REPORT_MD)
+        _print_report(report, report_dir, REPORT_JSON, REPORT_MD)
     elapsed = time.perf_counter() - t0
     if report.passed:
         print(f"PASSED | m2export check {args.outdir} | {elapsed:.1f}s | exit 0")
@@ -129,38 +129,15 @@ def run(args) -> int:
                               "if the error is expected (e.g. fp16)")
 
 
-def _print_report(report, report_dir, groups, json_name, md_name) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def _print_report(report, report_dir, json_name, md_name) -> None:
+    """The console report on stdout: rich wraps prose at the terminal width (``COLUMNS`` when set; 160
+    when stdout is a pipe or file), :func:`m2export.check.report.print_console` picks the layout."""
+    import os
     import sys
 
-    con = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-    con.print(f"m2export check {report.outdir} (dtype {report.dtype}): reference {report.reference} "
-              f"(PyTorch fp32) vs " + ", ".join(r["name"] for r in report.runners[1:]), markup=False)
-    for s in report.skipped:
-        con.print(s, markup=False)
-    con.print("inputs: " + report.corpus + "; prefill " + ", ".join(f"{b}x{s}" for b, s in report.shapes)
-              + report.continued_note() + (f"; sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps"
-                 if report.decode_steps else ""), markup=False)
-    for section in dict.fromkeys(g["section"] for g in groups):
-        t = Table(title=f"{section}: runtime vs {report.reference}", title_justify="left")
-        for col in ("runtime", "output", "max abs", "mean abs", "max rel", "mean rel", "atol", "rtol", "result"):
-            t.add_column(col, justify="left" if col in ("runtime", "output", "result") else "right")
-        for g in groups:
-            if g["section"] == section:
-                t.add_row(g["runner"], g["output"], f"{g['max_abs']:.2e}", f"{g['mean_abs']:.2e}",
-                          f"{g['max_rel']:.2e}", f"{g['mean_rel']:.2e}", f"{g['atol']:.0e}", f"{g['rtol']:.0e}",
-                          "[green]pass[/]" if g["passed"] else f"[red]{g['result']}[/]")
-        con.print(t)
-    for name, g in report.greedy.items():
-        con.print(f"greedy tokens {name}: {g['agree']}/{g['total']} agree with {report.reference}"
-                  + (f" ({g['ties']} near-ties ignored)" if g["ties"] else "")
-                  + ("" if g["passed"] else f" [red]FAILED at {g['mismatches'][0]['where']}[/]"))
-    con.print(f"error histogram: {report.histogram or report.histogram_note}", markup=False)
-    con.print(f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}", markup=False)
-    if report.polygraphy_commands:
-        con.print("reproduce with Polygraphy's CLI (it cannot load the PyTorch reference, so these compare the "
-                  "exported runtimes with each other on the same inputs):")
-        for c in report.polygraphy_commands:
-            con.print("  " + c, markup=False)
+    from rich.console import Console
+
+    from m2export.check.report import print_console
+
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    print_console(report, report_dir, Console(highlight=False, width=width), json_name=json_name, md_name=md_name)
