@@ -173,7 +173,9 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
     graphs = []
     for g in m.graphs:
         f = d / g.file
-        entry: dict[str, Any] = {"role": g.role, "ssm_impl": g.ssm_impl, "file": g.file, "present": f.is_file()}
+        entry: dict[str, Any] = {"role": g.role, "ssm_impl": g.ssm_impl, "file": g.file, "present": f.is_file(),
+                                 "external_data": [{"file": x, "bytes": (d / x).stat().st_size if (d / x).is_file()
+                                                    else None} for x in g.external_data]}
         if f.is_file():
             info = describe_onnx(f)
             entry.update({k: info[k] for k in ("bytes", "opsets", "nodes", "ssm_scan_nodes", "functions",
@@ -234,6 +236,9 @@ def format_text(info: dict[str, Any]) -> str:
         L.append(f"  {info['nodes']} nodes ({top}{', ...' if len(info['op_types']) > 8 else ''}); "
                  f"{info['initializers']} initializers, {info['parameters']:,} parameters"
                  + (f"; external data {', '.join(info['external_data'])}" if info["external_data"] else ""))
+        for x in info["external_data"]:
+            p = Path(info["path"]).parent / x
+            L.append(f"  external data {x}: " + (f"{p.stat().st_size / 1e6:.1f} MB" if p.is_file() else "MISSING"))
     elif info["kind"] == "engine":
         L.append(f"{info['path']}: TensorRT engine, {info['bytes'] / 1e6:.1f} MB")
         e = info.get("manifest")
@@ -271,6 +276,9 @@ def format_text(info: dict[str, Any]) -> str:
             L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {g['bytes'] / 1e6:.1f} MB, "
                      f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
+            for x in g.get("external_data", []):  # the weights, when they live beside the graph
+                size = "MISSING" if x["bytes"] is None else f"{x['bytes'] / 1e6:.1f} MB"
+                L.append(f"    + external data {x['file']}: {size}")
         first = next((g for g in info["graphs"] if g["present"]), None)
         if first:
             L.append(f"  {first['file']} inputs:")

@@ -42,6 +42,10 @@ PRIMARY_FLAVOUR = "ssmscan"
 #: file-name infix of the std flavour's graphs (model.std.onnx)
 STD_SUFFIX = ".std"
 
+#: the optimization profile (min, opt, max) of ``m2export build`` unless told otherwise, per dynamic axis
+#: (batch_size, sequence_length); here so the CLI's --help needs no heavy import
+DEFAULT_PROFILE = {"batch": (1, 1, 8), "seq": (1, 128, 2048)}
+
 #: old spelling -> name, per kind; accepted (with a note) until ALIASES_REMOVED_IN
 ALIASES = {
     "runtime": {"ort": "onnxrt"},

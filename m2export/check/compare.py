@@ -36,7 +36,10 @@ import numpy as np
 from m2export import backends, names
 from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
                                  zero_states)
-from m2export.check.report import greedy_line, runner_label, verdict
+from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
+from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
+from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
+from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
@@ -46,7 +49,7 @@ from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manife
 
 log = logging.getLogger(__name__)
 
-REPORT_JSON, REPORT_MD, REPORT_PNG, DATA_LOADER_SCRIPT = CHECK_REPORT_FILES
+REPORT_JSON, REPORT_MD, REPORT_PNG = CHECK_REPORT_FILES[:3]
 REFERENCE = names.REFERENCE_RUNTIME
 RUNTIMES = ("onnxrt", "trt")  # the defaults; "onnx-reference" on request, and instead of onnxrt for bf16
 ALL_RUNTIMES = tuple(r for r in names.RUNTIMES if r != REFERENCE)  # what check can compare with the reference
@@ -137,7 +140,11 @@ class CheckReport:
     rtol: dict[str, float]
     rows: list[OutputRow]
     greedy: dict[str, dict[str, Any]]
-    polygraphy_commands: list[str] = field(default_factory=list)
+    polygraphy_commands: list[str] = field(default_factory=list)  # polygraphy run --onnxrt, from commands_dir
+    tensorrt_commands: list[str] = field(default_factory=list)  # trtexec / polygraphy run --trt, from commands_dir
+    tensorrt_note: str = ""
+    commands_dir: str = ""
+    saved: dict[str, Any] = field(default_factory=dict)  # what check_inputs.json etc. hold (m2export.check.repro)
     histogram: str | None = None
     histogram_note: str = ""
     corpus: str = "Python stdlib sources"
@@ -215,9 +222,13 @@ class CheckReport:
             lines += ["", "No `polygraphy run` equivalent for a bf16 export: Polygraphy's CLI runs ONNX graphs with "
                       "ONNX Runtime, which has no bf16 kernels on the CPU."]
         if self.polygraphy_commands:
-            lines += ["", "## Reproduce with Polygraphy's CLI", "",
-                      "Polygraphy cannot load the PyTorch reference; these commands compare the exported runtimes "
-                      "with each other on the same inputs:", "", "```sh"] + self.polygraphy_commands + ["```"]
+            lines += ["", "## Reproduce anywhere with Polygraphy", "", reproduce_intro(self), "",
+                      "```sh", f"cd {shlex.quote(self.commands_dir)}"] + [command_block(c, 100) for c in
+                                                                          self.polygraphy_commands] + ["```"]
+        if self.tensorrt_commands or self.tensorrt_note:
+            lines += ["", "With TensorRT (on the TensorRT machine, in the copied folder):", "", "```sh"] + [
+                command_block(c, 100) for c in self.tensorrt_commands] + ["```"] + (
+                [f"Note: {self.tensorrt_note}."] if self.tensorrt_note else [])
         return "\n".join(lines) + "\n"
 
 
@@ -369,7 +380,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     Returns:
         CheckReport (truthy when everything passed); reports written to ``report_dir``:
-        check_report.json, check_report.md, check_errors.png (with matplotlib), check_data_loader.py.
+        check_report.json, check_report.md, check_errors.png (with matplotlib), and for the printed
+        commands check_inputs.json, check_reference_outputs.json, check_data_loader.py (m2export.check.repro).
 
     Raises:
         ParameterError: a bad argument; ExportFolderError, CheckpointError, RuntimeLoadError: the folder, the
@@ -424,10 +436,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
             # -------- prefill section: Comparator.run over the data loader (streaming: all runners active)
             advance = prog(f"prefill: {len(loader)} inputs x {len(rts)} runtimes", len(loader))
-            stream = Comparator.run([r.prefill for r in rts], data_loader=loader, streaming=True)
+            rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
+            stream = Comparator.run([r.prefill for r in rts], data_loader=rec, streaming=True)
             labels = loader.labels
             prefill_acc = Comparator.compare_accuracy(
-                _tap(stream, advance, hist), comparisons=comparisons,
+                _tap(stream, advance, hist, rec), comparisons=comparisons,
                 compare_func=compare_func)
             rows = _rows("prefill", prefill_acc, labels, out_names, atol_d, rtol_d)
 
@@ -459,9 +472,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len)
     try:
-        script = write_data_loader_script(report_dir / DATA_LOADER_SCRIPT, outdir, shapes, text, seed,
-                                          checkpoint=ck_path, past_len=loader.past_len)
-        report.polygraphy_commands = polygraphy_commands(outdir, manifest, script, atol_d, rtol_d, report_dir)
+        if dtype != "bf16" and write_saved(report_dir, rec, REFERENCE):  # JSON has no bf16; ORT CPU neither
+            cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
+            report.polygraphy_commands, report.tensorrt_commands = cmds["onnxrt"], cmds["tensorrt"]
+            report.saved, report.commands_dir = describe_saved(rec), str(report_dir)
+            report.tensorrt_note = ssmscan_build_note(manifest) or ""
         report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
@@ -530,13 +545,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _tap(stream, advance, hist):
-    """Pass Polygraphy's streamed RunResults through, advancing the progress bar and (when matplotlib is
+def _tap(stream, advance, hist, rec=None):
+    """Pass Polygraphy's streamed RunResults through, advancing the progress bar, handing the reference's
+    outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`) and (when matplotlib is
     installed) keeping a strided sample of the abs errors vs the reference (runner 0) per runtime and
     output group for the histogram."""
     want_hist = importlib.util.find_spec("matplotlib") is not None
-    for rr in stream:
+    for k, rr in enumerate(stream):
         ref = rr[0][1][0]
+        if rec is not None:
+            rec.record_outputs(k, ref)
         for name, iters in list(rr)[1:] if want_hist else []:
             it = iters[0]
             for out_name in it.keys():
@@ -694,76 +712,3 @@ def _histogram(hist: dict[str, list[np.ndarray]], path: Path) -> tuple[str | Non
         fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return str(path), ""
-
-
-# ----------------------------------------------------------------------------------------------- polygraphy CLI
-DATA_LOADER_TEMPLATE = '''"""Polygraphy data loader written by `m2export check`: the prefill feeds it compared.
-
-Every size fresh (zero past states), then continued after PAST_LEN tokens with the PyTorch reference's
-states as past states (the reference checkpoint is loaded to compute them, as `m2export check` did).
-
-Use with: polygraphy run ... --data-loader-script {script}:load_data
-"""
-
-try:  # registers the m2export::SSMScan TensorRT plugin where TensorRT is installed
-    import m2export.plugins  # noqa: F401
-except ImportError:
-    pass
-from m2export.check.data import TokenDataLoader, read_corpus
-from m2export.check.runners import ModelFromCheckpoint
-from m2export.exporter.manifest import read_manifest
-
-OUTDIR = {outdir!r}
-SHAPES = {shapes!r}
-TEXT = {text!r}
-SEED = {seed!r}
-CHECKPOINT = {checkpoint!r}
-PAST_LEN = {past_len!r}
-
-
-def load_data():
-    manifest = read_manifest(OUTDIR)
-    reference = ModelFromCheckpoint(CHECKPOINT, expected_sha256=manifest.checkpoint_sha256 or None)
-    yield from TokenDataLoader(manifest.model_config(), manifest.dtype, SHAPES, corpus=read_corpus(TEXT), seed=SEED,
-                               reference=reference, past_len=PAST_LEN)
-'''
-
-
-def write_data_loader_script(path: Path, outdir: Path, shapes, text, seed, *, checkpoint: Path,
-                             past_len: int) -> Path:
-    atomic_write_text(path, DATA_LOADER_TEMPLATE.format(script=path.name, outdir=str(Path(outdir).resolve()),
-                                                shapes=[tuple(s) for s in shapes],
-                                                text=str(Path(text).resolve()) if text else None, seed=seed,
-                                                checkpoint=str(Path(checkpoint).resolve()), past_len=past_len))
-    return path
-
-
-def _tol_args(flag: str, tol: dict[str, float]) -> list[str]:
-    vals = [f"{k}:{v:g}" for k, v in tol.items() if k] + [f"{tol['']:g}"]
-    return [flag, *vals]
-
-
-def polygraphy_commands(outdir: Path, manifest: Manifest, script: Path, atol: dict[str, float],
-                        rtol: dict[str, float], report_dir: Path) -> list[str]:
-    """Equivalent ``polygraphy run`` commands: save the primary ONNX graph's ORT outputs, then compare
-    the other flavour and/or the TensorRT engine against them with the same tolerances.
-
-    None for bf16 exports: Polygraphy's CLI runs ONNX graphs with ONNX Runtime, which has no bf16 kernels
-    on the CPU, and the data-loader script's feeds carry bf16 values as float32."""
-    if manifest.dtype == "bf16":  # Polygraphy's CLI would run the graphs with ORT, which has no bf16 kernels
-        return []
-    q = shlex.quote
-    primary = outdir / manifest.graph("prefill").file
-    saved = report_dir / "polygraphy_onnxrt_outputs.json"
-    dl = ["--data-loader-script", f"{script}:load_data"]
-    cmds = [["polygraphy", "run", str(primary), "--onnxrt", *dl, "--save-outputs", str(saved)]]
-    tol = [*_tol_args("--atol", atol), *_tol_args("--rtol", rtol), "--check-error-stat", "elemwise"]
-    for g in manifest.graphs:
-        if g.role == "prefill" and g.file != manifest.graph("prefill").file:
-            cmds.append(["polygraphy", "run", str(outdir / g.file), "--onnxrt", *dl, "--load-outputs", str(saved),
-                         *tol])
-    e = manifest.engine("prefill")
-    if e is not None:
-        cmds.append(["polygraphy", "run", str(outdir / e.file), "--model-type", "engine", "--trt", *dl,
-                     "--load-outputs", str(saved), *tol])
-    return [" ".join(q(a) for a in c) for c in cmds]

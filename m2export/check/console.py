@@ -37,6 +37,14 @@ def quiet_polygraphy(verbose: int = 0) -> None:
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose > 1 else G_LOGGER.ERROR
 
 
+def human_bytes(n: int) -> str:
+    """``517.3 MB``: decimal units, one decimal."""
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
 def write_stdout(text: str) -> None:
     """Print ``text``; a closed pipe (``m2export inspect ... | head``) ends the output quietly.
 

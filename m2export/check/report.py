@@ -185,8 +185,23 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
     if report.histogram:
         console.print(Text(f"error histogram: {report.histogram}"), soft_wrap=False)
     console.print(Text(f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}"), soft_wrap=False)
+    width = min(console.width, 100)
     if report.polygraphy_commands:
-        console.print(Text("reproduce with Polygraphy's CLI (it cannot load the PyTorch reference, so these compare "
-                           "the exported runtimes with each other on the same inputs):"), soft_wrap=False)
+        console.print(Text(reproduce_intro(report) + ":"), soft_wrap=False)
+        console.print(Text(f"cd {shlex.quote(report.commands_dir)}"), soft_wrap=True, crop=False)
         for c in report.polygraphy_commands:
-            console.print(Text(command_block(c, width=min(console.width, 100))), soft_wrap=True, crop=False)
+            console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
+    if report.tensorrt_commands:
+        console.print(Text("with TensorRT, in the copied folder (trtexec builds the std flavour with the profile "
+                           "'m2export build' uses):"), soft_wrap=False)
+        for c in report.tensorrt_commands:
+            console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
+    if report.tensorrt_note:
+        console.print(Text(f"note: {report.tensorrt_note}"), soft_wrap=False)
+
+
+def reproduce_intro(report) -> str:
+    """The sentence before the commands: what they compare and what they need."""
+    n = report.saved.get("feeds", 0)
+    return (f"reproduce anywhere (copy the folder; Polygraphy only: no m2export, torch or checkpoint): {n} saved "
+            f"prefill feed(s) vs the saved {report.reference} outputs, same tolerances")

@@ -21,19 +21,23 @@ failed build; 4 TensorRT is not installed (checked before any graph is read), no
 SSMScan plugin cannot be registered.
 
 examples:
-  m2export build out/m2-130m
-  m2export build out/m2-130m --plugin aot --max-batch 16 --max-seq 4096
-  m2export build out/m2-130m/decode.onnx --opt-batch 8 --workspace 8G --opt-level 5
+  m2export build out/tiny
+  m2export build out/tiny --plugin aot --max-batch 16 --max-seq 4096
+  m2export build out/tiny/decode.onnx --opt-batch 8 --workspace 8G --opt-level 5
 """
 
 
 def add_arguments(p):
+    from m2export.names import DEFAULT_PROFILE
+
     p.add_argument("path", metavar="OUTDIR|MODEL.onnx", help="export folder, or one of its .onnx graphs")
     p.add_argument("--plugin", choices=["jit", "aot"], default="jit", help="SSMScan plugin mode (default: jit)")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
                    help="which graphs of OUTDIR to build (default: both)")
+    p.add_argument("--skip-if-unavailable", action="store_true",
+                   help="without TensorRT or a GPU, say so and exit 0 instead of exit 4 (scripts that run anywhere)")
     g = p.add_argument_group("Optimization profile")
-    for dim, (lo, opt, hi) in (("batch", (1, 1, 8)), ("seq", (1, 128, 2048))):
+    for dim, (lo, opt, hi) in DEFAULT_PROFILE.items():
         what = "batch size" if dim == "batch" else "sequence length (prefill graph)"
         g.add_argument(f"--min-{dim}", type=int, default=lo, metavar="N", help=f"smallest {what} (default: {lo})")
         g.add_argument(f"--opt-{dim}", type=int, default=opt, metavar="N", help=f"{what} TensorRT tunes for (default: {opt})")
@@ -51,11 +55,11 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import logging
-
     from m2export.errors import M2ExportError
     from m2export.inspect import load_onnx_structure
-    from m2export.trt.build import ShapeRange, build_engines, parse_size, require_tensorrt, resolve_targets
+    from m2export.errors import BackendUnavailable
+    from m2export.trt.build import (ShapeRange, build_engines, parse_size, require_gpu, require_tensorrt,
+                                    resolve_targets)
 
     isa = None
     if args.aot_ptx_isa:
@@ -72,15 +76,27 @@ def run(args) -> int:
     # order of the errors: the path (exit 1), then TensorRT (exit 4) before any graph is parsed, then the
     # graphs themselves (exit 1: a corrupt .onnx is a clean error, not a protobuf traceback)
     _, _, targets = resolve_targets(args.path, roles)
-    require_tensorrt()
+    try:
+        require_tensorrt()
+        if args.skip_if_unavailable:
+            require_gpu()
+    except BackendUnavailable as e:
+        if not args.skip_if_unavailable:
+            raise
+        import sys
+
+        print(f"build skipped (--skip-if-unavailable): {e}", file=sys.stderr)  # a note, not an error: exit 0
+        return 0
     for t in targets:
         load_onnx_structure(t.onnx)
     result = build_engines(args.path, plugin=args.plugin, batch=batch, seq=seq, roles=roles, workspace=workspace,
                            opt_level=args.opt_level, timing_cache=cache, aot_ptx_isa=isa)
-    log = logging.getLogger("m2export")
-    for e in result.engines:
-        log.info("%s: %s engine, TensorRT %s, %s (sm %s), plugin %s", e.file, e.role, e.tensorrt_version, e.gpu,
-                 e.compute_capability, e.plugin_mode)
-    if result.manifest_updated:
-        log.info("updated %s/m2export.json", result.outdir)
+    from m2export.check.console import write_stdout
+
+    if not args.quiet:  # results on stdout
+        for e in result.engines:
+            write_stdout(f"wrote {result.outdir / e.file}: {e.role} engine, TensorRT {e.tensorrt_version}, {e.gpu} "
+                         f"(sm {e.compute_capability}), plugin {e.plugin_mode}\n")
+        if result.manifest_updated:
+            write_stdout(f"updated {result.outdir}/m2export.json\n")
     return 0

@@ -38,11 +38,11 @@ bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels, so their graphs a
 reference evaluator (onnx-reference) instead, and the reference's outputs are rounded to bf16.
 
 examples:
-  m2export check /tmp/m2-130m
-  m2export check /tmp/m2-130m --text my_corpus.txt --shapes 1x1,4x512 --decode-steps 32
-  m2export check /tmp/m2-130m-fp16 --atol 'logits:0.1' --rtol 0.02
-  m2export check /tmp/m2-130m --runtime trt      # fail (exit 4) instead of skipping TensorRT
-  m2export check /tmp/m2-130m --checkpoint /ckpt/mamba2-130m   # the reference moved since export
+  m2export check out/tiny
+  m2export check out/tiny --shapes 1x1,2x40 --decode-steps 16
+  m2export check out/tiny-fp16 --atol logits:0.1 --rtol 0.02
+  m2export check out/tiny --runtime trt      # fail (exit 4) instead of skipping TensorRT
+  m2export check out/tiny --checkpoint ckpt/tiny   # where the reference is now, if it moved
 """
 
 
@@ -90,8 +90,11 @@ def add_arguments(p):
     g.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
                    help="where the windows are cut from the corpus (default: %(default)s)")
     g = p.add_argument_group("Tolerances")
-    g.add_argument("--atol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="absolute tolerance(s)")
-    g.add_argument("--rtol", nargs="+", action="extend", metavar="[NAME:]VALUE", help="relative tolerance(s)")
+    # one value per flag (repeatable, or comma-separated): a list-valued flag would swallow OUTDIR after it
+    g.add_argument("--atol", action="append", metavar="[NAME:]VALUE[,...]",
+                   help="absolute tolerance: VALUE (the default) or NAME:VALUE; repeat or comma-separate")
+    g.add_argument("--rtol", action="append", metavar="[NAME:]VALUE[,...]",
+                   help="relative tolerance: VALUE (the default) or NAME:VALUE; repeat or comma-separate")
     g = p.add_argument_group("Output")
     g.add_argument("--report-dir", metavar="DIR", help="where the reports go (default: OUTDIR)")
 
@@ -109,7 +112,8 @@ def run(args) -> int:
     shapes = parse_shapes(args.shapes) if args.shapes else None
     runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
     with progress_bars(not args.quiet) as prog:
-        report = run_check(args.outdir, checkpoint=args.checkpoint, atol=args.atol, rtol=args.rtol, shapes=shapes,
+        report = run_check(args.outdir, checkpoint=args.checkpoint, atol=_split(args.atol), rtol=_split(args.rtol),
+                           shapes=shapes,
                            decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
                            seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
                            report_dir=args.report_dir, max_seqlen=args.max_seq_len, progress=prog,
@@ -127,6 +131,11 @@ def run(args) -> int:
                          + (f"; ... (all in {report_dir}/{REPORT_MD})" if len(fails) > 4 else ""),
                          hint=f"details per output in {report_dir}/{REPORT_MD}; widen --atol/--rtol NAME:VALUE only "
                               "if the error is expected (e.g. fp16)")
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """``--atol a,b --atol c`` -> ``[a, b, c]``."""
+    return None if values is None else [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
 def _print_report(report, report_dir, json_name, md_name) -> None:

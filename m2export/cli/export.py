@@ -25,8 +25,8 @@ graph flavours (both are ONNX graphs; --ssm-impl picks):
   with TensorRT, or export fp16 for ORT on CPU.
 
 examples:
-  m2export export /ckpt/mamba2-130m -o /tmp/m2-130m
-  m2export export /ckpt/mamba2-130m -o /tmp/m2-130m-fp16 --dtype fp16 --ssm-impl both --force
+  m2export export ckpt/tiny -o out/tiny
+  m2export export ckpt/tiny -o out/tiny-fp16 --dtype fp16 --ssm-impl both
 """
 
 
@@ -59,14 +59,20 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import logging
+    from pathlib import Path
 
+    from m2export.check.console import human_bytes, write_stdout
     from m2export.exporter import export_model
 
     m = export_model(args.checkpoint, args.output, ssm_impl=args.ssm_impl, dtype=args.dtype, opset=args.opset,
                      force=args.force, force_foreign=args.force_foreign,
                      allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet)
-    files = ", ".join(g.file for g in m.graphs)
-    logging.getLogger("m2export").info("wrote %s: %s, m2export.json (dtype %s, opset %d)", args.output, files,
-                                       m.dtype, m.opset)
+    out = Path(args.output)
+    files = []
+    for g in m.graphs:  # each graph with its external-data files, and their sizes
+        for f in (g.file, *g.external_data):
+            p = out / f
+            files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
+    if not args.quiet:
+        write_stdout(f"wrote {args.output}: {', '.join(files)}, m2export.json (dtype {m.dtype}, opset {m.opset})\n")
     return 0

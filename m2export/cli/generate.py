@@ -20,11 +20,13 @@ engines exist: checked after SOURCE itself, before the engines (the same rule as
 or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference).
 
 examples:
-  m2export generate /tmp/m2-stdlib --prompt 'def parse_args(' --max-new-tokens 200
-  m2export generate /tmp/m2-stdlib --prompt 'import os' --runtime torch
-  m2export generate samples/checkpoints/stdlib-byte-mamba2 --runtime torch --prompt 'class '
-  m2export generate /tmp/m2-stdlib --prompt 'for ' --temperature 0.8 --top-k 40 --seed 1
-  m2export generate /tmp/m2-130m --prompt 'Mamba is' --tokenizer /ckpt/gpt-neox/tokenizer.json
+  m2export generate out/tiny --prompt 'def parse_args(' --max-new-tokens 20
+  m2export generate out/tiny --prompt 'import os' --runtime torch
+  m2export generate ckpt/tiny --runtime torch --prompt 'class '
+  m2export generate out/tiny --prompt 'for ' --temperature 0.8 --top-k 40 --seed 1
+  m2export generate out/tiny --prompt-ids 100,101,102 --max-new-tokens 8 --ids
+
+(other vocabularies: --tokenizer tokenizer.json, with the 'tokenizers' package)
 """
 
 
@@ -59,6 +61,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     import codecs
+    import math
     import sys
     from pathlib import Path
 
@@ -106,6 +109,8 @@ def run(args) -> int:
     if not args.quiet:
         mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature:g}" + (
             f", top-k {args.top_k}" if args.top_k else "") + f", seed {args.seed}"
+        speed = (f"decode {res.tokens_per_s:.1f} tokens/s" if math.isfinite(res.tokens_per_s)
+                 else "no decode step to time")  # 0 or 1 new tokens: the prefill made the only one
         print(f"{res.runtime}: prefill {len(res.prompt_ids)} tokens in {res.prefill_s * 1e3:.1f} ms; "
-              f"{len(res.new_ids)} new tokens ({mode}), decode {res.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+              f"{len(res.new_ids)} new tokens ({mode}), {speed}", file=sys.stderr)
     return 0

@@ -14,10 +14,10 @@ DESCRIPTION = """Show the contents of:
 exit codes: 0 ok; 1 missing path, or a file that is none of the above.
 
 examples:
-  m2export inspect /tmp/m2-130m
-  m2export inspect /tmp/m2-130m/model.onnx
-  m2export inspect /tmp/m2-130m/model.plan
-  m2export inspect /tmp/m2-130m --json | jq '.graphs[].ssm_scan_nodes[0].attributes'
+  m2export inspect out/tiny
+  m2export inspect out/tiny/model.onnx
+  m2export inspect out/tiny --json
+  m2export inspect out/tiny/model.plan      # after 'm2export build out/tiny'
 """
 
 

@@ -32,7 +32,8 @@ log = logging.getLogger("m2export")
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Logging")
-    g.add_argument("-v", "--verbose", action="count", default=0, help="more output; tracebacks on errors")
+    g.add_argument("-v", "--verbose", action="count", default=0,
+                   help="m2export's debug log (steps and timings) and tracebacks on errors; -vv also Polygraphy's log")
     g.add_argument("-q", "--quiet", action="store_true", help="only errors (and the PASSED/FAILED line of check)")
 
 
@@ -88,15 +89,20 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the verb's own usage line, not the top-level one
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (subs.choices[args.verb] if args.verb else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.verb is None:
         parser.print_help()
         return ExitCode.USAGE
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
         return ExitCode.BACKEND_UNAVAILABLE
-    level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO)
-    logging.basicConfig(level=level, format="%(message)s")
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s")  # to stderr: results go to stdout
+    # -v: m2export's own debug log (export steps, timings); third-party libraries stay at INFO
+    logging.getLogger("m2export").setLevel(logging.DEBUG if args.verbose and not args.quiet else level)
     t0 = time.perf_counter()
     try:
         return int(args._run(args) or 0)

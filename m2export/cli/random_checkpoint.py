@@ -8,13 +8,14 @@ A_log ~ log U[1,16], dt_bias = inverse-softplus of log-uniform dt in [1e-3, 0.1]
 at full size; such checkpoints are generated on demand, never committed.
 
 examples:
-  m2export random-checkpoint --preset mamba2-130m -o /tmp/m2-130m
-  m2export random-checkpoint --d-model 256 --n-layer 4 --vocab-size 256 --ngroups 2 --format hf -o /tmp/tiny
-  m2export random-checkpoint --preset nemotron-nano-9b-v2 --dtype bf16 -o /tmp/nano9b
-  m2export random-checkpoint --config path/to/config.json -o /tmp/same-shape
+  m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --ngroups 2 --chunk-size 16 -o ckpt/tiny
+  m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --format hf -o ckpt/tiny-hf
+  m2export random-checkpoint --config ckpt/tiny-hf/config.json -o ckpt/same-shape
 
-Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the numbers' sources, and the
-fields whose published value was not found (a warning names them), are in m2export/models/presets.py.
+Published shapes: --preset mamba2-130m -o ckpt/m2-130m (0.5 GB of fp32 weights), --preset nemotron-nano-9b-v2
+--dtype bf16 (a 9B hybrid). Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the
+numbers' sources, and the fields whose published value was not found (a warning names them), are in
+m2export/models/presets.py.
 """
 
 PARAM_FLAGS = {"outdir": "--output", "config_json": "--config"}  # random_checkpoint's parameter -> this verb's flag
@@ -42,8 +43,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import logging
-
     import torch
 
     from m2export.errors import ConfigError
@@ -69,5 +68,8 @@ def run(args) -> int:
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
                             force=args.force, force_foreign=args.force_foreign, config_json=config_json, **fields)
-    logging.getLogger("m2export").info("wrote %s", out)
+    if not args.quiet:  # the result on stdout
+        from m2export.check.console import write_stdout
+
+        write_stdout(f"wrote {out}\n")
     return 0

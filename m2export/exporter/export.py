@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -344,16 +345,22 @@ class _Progress:
 
     def __enter__(self):
         if self.enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._p = Progress(TextColumn("[bold]export[/]"), BarColumn(), MofNCompleteColumn(),
-                               TimeElapsedColumn(), TextColumn("{task.description}"), transient=False)
+                               TimeElapsedColumn(), TextColumn("{task.description}"), transient=False,
+                               console=Console(stderr=True))  # progress on stderr, results on stdout
             self._p.__enter__()
             self._task = self._p.add_task("starting", total=self.total)
         return self
 
     def step(self, what: str) -> None:
         _paths.raise_if_interrupted()  # every step boundary re-checks: a swallowed interrupt still stops here
+        now = time.perf_counter()
+        if getattr(self, "_t", None) is not None:
+            log.debug("export: %s done in %.1fs", self._what, now - self._t)
+        self._t, self._what = now, what
         log.debug("export: %s", what)
         if self._p is not None:
             if self._p.tasks[0].description != "starting":

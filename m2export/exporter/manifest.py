@@ -31,8 +31,10 @@ from m2export.names import canonical
 
 MANIFEST_VERSION = 1
 ROLES = ("prefill", "decode")
-#: what ``m2export check`` writes into OUTDIR: report JSON, report markdown, error histogram, data-loader script
-CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py")
+#: what ``m2export check`` writes into OUTDIR: report JSON, report markdown, error histogram, data-loader script,
+#: saved inputs and reference outputs (m2export/check/repro.py)
+CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py",
+                      "check_inputs.json", "check_reference_outputs.json")
 #: other names m2export writes into OUTDIR (besides the manifest's graphs and engines)
 _OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.cache", *CHECK_REPORT_FILES)
 

@@ -81,6 +81,9 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
                 raise CheckpointError(f"{p}: not a checkpoint weight file (expected .safetensors, .bin or "
                                       "a .safetensors.index.json)")
             return (p.parent, _index_files(p), p) if p.name.endswith(".index.json") else (p.parent, [p], None)
+    if not (p / "config.json").is_file():  # say what is missing first: a folder without it is no checkpoint
+        raise CheckpointError(f"{p / 'config.json'}: missing; {p} is not a checkpoint directory",
+                              hint="pass a directory with config.json and model.safetensors (mamba_ssm or HF format)")
     for name in WEIGHT_FILES:
         f = p / name
         if f.is_file():

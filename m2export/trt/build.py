@@ -30,6 +30,7 @@ from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, 
                              RuntimeLoadError)
 from m2export.exporter.configs import DECODE_FILE, MANIFEST_FILE, PREFILL_FILE
 from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
+from m2export.names import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,11 @@ class ShapeRange:
         if not (1 <= self.min <= self.opt <= self.max):
             raise ParameterError(f"shape range: expected 1 <= min <= opt <= max, got min={self.min}, "
                                  f"opt={self.opt}, max={self.max}")
+
+
+#: the optimization profile of ``m2export build`` unless told otherwise (batch_size, sequence_length)
+DEFAULT_BATCH = ShapeRange(*DEFAULT_PROFILE["batch"])
+DEFAULT_SEQ = ShapeRange(*DEFAULT_PROFILE["seq"])
 
 
 @dataclass(frozen=True)
@@ -272,8 +278,8 @@ def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile:
     return bytes(engine)
 
 
-def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = ShapeRange(1, 1, 8),
-                  seq: ShapeRange = ShapeRange(1, 128, 2048), roles: Sequence[str] = ("prefill", "decode"),
+def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = DEFAULT_BATCH,
+                  seq: ShapeRange = DEFAULT_SEQ, roles: Sequence[str] = ("prefill", "decode"),
                   workspace: int | None = None, opt_level: int | None = None,
                   timing_cache: str | Path | None | bool = True,
                   aot_ptx_isa: tuple[int, int] | None = None) -> BuildResult:

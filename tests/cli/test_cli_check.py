@@ -18,14 +18,15 @@ def test_check_pass(tiny_out, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "skipped: TensorRT" in out or "TensorRT: skipped" in out
-    assert "onnxrt:model.onnx" in out and "onnxrt:model.std.onnx" in out and "present_ssm_state.* (2 layers)" in out
-    assert "polygraphy run" in out and "--data-loader-script" in out
+    assert "= ONNX Runtime CPU: model.onnx + decode.onnx" in out and "onnxrt/std" in out
+    assert "present_ssm_state.* (2 layers)" in out
+    assert "polygraphy run" in out and "--load-inputs check_inputs.json" in out
     assert out.strip().splitlines()[-1].startswith("PASSED | m2export check")
     assert json.loads((tmp_path / "check_report.json").read_text())["passed"] is True
 
 
 def test_check_quiet_and_tolerance_override(tiny_out, tmp_path, capsys):
-    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path), "-q", "--atol", "1e-5", "logits:2e-4",
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path), "-q", "--atol", "1e-5", "--atol", "logits:2e-4",
                "--rtol", "present_ssm_state.*:1e-2", *QUICK])
     out, _ = capsys.readouterr()
     assert rc == 0 and out.strip().startswith("PASSED") and len(out.strip().splitlines()) == 1

@@ -115,8 +115,8 @@ def test_every_ssm_cfg_field_is_honoured(tmp_path):
 def test_missing_paths(tmp_path):
     with pytest.raises(CheckpointError, match="no such file or directory"):
         load_checkpoint(tmp_path / "nope")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no weights found"):
+    (tmp_path / "empty").mkdir()  # a folder without config.json says so (was: "no weights found")
+    with pytest.raises(CheckpointError, match="empty/config.json: missing; .* is not a checkpoint directory"):
         load_checkpoint(tmp_path / "empty")
     path = _ckpt(tmp_path)
     (path / "config.json").unlink()

@@ -1,0 +1,78 @@
+"""Small frictions of issue 17 item 6: a tolerance before OUTDIR no longer swallows it, unknown flags show the
+verb's usage, results on stdout and progress/logs on stderr, -v shows export's steps, the 'wrote' line
+names every file with its size, generate with 0 new tokens says so (no 'nan tokens/s'), a folder without
+config.json says so, and build --skip-if-unavailable tolerates a missing TensorRT without an error line."""
+
+from __future__ import annotations
+
+import pytest
+
+from m2export.backends import tensorrt_unavailable_reason
+from m2export.cli.main import main
+
+
+def test_tolerance_before_outdir(tiny_out, tmp_path, capsys):
+    rc = main(["check", "--atol", "1e-3", "--atol", "logits:2e-3,present_ssm_state.*:1e-3", str(tiny_out),
+               "--shapes", "1x3", "--decode-steps", "0", "--report-dir", str(tmp_path), "-q"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    import json
+
+    rep = json.loads((tmp_path / "check_report.json").read_text())
+    assert rep["atol"][""] == 1e-3 and rep["atol"]["logits"] == 2e-3 and rep["atol"]["present_ssm_state.0"] == 1e-3
+
+
+def test_unknown_flag_shows_the_verbs_usage(tiny_out, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tiny_out), "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("usage: m2export check ") and "unrecognized arguments: --no-such-flag" in err
+
+
+def test_export_results_on_stdout_steps_with_v(tiny_ck, tmp_path, capsys, caplog):
+    assert main(["export", str(tiny_ck), "-o", str(tmp_path / "o"), "--no-check", "-v"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"wrote {tmp_path / 'o'}: model.onnx (") and (" kB)" in out or " MB)" in out), out
+    assert "m2export.json" in out and "wrote" not in err
+    assert "export: tracing prefill graph" in caplog.text and "done in" in caplog.text  # -v: m2export's debug log
+
+
+def test_generate_zero_new_tokens(tiny_out, capsys):
+    assert main(["generate", str(tiny_out), "--prompt", "ab", "--max-new-tokens", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "ab\n" and "nan" not in err and "0 new tokens" in err and "no decode step to time" in err
+
+
+def test_folder_without_config_json(tmp_path, capsys):
+    (tmp_path / "docs").mkdir()
+    assert main(["export", str(tmp_path / "docs"), "-o", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "docs/config.json: missing" in err and "no weights" not in err
+
+
+@pytest.mark.skipif(tensorrt_unavailable_reason() is None, reason="TensorRT is usable here: nothing to skip")
+def test_build_skip_if_unavailable(tiny_out, tmp_path, capsys):
+    from tests.check.exports import copy_export
+
+    out = copy_export(tiny_out, tmp_path / "o")
+    assert main(["build", str(out), "--skip-if-unavailable"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.startswith("build skipped (--skip-if-unavailable): ") and "error:" not in cap.err
+    assert not list(out.glob("*.plan"))
+    assert main(["build", str(out)]) == 4  # without the flag: the exit-4 error, as before
+
+
+def test_inspect_lists_external_data_with_sizes(tiny_out, tmp_path, capsys):
+    """A graph whose weights live in an external-data file (exports above 2 GB): inspect names the file and
+    its size (stood in for here by a manifest entry and a 1.5 MB file)."""
+    from m2export.exporter.manifest import read_manifest, write_manifest
+    from tests.check.exports import copy_export
+
+    out = copy_export(tiny_out, tmp_path / "o")
+    m = read_manifest(out)
+    m.graphs[0].external_data = ["model.onnx.data"]
+    write_manifest(out, m)
+    (out / "model.onnx.data").write_bytes(b"\0" * 1_500_000)
+    assert main(["inspect", str(out)]) == 0
+    assert "    + external data model.onnx.data: 1.5 MB" in capsys.readouterr().out
