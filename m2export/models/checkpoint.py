@@ -6,7 +6,7 @@
 * ``hf``: HF transformers ``Mamba2ForCausalLM`` — ``config.json`` of ``Mamba2Config``; tensors
   ``backbone.embeddings.weight`` (plural), otherwise the same names.
 
-* HF hybrids: ``nemotron_h``, ``granitemoehybrid``, ``bamba`` (config readers in
+* HF hybrids: ``nemotron_h``, ``granitemoehybrid``, ``bamba``, ``falcon_h1``, ``zamba2`` (config readers in
   :mod:`m2export.models.families`, tensor names in :mod:`m2export.models.weights`).
 
 Weights come from ``model.safetensors`` (preferred), a sharded ``model.safetensors.index.json``,
@@ -43,7 +43,8 @@ class LoadedCheckpoint:
     """A loaded model with where it came from. ``sha256`` hashes config.json and every weight file.
 
     ``format``: "mamba_ssm" | "hf" (a Mamba-2 model: ``model`` is a :class:`Mamba2LMHeadModel`, ``config``
-    its :class:`Mamba2Config`) or a hybrid family ("nemotron_h", "granitemoehybrid", "bamba": ``model`` is a
+    its :class:`Mamba2Config`) or a hybrid family ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
+    "zamba2": ``model`` is a
     :class:`HybridLM`, ``config`` None). ``spec`` is the layer-stack description of every model.
     """
 
@@ -329,6 +330,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         for k, src in plan.sources.items():
             t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
             params[k].copy_(t)
+    for copy, internal in plan.copies.items():  # Zamba2: later callers' copies of a shared block
+        ref = plan.sources[internal].keys[0] if internal in plan.sources else None
+        if ref is None or sd[copy].shape != sd[ref].shape or not torch.equal(sd[copy], sd[ref]):
+            raise CheckpointError(f"{where}: tensor {copy!r} differs from {ref!r}, its shared block's stored copy: "
+                                  "the blocks are not shared (transformers 5.24 unties Zamba2's shared blocks when "
+                                  "tie_word_embeddings is false), which m2export does not support")
     model.eval()
     return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec)
 

@@ -18,6 +18,8 @@ Decisions where the checkpoint's own code and transformers differ, or transforme
   softplus(dt + dt_bias) >= time_step_min.
 * Nemotron-H: ``residual_in_fp32`` is honoured (transformers ignores it; it matters in fp16/bf16 only).
 * Nemotron-H: ``attention_bias: true`` is refused (transformers builds the projections without bias anyway).
+* Zamba2: transformers clamps dt at ``time_step_min`` in prefill as for Nemotron-H; Zamba2's config has no
+  ``time_step_limit``, and m2export uses (0, inf) (mamba_ssm's default).
 * Gated RMSNorm is per group (group size d_inner / ngroups) in every family, as in mamba_ssm
   (``layernorm_gated.py``) and in transformers 5.24 (which normalises per group in all of these families).
 * The SSM state is float32 whatever ``mamba_ssm_cache_dtype`` says.
@@ -30,14 +32,18 @@ import math
 from typing import Any, Callable
 
 from m2export.errors import ConfigError
-from m2export.models.spec import (AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec)
+import dataclasses
+
+from m2export.models.spec import (AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, ParallelSpec,
+                                  RopeSpec, SharedBlockSpec, SharedCallSpec)
 
 log = logging.getLogger(__name__)
 
 #: families m2export reads: "mamba_ssm" is the state-spaces layout, the rest are HF model_type values
-SUPPORTED = ("mamba_ssm", "mamba2", "nemotron_h", "granitemoehybrid", "bamba")
+SUPPORTED = ("mamba_ssm", "mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
 _ARCHITECTURES = {"Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h",
-                  "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba"}
+                  "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
+                  "FalconH1ForCausalLM": "falcon_h1", "Zamba2ForCausalLM": "zamba2"}
 
 #: PreTrainedConfig keys with no effect on the forward pass (token ids, training, bookkeeping)
 HARMLESS_KEYS = frozenset({
@@ -508,6 +514,169 @@ def read_bamba(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     return spec
 
 
+# ---------------------------------------------------------------------------------------------------- Falcon-H1
+def read_falcon_h1(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """TII Falcon-H1 (``FalconH1Config``, transformers 5.24): every layer runs attention (RoPE, GQA) and a
+    Mamba-2 mixer in parallel on ``input_layernorm(h)`` and adds both to h, then a SwiGLU MLP on
+    ``pre_ff_layernorm(h)``. muP multipliers: ``ssm_multipliers`` [z, x, B, C, dt] on the in_proj output,
+    ``ssm_in_multiplier``/``ssm_out_multiplier``, ``attention_in_multiplier``/``attention_out_multiplier``,
+    ``key_multiplier``, ``mlp_multipliers`` [gate, down], ``embedding_multiplier``, ``lm_head_multiplier``.
+    d_inner = ``mamba_d_ssm`` (null: mamba_expand * hidden_size); ``mamba_rms_norm`` true = gated RMSNorm per
+    group (``mamba_norm_before_gate`` chooses the order), false = y * silu(z); in_proj bias ``mamba_proj_bias``,
+    out_proj bias ``projectors_bias``.
+    """
+    r = FieldReader(raw, source, harmless={"mlp_expansion_factor"})
+    _no_quantization(r)
+    d = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", 1e-5)
+    n = r.int("num_hidden_layers", 32)
+    for key in ("layers_block_type", "layer_types"):
+        v = r.get(key)
+        if v is not None and v != ["hybrid"] * n:
+            raise r.error(f"{key}={v!r}: every Falcon-H1 layer is 'hybrid' (attention and Mamba in parallel)")
+    if r.get("attn_layer_indices") is not None:
+        raise r.error("attn_layer_indices is not supported (every Falcon-H1 layer has attention)")
+    if r.get("mamba_use_mlp", True) is not True:
+        raise r.error("mamba_use_mlp=false is not supported (transformers' Falcon-H1 always has the MLP)")
+    r.expect("hidden_act", ("silu",), "silu")
+    expand = r.int("mamba_expand", 2)
+    d_ssm = r.get("mamba_d_ssm", None, int) if "mamba_d_ssm" in r.raw else 1024
+    if d_ssm is None:
+        d_ssm = expand * d
+    nheads = r.int("mamba_n_heads", 128)
+    hd = r.get("mamba_d_head", "auto")
+    if hd == "auto":
+        if d_ssm % nheads:
+            raise r.error(f"mamba_n_heads={nheads} does not divide the SSM width {d_ssm}")
+        hd = d_ssm // nheads
+    if not isinstance(hd, int) or isinstance(hd, bool) or hd * nheads != d_ssm:
+        raise r.error(f"mamba_d_head={hd!r} * mamba_n_heads={nheads} conflicts with the SSM width {d_ssm} "
+                      "(mamba_d_ssm, or mamba_expand * hidden_size when it is null)")
+    mults = r.get("ssm_multipliers", [1.0] * 5, list)
+    mlp_m = r.get("mlp_multipliers", [1.0, 1.0], list)
+    if len(mults) != 5 or len(mlp_m) != 2 or not all(isinstance(v, (int, float)) for v in mults + mlp_m):
+        raise r.error(f"ssm_multipliers (5 numbers) / mlp_multipliers (2 numbers): got {mults!r} / {mlp_m!r}")
+    rms = r.bool("mamba_rms_norm", False)
+    mamba = _with(r, lambda: MambaSpec(
+        d_model=d, nheads=nheads, headdim=hd, d_state=r.int("mamba_d_state", 256), ngroups=r.int("mamba_n_groups", 1),
+        d_conv=r.int("mamba_d_conv", 4), chunk_size=r.int("mamba_chunk_size", 256), dt_limit=r.dt_limit(),
+        conv_bias=r.bool("mamba_conv_bias", True), bias=r.bool("mamba_proj_bias", False),
+        out_bias=r.bool("projectors_bias", False), norm="gated_rms" if rms else "gate",
+        norm_before_gate=r.bool("mamba_norm_before_gate", True), gated_norm_epsilon=eps,
+        zxbcdt_multipliers=tuple(mults), in_multiplier=r.float("ssm_in_multiplier", 1.0),
+        out_multiplier=r.float("ssm_out_multiplier", 1.0)))
+    _no_sliding_window(r)
+    bias = r.bool("attention_bias", False)
+    attn = _with(r, lambda: dataclasses.replace(
+        _attention(r, d, scale=None, rope=True, qkv_bias=bias, o_bias=bias, kv_default=8),
+        key_multiplier=r.float("key_multiplier", 1.0), in_multiplier=r.float("attention_in_multiplier", 1.0),
+        out_multiplier=r.float("attention_out_multiplier", 1.0)))
+    mlp = _with(r, lambda: MLPSpec(d_model=d, d_ff=r.int("intermediate_size", 14336), act="silu", gated=True,
+                                   bias=r.bool("mlp_bias", False), gate_multiplier=float(mlp_m[0]),
+                                   down_multiplier=float(mlp_m[1])))
+    layer = LayerSpec(mixer=ParallelSpec(attention=attn, mamba=mamba), ffn=mlp, norm_epsilon=eps)
+    spec = _with(r, lambda: ModelSpec(
+        family="falcon_h1", d_model=d, vocab_size=r.int("vocab_size", 128000), layers=(layer,) * n,
+        norm_epsilon=eps, tie_embeddings=r.bool("tie_word_embeddings", False),
+        embedding_multiplier=r.float("embedding_multiplier", 1.0), logits_multiplier=r.float("lm_head_multiplier",
+                                                                                            1.0)))
+    r.finish()
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------- Zamba2
+def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Zyphra Zamba2 (``Zamba2Config``, transformers 5.24): Mamba-2 layers; the ``hybrid`` ones (in
+    ``layers_block_type``) first run shared transformer block (call c uses block c % num_mem_blocks) on
+    ``concat(h, embeddings)`` (attention_hidden_size = 2 * hidden_size, head_dim = 2 * hidden_size / heads,
+    scale (head_dim / 2) ** -0.5, RoPE when ``use_mem_rope``), project it back with a per-layer Linear and
+    feed ``norm(h + that)`` to the layer's mixer. Per call: q/k/v adapters (``use_shared_attention_adapter``)
+    and gate_up adapters (always, in transformers) of rank ``adapter_rank``. MLP: gelu-gated, fused gate_up.
+    """
+    r = FieldReader(raw, source, harmless={"use_mem_eff_path", "hybrid_layer_ids", "kv_channels",
+                                           "num_query_groups", "ft_lora", "use_long_context"})
+    _no_quantization(r)
+    d = r.int("hidden_size")
+    eps = r.float("rms_norm_eps", 1e-5)
+    kinds = _layer_kinds_zamba2(r)
+    if r.get("use_long_context", False):
+        raise r.error("use_long_context=true is not supported (it rescales rope_theta)")
+    if r.get("use_shared_mlp_adapter", True) is not True:
+        raise r.error("use_shared_mlp_adapter=false is not supported (transformers always builds the MLP adapters)")
+    if r.get("use_conv_bias", True) is not True:
+        raise r.error("use_conv_bias=false is not supported (transformers' Zamba2 conv always has a bias)")
+    hybrid = [i for i, k in enumerate(kinds) if k == "hybrid"]
+    listed = r.raw.get("hybrid_layer_ids")
+    if listed is not None and listed != hybrid:
+        raise r.error(f"hybrid_layer_ids={listed} conflicts with layers_block_type (hybrid at {hybrid})")
+    expand = r.int("mamba_expand", 2)
+    nheads = r.int("n_mamba_heads", 8)
+    if (expand * d) % nheads:
+        raise r.error(f"n_mamba_heads={nheads} does not divide mamba_expand * hidden_size = {expand * d}")
+    _derived(r, "mamba_headdim", expand * d // nheads)
+    bias = r.bool("add_bias_linear", False)
+    mamba = _with(r, lambda: MambaSpec(
+        d_model=d, nheads=nheads, headdim=expand * d // nheads, d_state=r.int("mamba_d_state", 64),
+        ngroups=r.int("mamba_ngroups", 1), d_conv=r.int("mamba_d_conv", 4), chunk_size=r.int("chunk_size", 256),
+        conv_bias=True, bias=bias, gated_norm_epsilon=1e-5))
+    r.expect("hidden_act", ("gelu",), "gelu", why="the only activation m2export implements for Zamba2's MLP")
+    nh = r.int("num_attention_heads", 32)
+    if (2 * d) % nh:
+        raise r.error(f"num_attention_heads={nh} does not divide attention_hidden_size = {2 * d}")
+    hd = 2 * d // nh
+    _derived(r, "attention_hidden_size", 2 * d)
+    _derived(r, "attention_head_dim", hd)
+    kvh = r.get("num_key_value_heads", None, int) or nh
+    if r.get("use_shared_attention_adapter", False) and kvh != nh:
+        raise r.error(f"num_key_value_heads={kvh} != num_attention_heads={nh} with use_shared_attention_adapter: "
+                      "transformers' k/v adapters are attention_hidden_size wide, so it supports no GQA there")
+    rope = _rope(r, hd, None) if r.bool("use_mem_rope", False) else None
+    attn = _with(r, lambda: AttentionSpec(d_model=d, num_heads=nh, num_kv_heads=kvh, head_dim=hd,
+                                          scale=(hd / 2) ** -0.5, rope=rope, d_in=2 * d, d_out=d))
+    mlp = _with(r, lambda: MLPSpec(d_model=d, d_ff=r.get("intermediate_size", None, int) or 4 * d, act="gelu",
+                                   gated=True, bias=bias, fused_gate_up=True))
+    n_blocks = r.int("num_mem_blocks", 1)
+    if n_blocks < 1:
+        raise r.error(f"num_mem_blocks={n_blocks}: expected >= 1")
+    rank = r.int("adapter_rank", 128)
+    block = _with(r, lambda: SharedBlockSpec(attention=attn, mlp=mlp, norm_epsilon=eps, adapter_rank=rank,
+                                             attention_adapter=r.bool("use_shared_attention_adapter", False),
+                                             mlp_adapter=True))
+    call = {layer: c for c, layer in enumerate(hybrid)}
+    layers = tuple(LayerSpec(mixer=mamba, norm_epsilon=eps,
+                             shared=SharedCallSpec(block=call[i] % n_blocks) if i in call else None)
+                   for i in range(len(kinds)))
+    r.known("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "time_step_limit")
+    if r.has("time_step_limit"):
+        raise r.error("time_step_limit is not a Zamba2 field (transformers ignores it); remove it")
+    spec = _with(r, lambda: ModelSpec(
+        family="zamba2", d_model=d, vocab_size=r.int("vocab_size", 32000), layers=layers, norm_epsilon=eps,
+        tie_embeddings=r.bool("tie_word_embeddings", True), shared_blocks=(block,) * n_blocks))
+    r.finish()
+    return spec
+
+
+def _layer_kinds_zamba2(r: FieldReader) -> list[str]:
+    v = r.get("layers_block_type") if r.has("layers_block_type") else r.get("layer_types")
+    r.known("layer_types", "layers_block_type")
+    if v is None:  # transformers' default pattern (Zamba2-2.7B's)
+        v = (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3
+             + ["hybrid"] + ["mamba"] * 2)
+    if not isinstance(v, list) or not all(t in ("mamba", "linear_attention", "hybrid") for t in v):
+        raise r.error(f"layers_block_type={v!r}: expected a list of 'mamba'/'linear_attention'/'hybrid'")
+    kinds = ["hybrid" if t == "hybrid" else "mamba" for t in v]
+    _check_n_layers(r, kinds, "layers_block_type")
+    return kinds
+
+
+def _derived(r: FieldReader, key: str, value: int) -> None:
+    """A config key transformers derives from others: if present it must agree."""
+    v = r.get(key)
+    if v is not None and v != value:
+        raise r.error(f"{key}={v!r} conflicts with the value the other fields give ({value})")
+
+
 #: HF hybrid family -> reader of its config.json (mamba2 / mamba_ssm go through Mamba2Config)
 READERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
-    "nemotron_h": read_nemotron_h, "granitemoehybrid": read_granitemoehybrid, "bamba": read_bamba}
+    "nemotron_h": read_nemotron_h, "granitemoehybrid": read_granitemoehybrid, "bamba": read_bamba,
+    "falcon_h1": read_falcon_h1, "zamba2": read_zamba2}

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m2export.models.spec import AttentionSpec, MLPSpec, MoESpec
+from m2export.models.spec import AttentionSpec, MLPSpec, MoESpec, SharedBlockSpec
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -69,14 +69,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(s.d_in, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.d_out, bias=s.o_bias)
 
-    def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor):
+    def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
+                adapters: "Adapters | None" = None):
+        """``adapters``: a call site's q/k/v adapters (Zamba2), each added to its projection."""
         s = self.spec
         b, L, _ = x.shape
         if s.in_multiplier != 1.0:
             x = x * s.in_multiplier
-        q = self.q_proj(x).view(b, L, s.num_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if adapters is not None and adapters.q is not None:
+            q, k, v = q + adapters.q(x), k + adapters.k(x), v + adapters.v(x)
+        q = q.view(b, L, s.num_heads, s.head_dim).transpose(1, 2)
+        k = k.view(b, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(b, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
         if s.key_multiplier != 1.0:
             k = k * s.key_multiplier
         past_len = past_key.shape[2]
@@ -119,10 +124,14 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(s.d_model, s.d_ff, bias=s.bias)
         self.down_proj = nn.Linear(s.d_ff, s.d_model, bias=s.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate_up_adapter: nn.Module | None = None) -> torch.Tensor:
+        """``gate_up_adapter``: a call site's adapter added to the fused gate_up projection (Zamba2)."""
         s = self.spec
         if s.fused_gate_up:
-            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            gu = self.gate_up_proj(x)
+            if gate_up_adapter is not None:
+                gu = gu + gate_up_adapter(x)
+            g, u = gu.chunk(2, dim=-1)
         elif s.gated:
             g, u = self.gate_proj(x), self.up_proj(x)
         else:
@@ -131,6 +140,32 @@ class MLP(nn.Module):
             g = g * s.gate_multiplier
         out = self.down_proj(activation(s.act, g) * u)
         return out * s.down_multiplier if s.down_multiplier != 1.0 else out
+
+
+class LowRank(nn.Module):
+    """``up(down(x))``, no bias: a call site's adapter of a shared block (Zamba2; parameters ``0.weight``
+    (rank, d_in) and ``1.weight`` (d_out, rank), the layout of HF's nn.Sequential)."""
+
+    def __init__(self, d_in: int, rank: int, d_out: int):
+        super().__init__()
+        self.add_module("0", nn.Linear(d_in, rank, bias=False))
+        self.add_module("1", nn.Linear(rank, d_out, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._modules["1"](self._modules["0"](x))
+
+
+class Adapters(nn.Module):
+    """One call site's adapters of a shared block: ``q``, ``k``, ``v`` (attention) and ``gate_up`` (MLP),
+    each a :class:`LowRank` or None."""
+
+    def __init__(self, d_attn_in: int, q_out: int, kv_out: int, d_mlp_in: int, gate_up_out: int, rank: int,
+                 attention: bool, mlp: bool):
+        super().__init__()
+        self.q = LowRank(d_attn_in, rank, q_out) if attention else None
+        self.k = LowRank(d_attn_in, rank, kv_out) if attention else None
+        self.v = LowRank(d_attn_in, rank, kv_out) if attention else None
+        self.gate_up = LowRank(d_mlp_in, rank, gate_up_out) if mlp else None
 
 
 class Router(nn.Module):
@@ -230,3 +265,33 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+
+class SharedBlock(nn.Module):
+    """A Zamba2 shared transformer block (:class:`~m2export.models.spec.SharedBlockSpec`), weights stored once:
+    ``forward(h, emb, past_key, past_value, adapters)`` -> (out (batch, seqlen, d_model), key, value)."""
+
+    def __init__(self, spec: SharedBlockSpec):
+        super().__init__()
+        from m2export.models.mamba2 import RMSNorm
+
+        self.spec = spec
+        self.norm = RMSNorm(spec.attention.d_in, eps=spec.norm_epsilon)
+        self.attention = Attention(spec.attention)
+        self.ffn_norm = RMSNorm(spec.mlp.d_model, eps=spec.norm_epsilon)
+        self.mlp = MLP(spec.mlp)
+
+    def adapters(self) -> Adapters | None:
+        """A new call site's adapters for this block (None without adapter_rank)."""
+        s = self.spec
+        if s.adapter_rank is None:
+            return None
+        a = s.attention
+        return Adapters(a.d_in, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, s.mlp.d_model,
+                        2 * s.mlp.d_ff, s.adapter_rank, s.attention_adapter, s.mlp_adapter)
+
+    def forward(self, h, emb, past_key, past_value, adapters: Adapters | None = None):
+        x = self.norm(torch.cat([h, emb.to(h.dtype)], dim=-1), out_dtype=self.norm.weight.dtype)
+        a, key, value = self.attention(x, past_key, past_value, adapters)
+        y = self.ffn_norm(a, out_dtype=self.ffn_norm.weight.dtype)
+        return self.mlp(y, adapters.gate_up if adapters is not None else None), key, value

@@ -30,7 +30,7 @@ from torch import nn
 
 from m2export.kernels.ssd.naive import ssm_scan_chunked
 from m2export.models.config import Mamba2Config
-from m2export.models.layers import MLP, Attention, MoE, Router
+from m2export.models.layers import MLP, Attention, MoE, Router, SharedBlock
 from m2export.models.spec import (BATCH, PAST, AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec,
                                   ParallelSpec)
 
@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
         if s.norm == "gated_rms":
             self.norm = RMSNormGated(s.d_inner, group_size=s.norm_group_size, eps=s.gated_norm_epsilon,
                                      norm_before_gate=s.norm_before_gate)
-        self.out_proj = nn.Linear(s.d_inner, s.d_model, bias=s.bias)
+        self.out_proj = nn.Linear(s.d_inner, s.d_model, bias=s.out_proj_bias)
         self.scan_fn: ScanFn = ssm_scan_chunked
 
     def forward(self, u: torch.Tensor, conv_state: torch.Tensor | None = None,
@@ -180,7 +180,7 @@ class Layer(nn.Module):
     norms hand the blocks the model dtype.
     """
 
-    def __init__(self, spec: LayerSpec, d_model: int, layer_idx: int):
+    def __init__(self, spec: LayerSpec, d_model: int, layer_idx: int, shared_blocks: list[SharedBlock] = ()):
         super().__init__()
         self.spec = spec
         self.norm = RMSNorm(d_model, eps=spec.norm_epsilon)
@@ -188,10 +188,20 @@ class Layer(nn.Module):
         if spec.ffn is not None:
             self.ffn_norm = RMSNorm(d_model, eps=spec.norm_epsilon)
             self.ffn = _build_block(spec.ffn, layer_idx)
+        if spec.shared is not None:  # the block itself lives in HybridLM.backbone.shared_blocks (stored once)
+            self.shared_proj = nn.Linear(d_model, d_model, bias=False)
+            self.adapters = shared_blocks[spec.shared.block].adapters()
 
-    def forward(self, h: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, h: torch.Tensor, states: list[torch.Tensor], emb: torch.Tensor | None = None,
+                shared_blocks: nn.ModuleList | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``emb``: the embeddings of the tokens (Zamba2's shared blocks read them); ``shared_blocks``: the
+        model's shared blocks."""
         spec = self.spec
-        x = self.norm(h, out_dtype=self.norm.weight.dtype)
+        x_in, shared_new = h, []
+        if spec.shared is not None:  # Zamba2: states are [conv, ssm, key, value]; the block's KV come last
+            t, k, v = shared_blocks[spec.shared.block](h, emb, states[2], states[3], self.adapters)
+            x_in, shared_new, states = h + self.shared_proj(t), [k, v], states[:2]
+        x = self.norm(x_in, out_dtype=self.norm.weight.dtype)
         m = spec.mixer
         if isinstance(m, MambaSpec):
             y, cs, ss = self.mixer(x, states[0], states[1])
@@ -204,6 +214,7 @@ class Layer(nn.Module):
             new = [cs, ss, k, v]
         else:
             y, new = self.mixer(x), []
+        new = new + shared_new
         h = h + (y * spec.residual_multiplier if spec.residual_multiplier != 1.0 else y)
         if spec.ffn is not None:
             y = self.ffn(self.ffn_norm(h, out_dtype=self.ffn_norm.weight.dtype))
@@ -224,7 +235,9 @@ class HybridLM(nn.Module):
 
     Module tree (the names the weights are loaded under): ``backbone.embedding``, ``backbone.layers.{i}``
     (:class:`Layer`: ``norm``, ``mixer``, ``ffn_norm``, ``ffn``), ``backbone.norm_f``, ``lm_head``
-    (the embedding's weight when tied). A pure-Mamba spec gives exactly mamba_ssm's ``MambaLMHeadModel`` names.
+    (the embedding's weight when tied), ``backbone.shared_blocks.{k}`` (Zamba2: stored once, called from the
+    layers with ``shared``; each such layer owns ``shared_proj`` and ``adapters``). A pure-Mamba spec gives
+    exactly mamba_ssm's ``MambaLMHeadModel`` names.
 
     The uniform call every family shares (and one tracing wrapper serves)::
 
@@ -241,7 +254,10 @@ class HybridLM(nn.Module):
         self.spec = spec
         self.backbone = nn.Module()
         self.backbone.embedding = nn.Embedding(spec.vocab_size, spec.d_model)
-        self.backbone.layers = nn.ModuleList(Layer(L, spec.d_model, i) for i, L in enumerate(spec.layers))
+        if spec.shared_blocks:
+            self.backbone.shared_blocks = nn.ModuleList(SharedBlock(b) for b in spec.shared_blocks)
+        shared = list(self.backbone.shared_blocks) if spec.shared_blocks else []
+        self.backbone.layers = nn.ModuleList(Layer(L, spec.d_model, i, shared) for i, L in enumerate(spec.layers))
         self.backbone.norm_f = RMSNorm(spec.d_model, eps=spec.norm_epsilon)
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
@@ -278,12 +294,14 @@ class HybridLM(nn.Module):
         h = self.backbone.embedding(input_ids)
         if spec.embedding_multiplier != 1.0:
             h = h * spec.embedding_multiplier
+        emb = h
+        shared = self.backbone.shared_blocks if spec.shared_blocks else None
         if spec.residual_in_fp32:
             h = h.float()
         present: list[torch.Tensor] = []
         pos = 0
         for layer, n in zip(self.backbone.layers, self._n_states):
-            h, new = layer(h, list(past[pos:pos + n]))
+            h, new = layer(h, list(past[pos:pos + n]), emb, shared)
             present.extend(new)
             pos += n
         h = self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype)

@@ -26,6 +26,8 @@ _TF = "transformers 5.24.0"
 _NEMOTRON_H_ARCH = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]}
 _GRANITE_ARCH = {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"]}
 _BAMBA_ARCH = {"model_type": "bamba", "architectures": ["BambaForCausalLM"]}
+_FALCON_ARCH = {"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]}
+_ZAMBA2_ARCH = {"model_type": "zamba2", "architectures": ["Zamba2ForCausalLM"]}
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,50 @@ HYBRID_PRESETS: dict[str, HybridPreset] = {
         f"{_TF} BambaConfig defaults (auto_docstring checkpoint ibm-fms/Bamba-9.8b-2.2T-hf) for the rest"),
         unverified=("vocab_size", "num_key_value_heads", "intermediate_size", "mamba_n_heads", "mamba_d_head",
                     "mamba_n_groups", "mamba_chunk_size", "rope_parameters", "rms_norm_eps")),
+    # TII Falcon-H1-7B: fields of its config.json quoted in a public sizing test; the rest unverified
+    "falcon-h1-7b": HybridPreset("falcon_h1", {
+        **_FALCON_ARCH, "vocab_size": 128000, "hidden_size": 3072, "num_hidden_layers": 44, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 14336, "mamba_d_ssm": 3072,
+        "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_rms_norm": False, "mamba_norm_before_gate": True,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False},
+        sources=("Falcon-H1-7B-Instruct config.json fields quoted in a public context-sizing test found by the search "
+                 "tool (44 layers, 12/2 heads, head_dim 128, hidden 3072, mamba_d_head 128, mamba_d_ssm 3072, "
+                 "d_state 256, 1 group, 24 Mamba heads, d_conv 4, expand 2)",
+                 f"{_TF} FalconH1Config defaults for the rest"),
+        unverified=("vocab_size", "intermediate_size", "mamba_chunk_size", "mamba_rms_norm", "mamba_norm_before_gate",
+                    "rope_parameters", "every muP multiplier (1.0 used)", "tie_word_embeddings")),
+    # Zyphra Zamba2-2.7B: 54 layers (45 mamba + 9 hybrid), hidden 2560, 32 heads, d_state 64 from its config.json
+    # as quoted in public test fixtures; the rest transformers' Zamba2Config defaults (checkpoint Zyphra/Zamba2-2.7B)
+    "zamba2-2.7b": HybridPreset("zamba2", {
+        **_ZAMBA2_ARCH, "vocab_size": 32000, "hidden_size": 2560, "num_hidden_layers": 54,
+        "layers_block_type": (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"]
+                              + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2),
+        "num_attention_heads": 32, "num_key_value_heads": 32, "mamba_d_state": 64, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 8, "chunk_size": 256, "intermediate_size": 10240,
+        "num_mem_blocks": 1, "use_shared_attention_adapter": False, "adapter_rank": 128, "use_mem_rope": False,
+        "tie_word_embeddings": True},
+        sources=("Zyphra/Zamba2-2.7B config.json fields quoted in public test fixtures found by the search tool "
+                 "(54 layers: 45 mamba + 9 hybrid, hidden 2560, 32 heads, mamba_d_state 64)",
+                 f"{_TF} Zamba2Config defaults (auto_docstring checkpoint Zyphra/Zamba2-2.7B): the layer pattern "
+                 "(45 + 9, as quoted) and every other field"),
+        unverified=("n_mamba_heads (transformers' 8 gives Mamba head dim 640)", "num_mem_blocks",
+                    "use_shared_attention_adapter", "adapter_rank", "use_mem_rope", "intermediate_size (4 * hidden)",
+                    "vocab_size", "chunk_size", "mamba_ngroups")),
+    "tiny-falcon-h1": HybridPreset("falcon_h1", {
+        **_FALCON_ARCH, "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "mamba_d_ssm": 80, "mamba_n_heads": 8,
+        "mamba_d_head": 10, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False, "projectors_bias": True, "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 0.8],
+        "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.7, "attention_in_multiplier": 0.9,
+        "attention_out_multiplier": 1.1, "key_multiplier": 0.6, "mlp_multipliers": [1.2, 0.8],
+        "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5}, sources=("test shape",)),
+    "tiny-zamba2": HybridPreset("zamba2", {
+        **_ZAMBA2_ARCH, "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 5,
+        "layers_block_type": ["hybrid", "mamba", "hybrid", "mamba", "hybrid"], "num_attention_heads": 4,
+        "n_mamba_heads": 8, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 16, "num_mem_blocks": 2,
+        "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True, "intermediate_size": 96,
+        "tie_word_embeddings": True}, sources=("test shape",)),
     # test shapes (no published model): every case of the part-1 issue in a few hundred KB
     "tiny-nemotron-h": HybridPreset("nemotron_h", {
         **_NEMOTRON_H_ARCH, "vocab_size": 256, "hidden_size": 64, "layers_block_type":
@@ -142,6 +188,12 @@ HYBRID_PRESETS: dict[str, HybridPreset] = {
 
 #: presets the issues ask for whose shape could not be established from stored public material
 UNAVAILABLE: dict[str, str] = {
+    "falcon-h1-0.5b": "only part of tiiuae/Falcon-H1-0.5B's shape was found (a public reproduction protocol records "
+                      "36 hybrid layers, hidden 1024, KV 2 x 64, conv_state 1792 channels, ssm_state 24 x 64 x 128, "
+                      "i.e. mamba_d_ssm 1536 in 1 group); its MLP width, vocabulary and attention heads were not, and "
+                      "transformers' defaults for them would make a 2.19B-parameter model: m2export does not guess",
+    "zamba2-7b": "no copy of Zyphra/Zamba2-7B's config.json (hidden size, layer pattern, Mamba heads, memory blocks) "
+                 "was found in the stored public material, so m2export does not guess it",
     "granite-4.0-h-1b": "no copy of ibm-granite/granite-4.0-h-1b's config.json (hidden size, layer count, Mamba "
                         "heads, layer types) was found in the stored public material, so m2export does not guess it",
 }

@@ -1,7 +1,7 @@
 """Typed description of a Mamba-2 language model or hybrid: one stack of layers.
 
 Every family m2export loads (state-spaces/mamba_ssm and HF ``mamba2``, ``nemotron_h``, ``granitemoehybrid``,
-``bamba``; later ``falcon_h1`` and ``zamba2``) is read into one :class:`ModelSpec`. The PyTorch reference
+``bamba``, ``falcon_h1``, ``zamba2``) is read into one :class:`ModelSpec`. The PyTorch reference
 (:class:`m2export.models.hybrid.HybridLM`) is built from it, and the exporter derives the graph inputs and
 outputs from :meth:`ModelSpec.states` without restating any of it.
 
@@ -9,13 +9,16 @@ API (the names other modules build on)::
 
     ModelSpec(family, d_model, vocab_size, layers, norm_epsilon, tie_embeddings, residual_in_fp32=False,
               embedding_multiplier=1.0, logits_multiplier=1.0, shared_blocks=())
+        shared_blocks: tuple[SharedBlockSpec, ...]   # Zamba2: stored once, called by layers with ``shared``
         .n_layer -> int
         .states() -> tuple[StateSpec, ...]        # the flat runtime-state order of HybridLM.forward
         .layer_states(i) -> tuple[StateSpec, ...]
         .mamba_layers / .attention_layers -> tuple[int, ...]
     LayerSpec(mixer, ffn=None, norm_epsilon=1e-5, residual_multiplier=1.0, shared=None)
-        mixer: MambaSpec | AttentionSpec | MLPSpec | MoESpec | ParallelSpec;  ffn: MLPSpec | MoESpec | None
-        .mamba -> MambaSpec | None;  .attention -> AttentionSpec | None   (the stateful parts of the layer)
+        mixer: MambaSpec | AttentionSpec | MLPSpec | MoESpec | ParallelSpec (Falcon-H1: attention + Mamba)
+        ffn: MLPSpec | MoESpec | None;  shared: SharedCallSpec(block) | None (Zamba2)
+        .mamba -> MambaSpec | None;  .attention_in(shared_blocks) -> AttentionSpec | None  (its stateful parts)
+        .state_specs(i, shared_blocks) -> tuple[StateSpec, ...]
     StateSpec(layer, kind, shape, dtype)
         kind: "conv_state" | "ssm_state" | "key" | "value"
         shape: ints and the symbols BATCH ("batch_size") and PAST ("past_sequence_length")
@@ -81,6 +84,7 @@ class MambaSpec:
     dt_limit: tuple[float, float] = (0.0, math.inf)
     conv_bias: bool = True
     bias: bool = False
+    out_bias: bool | None = None  # out_proj bias; None: same as ``bias`` (Falcon-H1: projectors_bias)
     norm: str = "gated_rms"
     norm_group_size: int | None = None  # None: d_inner // ngroups
     norm_before_gate: bool = False
@@ -115,6 +119,10 @@ class MambaSpec:
     @property
     def d_inner(self) -> int:
         return self.nheads * self.headdim
+
+    @property
+    def out_proj_bias(self) -> bool:
+        return self.bias if self.out_bias is None else self.out_bias
 
     @property
     def conv_dim(self) -> int:
@@ -278,25 +286,33 @@ class ParallelSpec:
 
 @dataclass(frozen=True)
 class SharedCallSpec:
-    """A call of shared transformer block ``block`` (Zamba2) before this layer's Mamba mixer, with this call
-    site's own adapters (``adapter``: index into the block's per-call adapter lists) and output Linear."""
+    """Layer ``layer`` calls shared transformer block ``block`` (Zamba2: call c of the model uses block
+    c % num_mem_blocks, "ABAB"); the call site owns its LoRA-style adapters and its output Linear
+    (d_model -> d_model, no bias)."""
 
     block: int
-    adapter: int
 
 
 @dataclass(frozen=True)
 class SharedBlockSpec:
-    """A transformer block whose weights are shared by several layers (Zamba2 ``num_mem_blocks``):
-    attention (input ``concat(hidden, embeddings)``, 2 * d_model wide) then MLP, each pre-normed."""
+    """A transformer block whose weights are shared by several layers (Zamba2 ``num_mem_blocks``), stored once:
+    ``x = norm(concat(h, embeddings))`` (2 * d_model wide), ``a = attention(x)`` (d_in 2 * d_model, d_out
+    d_model), ``out = mlp(ffn_norm(a))``, no residual inside. Per call site, when ``adapter_rank`` is set:
+    rank-``adapter_rank`` adapters ``up(down(x))`` added to q, k, v (``attention_adapter``) and to the MLP's
+    fused gate_up projection (``mlp_adapter``)."""
 
     attention: AttentionSpec
     mlp: MLPSpec
-    norm_epsilon: float
+    norm_epsilon: float = 1e-5
     adapter_rank: int | None = None
     attention_adapter: bool = False
     mlp_adapter: bool = False
-    n_calls: int = 0
+
+    def __post_init__(self):
+        if (self.attention_adapter or self.mlp_adapter) and self.adapter_rank is None:
+            raise ConfigError("shared block: adapters need adapter_rank")
+        if self.adapter_rank is not None:
+            _pos_int("shared block", adapter_rank=self.adapter_rank)
 
 
 Mixer = Union[MambaSpec, AttentionSpec, MLPSpec, MoESpec, ParallelSpec]
@@ -318,8 +334,8 @@ class StateSpec:
 @dataclass(frozen=True)
 class LayerSpec:
     """``h = h + residual_multiplier * mixer(norm(h))``, then, if ``ffn``, ``h = h + residual_multiplier *
-    ffn(ffn_norm(h))``. Norms are RMSNorm with ``norm_epsilon``. ``shared``: a Zamba2 shared-block call whose
-    (linear-projected) output is added to h before the mixer's norm."""
+    ffn(ffn_norm(h))``. Norms are RMSNorm with ``norm_epsilon``. ``shared`` (Zamba2's hybrid layer):
+    ``t = shared_proj(block(h, embeddings))`` first, and the mixer reads ``norm(h + t)`` (the residual stays h)."""
 
     mixer: Mixer
     ffn: FFN | None = None

@@ -1,5 +1,6 @@
-"""Hybrid families against transformers 5.24: logits, prefill + decode through the state list, greedy
-generation, the state description, and the config reader's refusals. Checkpoints: tests/models/hf_checkpoints.py.
+"""Hybrid families (Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1, Zamba2; plain Mamba-2) vs transformers 5.24:
+logits, prefill + decode through the state list, greedy generation, the state description, and the config
+reader's refusals. Checkpoints: tests/models/hf_checkpoints.py.
 
 Bound: fp32 logits within 2e-5 absolute of transformers' (observed <= 1.5e-6 on these cases: the two
 compute the same formulas in a different summation order; logits are O(1)).
@@ -190,4 +191,53 @@ def test_tied_embeddings_with_a_different_head_refused(tmp_path):
     assert "lm_head.weight" in sd
     save_file(sd, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="differs from the embedding"):
+        load_checkpoint(path)
+
+
+def test_falcon_h1_norm_before_gate(tmp_path):
+    """mamba_rms_norm true with mamba_norm_before_gate true (the case file has it false; nonorm has no norm)."""
+    path, hf = make("falcon_h1", tmp_path / "f", mamba_norm_before_gate=True)
+    ck = load_checkpoint(path)
+    assert ck.spec.layers[0].mamba.norm_before_gate and ck.spec.layers[0].mamba.norm == "gated_rms"
+    ids = _ids(ck.spec.vocab_size, 2, 9)
+    with torch.no_grad():
+        assert (ck.model.forward_states(ids).logits - hf_logits(hf, ids)).abs().max().item() <= ATOL
+
+
+def test_zamba2_shared_blocks_stored_once(tmp_path):
+    model = load_checkpoint(make("zamba2", tmp_path / "z")[0]).model
+    blocks = model.backbone.shared_blocks
+    assert len(blocks) == 2
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(".layers." in n and ".attention." in n for n in names)  # no per-layer copy of a block
+    per_block = sum(p.numel() for p in blocks[0].parameters())
+    assert sum(p.numel() for n, p in model.named_parameters() if n.startswith("backbone.shared_blocks.")) \
+        == 2 * per_block
+    # ABA: hybrid calls 0, 1, 2 (layers 0, 2, 4) use blocks 0, 1, 0; each call has its own adapters and Linear
+    assert [L.spec.shared.block for L in model.backbone.layers if L.spec.shared] == [0, 1, 0]
+    adapters = [L.adapters for L in model.backbone.layers if L.spec.shared]
+    assert len({id(a) for a in adapters}) == 3 and adapters[0].q is not None
+
+
+def test_zamba2_untied_blocks_refused(tmp_path):
+    """transformers 5.24 unties Zamba2's shared blocks when tie_word_embeddings is false; m2export refuses
+    such a checkpoint rather than load one copy and drop the others."""
+    path, _ = make("zamba2", tmp_path / "z", tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match=r"differs from .*shared block's stored copy"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name,edit,match", [
+    ("falcon_h1", lambda c: c.update(mamba_d_head=10), r"mamba_d_head=10 \* mamba_n_heads=4 conflicts"),
+    ("falcon_h1", lambda c: c.update(layers_block_type=["mamba"] * 3), r"every Falcon-H1 layer is 'hybrid'"),
+    ("falcon_h1", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), r"ssm_multipliers \(5 numbers\)"),
+    ("zamba2", lambda c: c.update(num_key_value_heads=2), r"supports no GQA there"),
+    ("zamba2", lambda c: c.update(use_long_context=True), r"use_long_context=true is not supported"),
+    ("zamba2", lambda c: c.update(use_shared_mlp_adapter=False), r"use_shared_mlp_adapter=false"),
+    ("zamba2", lambda c: c.update(hybrid_layer_ids=[1, 3]), r"hybrid_layer_ids=\[1, 3\] conflicts"),
+    ("zamba2", lambda c: c.update(mamba_headdim=12), r"mamba_headdim=12 conflicts"),
+])
+def test_part2_config_refusals_name_the_key(tmp_path, name, edit, match):
+    path = _edited(tmp_path, name, edit)
+    with pytest.raises(ConfigError, match=match):
         load_checkpoint(path)

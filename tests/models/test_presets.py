@@ -41,6 +41,12 @@ def test_published_shapes():
     moe = _spec("nemotron-3-nano-30b-a3b").layers[1].mixer
     assert (moe.n_experts, moe.top_k, moe.routed_scaling_factor, moe.shared.d_ff) == (128, 6, 2.5, 3712)
     assert _spec("bamba-9b").attention_layers == (9, 18, 27)
+    f7 = _spec("falcon-h1-7b")
+    mb, at = f7.layers[0].mamba, f7.layers[0].attention_in()
+    assert (f7.n_layer, mb.nheads, mb.headdim, mb.d_state, at.num_heads, at.num_kv_heads, at.head_dim) == \
+        (44, 24, 128, 256, 12, 2, 128)
+    z = _spec("zamba2-2.7b")
+    assert (z.n_layer, len(z.attention_layers), z.d_model) == (54, 9, 2560)
 
 
 def test_unavailable_preset_refused_by_name(tmp_path):
