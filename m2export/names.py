@@ -8,7 +8,9 @@ One set of names, spelled the same in every verb, in ``m2export.json``, in repor
 * **graph flavours** (``export --ssm-impl``, ``generate --ssm-impl``; the ``ssm_impl`` field of
   ``m2export.json``): ``ssmscan`` (one ``m2export::SSMScan`` custom-op node per layer, with a model-local
   ONNX function holding its semantics: ``model.onnx``) and ``std`` (standard ONNX ops only, no custom
-  domain: ``model.std.onnx``). Both are ONNX graphs; ``both`` exports the two.
+  domain: ``model.std.onnx``) and ``native`` (ONNX Runtime's own kernels for the mixer: opset-27
+  ``LinearAttention`` and ``CausalConvWithState``: ``model.native.onnx``). All are ONNX graphs; ``both``
+  exports ssmscan and std, ``all`` the three.
 * **TensorRT plugin modes** (``build --plugin``): ``jit`` (the kernel runs from Python) and ``aot``
   (the kernel is embedded in the engine as PTX). "plugin" names only this.
 
@@ -29,9 +31,13 @@ RUNTIMES = {
 FLAVOURS = {
     "ssmscan": "one m2export::SSMScan custom-op node per layer + its model-local ONNX function",
     "std": "standard ONNX ops only (no custom domain)",
+    "native": "ONNX Runtime's own kernels for the mixer (opset-27 LinearAttention, CausalConvWithState)",
 }
 REFERENCE_RUNTIME = "torch"  # what check compares every other runtime with
 BOTH = "both"
+ALL = "all"
+#: the flavours each group name exports, primary (model.onnx / decode.onnx) first
+GROUPS = {BOTH: ("ssmscan", "std"), ALL: ("ssmscan", "std", "native")}
 PLUGIN_MODES = {
     "jit": "the plugin runs the cuTile kernel from Python at inference time",
     "aot": "the cuTile kernel is compiled to PTX and embedded in the engine",
@@ -41,6 +47,8 @@ PLUGIN_MODES = {
 PRIMARY_FLAVOUR = "ssmscan"
 #: file-name infix of the std flavour's graphs (model.std.onnx)
 STD_SUFFIX = ".std"
+#: file-name infix of each non-primary flavour's graphs (model.std.onnx, model.native.onnx)
+FLAVOUR_SUFFIX = {"std": STD_SUFFIX, "native": ".native"}
 
 #: the optimization profile (min, opt, max) of ``m2export build`` unless told otherwise, per dynamic axis
 #: (batch_size, sequence_length); here so the CLI's --help needs no heavy import
@@ -53,7 +61,7 @@ ALIASES = {
 }
 ALIASES_REMOVED_IN = "0.3"
 
-_KNOWN = {"runtime": set(RUNTIMES), "flavour": set(FLAVOURS) | {BOTH}}
+_KNOWN = {"runtime": set(RUNTIMES), "flavour": set(FLAVOURS) | set(GROUPS)}
 
 
 def deprecation_note(kind: str, old: str, new: str, *, flag: str | None = None) -> str:

@@ -15,9 +15,9 @@ from m2export.cli.main import main
 
 def test_names_and_aliases_do_not_overlap():
     assert set(names.RUNTIMES) == {"torch", "onnxrt", "onnx-reference", "trt"}
-    assert set(names.FLAVOURS) == {"ssmscan", "std"} and names.PRIMARY_FLAVOUR in names.FLAVOURS
+    assert set(names.FLAVOURS) == {"ssmscan", "std", "native"} and names.PRIMARY_FLAVOUR in names.FLAVOURS
     for kind, table in names.ALIASES.items():
-        current = set(names.RUNTIMES) if kind == "runtime" else set(names.FLAVOURS) | {names.BOTH}
+        current = set(names.RUNTIMES) if kind == "runtime" else set(names.FLAVOURS) | set(names.GROUPS)
         assert not set(table) & current and set(table.values()) <= current
 
 

@@ -8,17 +8,22 @@ DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers forma
   OUTDIR/model.onnx     prefill graph: input_ids [batch_size, sequence_length] + past states -> logits + present states
   OUTDIR/decode.onnx    decode graph: the same with sequence_length fixed to 1
   OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
-  OUTDIR/*.std.onnx     the std flavour as well, with --ssm-impl both
+  OUTDIR/*.std.onnx     the std flavour as well, with --ssm-impl both or all
+  OUTDIR/*.native.onnx  the native flavour as well, with --ssm-impl all
+  OUTDIR/genai_config.json  onnxruntime-genai's config (and the checkpoint's tokenizer files, if any)
 
 Both graphs take every layer's past_conv_state.{i} / past_ssm_state.{i} (zeros start a fresh sequence)
 and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float32 whatever --dtype.
 
-graph flavours (both are ONNX graphs; --ssm-impl picks):
+graph flavours (all are ONNX graphs; --ssm-impl picks):
   ssmscan  (default) one m2export::SSMScan custom-op node per layer carrying plugin_namespace/plugin_version
            (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
            (ONNX Runtime runs it as is)
   std      standard ONNX ops only (no custom domain): any runtime, no plugin
+  native   opset 27 with ONNX Runtime's own kernels for the mixer (LinearAttention for sequences up to
+           8 tokens, decode included, CausalConvWithState; ONNX Runtime >= 1.32); fp32/fp16
   both     ssmscan as model.onnx/decode.onnx and std as model.std.onnx/decode.std.onnx
+  all      both, plus native as model.native.onnx/decode.native.onnx
   (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)
 
 --dtype bf16 graphs do not run in ONNX Runtime's CPU provider (it has no bf16 MatMul/Conv); build them
@@ -40,10 +45,11 @@ def add_arguments(p):
     g.add_argument("checkpoint", help="checkpoint directory (config.json + weights) or weight file")
     g.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="output folder (must be empty or new)")
     g = p.add_argument_group("Optional arguments")
-    g.add_argument("--ssm-impl", choices=[*names.FLAVOURS, names.BOTH], type=names.cli_type("flavour", "--ssm-impl"),
-                   default=names.PRIMARY_FLAVOUR, metavar="{ssmscan,std,both}",
-                   help="graph flavour: SSMScan custom-op node + local function (ssmscan), standard ops (std), or "
-                        "both (default: %(default)s)")
+    choices = [*names.FLAVOURS, *names.GROUPS]
+    g.add_argument("--ssm-impl", choices=choices, type=names.cli_type("flavour", "--ssm-impl"),
+                   default=names.PRIMARY_FLAVOUR, metavar="{" + ",".join(choices) + "}",
+                   help="graph flavour: SSMScan custom-op node + local function (ssmscan), standard ops (std), ONNX "
+                        "Runtime's native kernels (native), ssmscan+std (both) or all three (default: %(default)s)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                    help="weights and activations; scan internals and ssm states stay fp32 (default: %(default)s)")
     g.add_argument("--opset", type=int, default=None, help="default-domain ONNX opset (default: 18)")

@@ -24,11 +24,13 @@ from m2export import _paths
 from m2export.errors import ExportError, Interrupted, InternalError, ParameterError
 from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
 from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
-from m2export.names import BOTH, FLAVOURS, PRIMARY_FLAVOUR, canonical
+from m2export.exporter.genai import write_genai_files
+from m2export.exporter.native_ort import to_native_ort
+from m2export.names import FLAVOUR_SUFFIX, FLAVOURS, GROUPS, PRIMARY_FLAVOUR, canonical
 
 log = logging.getLogger("m2export")
 
-SSM_IMPL_CHOICES = (*FLAVOURS, BOTH)
+SSM_IMPL_CHOICES = (*FLAVOURS, *GROUPS)
 #: protobuf's hard limit; above it weights go to ``<file>.data`` next to the graph
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 #: example sizes used for tracing; tests run other sizes to prove the axes are dynamic
@@ -38,7 +40,7 @@ EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 7
 def graph_file(role: str, ssm_impl: str, primary: bool) -> str:
     """File name of a graph in OUTDIR: model.onnx / decode.onnx (primary), model.std.onnx / decode.std.onnx."""
     base = PREFILL_FILE if role == "prefill" else DECODE_FILE
-    return base if primary else base.replace(".onnx", ".std.onnx")
+    return base if primary else base.replace(".onnx", f"{FLAVOUR_SUFFIX[ssm_impl]}.onnx")
 
 
 def tool_versions() -> dict[str, str]:
@@ -214,9 +216,12 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         checkpoint: checkpoint directory (config.json + weights) or weight file, mamba_ssm or HF format.
         outdir: output folder; layout in :mod:`m2export.exporter.manifest`.
         ssm_impl: graph flavour (m2export/names.py): "ssmscan" (one m2export::SSMScan custom-op node per
-            layer + its model-local function), "std" (standard ops only), or "both" (ssmscan as
-            model.onnx/decode.onnx, std as model.std.onnx/decode.std.onnx). The old spellings "plugin" and
-            "onnx" are accepted with a DeprecationWarning.
+            layer + its model-local function), "std" (standard ops only), "native" (ONNX Runtime's own
+            LinearAttention and CausalConvWithState kernels, opset 27: :mod:`m2export.exporter.native_ort`),
+            "both" (ssmscan as model.onnx/decode.onnx, std as model.std.onnx/decode.std.onnx) or "all" (both,
+            plus native as model.native.onnx/decode.native.onnx). The old spellings "plugin" and "onnx" are
+            accepted with a DeprecationWarning. Every export also writes genai_config.json
+            (:mod:`m2export.exporter.genai`) for onnxruntime-genai, and copies the checkpoint's tokenizer files.
         dtype: "fp32" | "fp16" | "bf16": weights and activations; scan internals and ssm states stay fp32.
         opset: default ONNX opset (default :attr:`Mamba2OnnxConfig.DEFAULT_OPSET`).
         force: replace an existing non-empty ``outdir`` that m2export wrote (its manifest says so and it
@@ -248,7 +253,11 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     if not 18 <= opset <= onnx.defs.onnx_opset_version():
         raise ParameterError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
                              f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
-    impls = list(FLAVOURS) if ssm_impl == BOTH else [ssm_impl]  # ssmscan first: inlining is in place
+    impls = list(GROUPS.get(ssm_impl, [ssm_impl]))
+    if "native" in impls and dtype == "bf16":
+        raise ParameterError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
+                             "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
+                             hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
     roles = ("prefill", "decode")
     n_steps = 1 + len(roles) * (2 + len(impls) * (1 + int(check))) + 1
     bar = _Progress(progress, n_steps)
@@ -275,13 +284,15 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
             bar.step(f"attaching the SSMScan function to {role}")
             _attach_function(model, opset)
             ins, outs = _io_entry(onnx_cfg, decode, DTYPES[dtype])
-            for impl in impls:  # ssmscan first: inlining mutates the model in place
+            # ssmscan and native (a copy) first: inlining the std flavour mutates the model in place
+            for impl in sorted(impls, key=("ssmscan", "native", "std").index):
                 primary = impl == impls[0]
                 fname = graph_file(role, impl, primary)
                 bar.step(f"saving {fname}")
                 if impl == "std":
                     _inline(model)
-                data = _save(model, tmp / fname)
+                data = _save(to_native_ort(model, cfg.nheads, cfg.n_layer, _inline) if impl == "native"
+                             else model, tmp / fname)
                 if check:
                     bar.step(f"onnx.checker full check of {fname}")
                     _check(tmp / fname)
@@ -293,6 +304,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                             checkpoint_sha256=ck.sha256, config=cfg.to_dict(), dtype=dtype, opset=opset,
                             graphs=graphs, tool_versions=tool_versions())
         write_manifest(tmp, manifest)
+        write_genai_files(tmp, manifest, checkpoint)
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
 

@@ -8,6 +8,8 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
     model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; ssmscan by default)
     model.onnx.data ...      external data, only when a graph exceeds 2 GB
     model.std.onnx  decode.std.onnx   the std (standard-op) flavour, when both are exported
+    model.native.onnx  decode.native.onnx   the native flavour (ONNX Runtime's own kernels), with --ssm-impl native/all
+    genai_config.json        onnxruntime-genai's config (+ the checkpoint's tokenizer files, when it has them)
     model.plan  decode.plan  TensorRT engines written by ``m2export build`` (+ .timing.cache)
     check_report.json ...    ``m2export check``'s reports (:data:`CHECK_REPORT_FILES`)
 
@@ -26,6 +28,7 @@ from typing import Any
 
 from m2export.errors import ExportFolderError
 from m2export.exporter.configs import MANIFEST_FILE
+from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
 from m2export.models.config import Mamba2Config
 from m2export.names import canonical
 
@@ -36,7 +39,8 @@ ROLES = ("prefill", "decode")
 CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py",
                       "check_inputs.json", "check_reference_outputs.json")
 #: other names m2export writes into OUTDIR (besides the manifest's graphs and engines)
-_OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.cache", *CHECK_REPORT_FILES)
+_OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.cache", *CHECK_REPORT_FILES,
+                    GENAI_CONFIG_FILE, *TOKENIZER_FILES)
 
 
 @dataclass

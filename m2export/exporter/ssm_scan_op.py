@@ -146,15 +146,16 @@ def custom_translation_table() -> dict:
 class _Body:
     """Tiny node builder: ``b.op("Add", a, c)`` appends a node and returns its output name."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = ""):
         self.nodes: list[onnx.NodeProto] = []
         self._n = 0
+        self._prefix = prefix  # keeps the names of an If branch apart from its outer scope's
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
         outs = []
         for _ in range(outputs):
             self._n += 1
-            outs.append(f"_{op_type.lower()}{self._n}")
+            outs.append(f"_{self._prefix}{op_type.lower()}{self._n}")
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
         return outs[0] if outputs == 1 else outs
 
@@ -170,40 +171,63 @@ class _Body:
 
     def const(self, value, dtype=np.int64) -> str:
         self._n += 1
-        out = f"_const{self._n}"
+        out = f"_{self._prefix}const{self._n}"
         self.nodes.append(helper.make_node("Constant", [], [out], value=onnx.numpy_helper.from_array(
             np.asarray(value, dtype=dtype), name=out)))
         return out
 
 
-def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    b = _Body()
+def _entry(b: _Body) -> dict[str, str]:
+    """fp32 casts of the inputs, their sizes (1-D int64) and step 1, the step size ``delta`` (b, L, h)."""
     F = TensorProto.FLOAT
     x, dt, A, B, C, D, dt_bias, h0 = contract.INPUT_NAMES
-    y_out, final_out = contract.OUTPUT_NAMES
-    i1 = lambda v: b.const([v])  # noqa: E731  1-D int64
-    zero_f, one_f, twenty = b.const(0.0, np.float32), b.const(1.0, np.float32), b.const(20.0, np.float32)
-
-    xf, dtf, Bf, Cf = (b.op("Cast", t, to=F) for t in (x, dt, B, C))
-    Af, Df, dtbf, h0f = (b.op("Cast", t, to=F) for t in (A, D, dt_bias, h0))
-    # sizes (1-D int64 of length 1)
-    bsz, L, h, p = (b.op("Shape", x, start=k, end=k + 1) for k in range(4))
-    g, n = b.op("Shape", B, start=2, end=3), b.op("Shape", B, start=3, end=4)
-    hpg = b.op("Div", h, g)
+    one_f, twenty = b.const(1.0, np.float32), b.const(20.0, np.float32)
+    e = dict(zip(("xf", "dtf", "Bf", "Cf", "Af", "Df", "dtbf", "h0f"),
+                 (b.op("Cast", t, to=F) for t in (x, dt, B, C, A, D, dt_bias, h0))))
+    e.update(zip(("bsz", "L", "h", "p"), (b.op("Shape", x, start=k, end=k + 1) for k in range(4))))
+    e["g"], e["n"] = b.op("Shape", B, start=2, end=3), b.op("Shape", B, start=3, end=4)
+    e["hpg"] = b.op("Div", e["h"], e["g"])
 
     # 1. step size delta = clamp(softplus(dt + dt_bias)) in fp32                       (b, L, h)
-    v = b.op("Add", dtf, dtbf)
+    v = b.op("Add", e["dtf"], e["dtbf"])
     sp = b.op("Where", b.op("Greater", v, twenty), v,
               b.op("Log", b.op("Add", b.op("Exp", b.op("Min", v, twenty)), one_f)))
     use_sp = b.op("Cast", b.ref_constant("value_int", "dt_softplus"), to=TensorProto.BOOL)
     v = b.op("Where", use_sp, sp, v)
     dmin, dmax = b.ref_constant("value_float", "dt_min"), b.ref_constant("value_float", "dt_max")
     # always clamped at dt_min >= 0 (also with dt_softplus=0: every step decays, see the contract)
-    delta = b.op("Min", b.op("Max", v, dmin), dmax)
+    e["delta"] = b.op("Min", b.op("Max", v, dmin), dmax)
+    return e
 
-    # 2. chunking: Q = max(1, min(chunk_size, L)), nc = max(1, ceil(L / Q)), pad = nc*Q - L
+
+def _chunk_len(b: _Body, L: str) -> str:
+    """Step 2's chunk length ``Q = max(1, min(chunk_size, L))`` (1-D int64; the node's chunk_size attribute)."""
+    one = b.const([1])
+    return b.op("Max", b.op("Min", b.op("Reshape", b.ref_constant("value_int", "chunk_size"), one), L), one)
+
+
+def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The chunked SSD in standard ops (steps 1-7 of the module docstring)."""
+    b = _Body()
+    e = _entry(b)
+    y, _ = _chunked_scan(b, e, _chunk_len(b, e["L"]), final_out=contract.OUTPUT_NAMES[1])
+    b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.OUTPUT_NAMES[0]]))
+    return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
+
+
+def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = None) -> tuple[str, str]:
+    """Steps 2-7 appended to ``b`` (``e`` from :func:`_entry`, ``Q`` from :func:`_chunk_len`).
+
+    Returns (y in float32 with the D skip (b, L, h, p), final_state (b, h, p, n)); ``final_out`` names the latter.
+    """
+    F = TensorProto.FLOAT
+    i1 = lambda v: b.const([v])  # noqa: E731  1-D int64
+    zero_f = b.const(0.0, np.float32)
+    xf, Bf, Cf, Af, Df, h0f, delta = (e[k] for k in ("xf", "Bf", "Cf", "Af", "Df", "h0f", "delta"))
+    bsz, L, h, p, g, n, hpg = (e[k] for k in ("bsz", "L", "h", "p", "g", "n", "hpg"))
+
+    # 2. chunking: nc = max(1, ceil(L / Q)), pad = nc*Q - L
     one = i1(1)
-    Q = b.op("Max", b.op("Min", b.op("Reshape", b.ref_constant("value_int", "chunk_size"), one), L), one)
     nc = b.op("Max", b.op("Div", b.op("Sub", b.op("Add", L, Q), one), Q), one)
     Lp = b.op("Mul", nc, Q)
     pad = b.op("Sub", Lp, L)
@@ -274,30 +298,94 @@ def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
               b.op("Concat", bsz, g, hpg, nc, pn, axis=0))  # (b, g, hpg, nc, p*n)
     s0 = b.op("Reshape", h0f, b.op("Concat", bsz, g, hpg, one, pn, axis=0))  # (b, g, hpg, 1, p*n)
     S = b.op("MatMul", Wc, b.op("Concat", s0, st, axis=3))  # (b, g, hpg, nc+1, p*n): state entering chunk c
+    final = final_out or f"_{b._prefix}final_state"
     b.nodes.append(helper.make_node("Reshape", [b.op("Slice", S, nc, nc1, b.const([3])),
-                                                b.op("Concat", bsz, h, p, n, axis=0)], [final_out]))
+                                                b.op("Concat", bsz, h, p, n, axis=0)], [final]))
     prev = b.op("Reshape", b.op("Slice", S, b.const([0]), nc, b.const([3])),
                 b.op("Concat", bsz, g, hpg, nc, p, n, axis=0))
     prev = b.op("Transpose", prev, perm=[0, 3, 1, 2, 5, 4])  # (b, nc, g, hpg, n, p)
 
-    # 7. inter-chunk output, skip term, back to the dtype of x
+    # 7. inter-chunk output, skip term (the caller casts back to the dtype of x)
     y_off = b.op("Mul", b.op("MatMul", Cc, prev), b.op("Unsqueeze", b.op("Exp", cs), i1(-1)))
     yc = b.op("Add", y_diag, y_off)  # (b, nc, g, hpg, Q, p)
     yl = b.op("Reshape", b.op("Transpose", yc, perm=[0, 1, 4, 2, 3, 5]), b.op("Concat", bsz, Lp, h, p, axis=0))
     yl = b.op("Slice", yl, b.const([0]), L, i1(1))
-    yl = b.op("Add", yl, b.op("Mul", xf, b.op("Unsqueeze", Df, i1(1))))
-    b.nodes.append(helper.make_node("CastLike", [yl, x], [y_out]))
+    return b.op("Add", yl, b.op("Mul", xf, b.op("Unsqueeze", Df, i1(1)))), final
+
+
+#: first default-domain opset with LinearAttention and CausalConvWithState (onnx 1.23)
+NATIVE_OPSET = 27
+
+
+#: sequences up to this length take LinearAttention's token-by-token recurrence in the native flavour, longer
+#: ones the chunked body (ORT 1.32 CPU, one 130m-shaped layer, benchmarks/RESULTS.md)
+NATIVE_RECURRENT_MAX_LEN = 8
+
+
+def _recurrent_scan(b: _Body, e: dict[str, str], nheads: int) -> tuple[str, str]:
+    """SSMScan as the opset-27 ``LinearAttention`` (update_rule "gated"), appended to ``b``.
+
+    With state S (b, h, d_state, headdim) = final_stateᵀ, LinearAttention's recurrence
+    ``S_t = exp(g_t) S_{t-1} + k_t ⊗ v_t``, ``o_t = scale q_tᵀ S_t`` is SSMScan's with q = C and k = B
+    (both expanded from groups to heads), v = delta ∘ x, g = delta · A (per-head scalar decay), scale 1;
+    the D skip is added outside. ``nheads`` is baked into the q/kv head counts (LinearAttention needs
+    them as attributes, SSMScan nodes do not carry them). No segment sums: one decay per token.
+    Returns (y in float32 with the D skip (b, L, h, p), final_state (b, h, p, n)).
+    """
+    bsz, L, h, p, g, n, hpg = (e[k] for k in ("bsz", "L", "h", "p", "g", "n", "hpg"))
+    minus1 = b.const([-1])
+    decay = b.op("Mul", e["delta"], e["Af"])  # (b, L, h)
+    v = b.op("Reshape", b.op("Mul", e["xf"], b.op("Unsqueeze", e["delta"], b.const([-1]))),
+             b.op("Concat", bsz, L, minus1, axis=0))  # (b, L, h*p)
+
+    def heads(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
+        t5 = b.op("Expand", b.op("Unsqueeze", t, b.const([3])), b.op("Concat", bsz, L, g, hpg, n, axis=0))
+        return b.op("Reshape", t5, b.op("Concat", bsz, L, minus1, axis=0))
+
+    s0 = b.op("Transpose", e["h0f"], perm=[0, 1, 3, 2])  # (b, h, n, p)
+    o, s1 = b.op("LinearAttention", heads(e["Cf"]), heads(e["Bf"]), v, s0, decay, outputs=2,
+                 update_rule="gated", q_num_heads=nheads, kv_num_heads=nheads, scale=1.0)
+    y = b.op("Reshape", o, b.op("Concat", bsz, L, h, p, axis=0))
+    y = b.op("Add", y, b.op("Mul", e["xf"], b.op("Unsqueeze", e["Df"], b.const([1]))))
+    return y, b.op("Transpose", s1, perm=[0, 1, 3, 2])
+
+
+def _build_native_body(nheads: int) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The native flavour's body: ``If(seqlen <= NATIVE_RECURRENT_MAX_LEN)`` LinearAttention, else the chunked SSD.
+
+    Step 1 (delta) and the chunk length are computed once, outside the branches (so no branch holds an
+    attribute reference); each branch returns y (float32) and final_state.
+    """
+    b = _Body()
+    e = _entry(b)
+    Q = _chunk_len(b, e["L"])
+    branches = {}
+    for name, build in (("recurrent", lambda bb: _recurrent_scan(bb, e, nheads)),
+                        ("chunked", lambda bb: _chunked_scan(bb, e, Q))):
+        bb = _Body(prefix=f"{name}_")
+        y, s = build(bb)
+        branches[name] = helper.make_graph(bb.nodes, f"ssm_scan_{name}", [], [
+            helper.make_tensor_value_info(y, TensorProto.FLOAT, None),
+            helper.make_tensor_value_info(s, TensorProto.FLOAT, None)])
+    short = b.op("LessOrEqual", e["L"], b.const([NATIVE_RECURRENT_MAX_LEN]))
+    y, final = b.op("If", short, outputs=2, then_branch=branches["recurrent"], else_branch=branches["chunked"])
+    b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.OUTPUT_NAMES[0]]))
+    b.nodes.append(helper.make_node("Identity", [final], [contract.OUTPUT_NAMES[1]]))
     return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
 
 
-def ssm_scan_function_proto(opset: int = 18) -> onnx.FunctionProto:
+def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None) -> onnx.FunctionProto:
     """Model-local function ``m2export::SSMScan``: the reference semantics in standard ONNX ops (opset ``opset``).
 
     Attributes (with defaults from the contract) are referenced in the body, so nodes with different
     attribute values share this one function. ``plugin_namespace``/``plugin_version`` are declared (and
     unused) so the calling node's attributes all match declared ones.
+    ``native_nheads``: the native flavour's body for a model with that many heads (:func:`_build_native_body`:
+    ONNX's ``LinearAttention`` for short sequences; needs ``opset >= NATIVE_OPSET``).
     """
-    nodes, inputs, outputs = _build_body()
+    if native_nheads is not None and opset < NATIVE_OPSET:
+        raise ValueError(f"the LinearAttention body needs opset >= {NATIVE_OPSET}, got {opset}")
+    nodes, inputs, outputs = _build_body() if native_nheads is None else _build_native_body(native_nheads)
     defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
                 for a in contract.ATTRIBUTES]
     defaults += [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
@@ -309,13 +397,16 @@ def ssm_scan_function_proto(opset: int = 18) -> onnx.FunctionProto:
 
 
 def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "float32", opset: int = 18,
-                        inline: bool = False) -> onnx.ModelProto:
+                        inline: bool = False, native_nheads: int | None = None) -> onnx.ModelProto:
     """A model of independent SSMScan nodes (one per entry of ``attrs_per_node``) sharing the graph inputs.
 
     Inputs: the contract's names (symbolic dims); outputs ``y.{k}``, ``final_state.{k}`` per node.
     For testing the function body, and the sharing of one function by nodes with different attributes.
-    ``inline`` returns the plugin-free (function-inlined) form.
+    ``inline`` returns the plugin-free (function-inlined) form. ``native_nheads``: the native flavour's body
+    for problems with that many heads (opset raised to :data:`NATIVE_OPSET`).
     """
+    if native_nheads is not None:
+        opset = max(opset, NATIVE_OPSET)
     elem = helper.np_dtype_to_tensor_dtype(np.dtype("float32")) if dtype == "float32" else \
         {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
     ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
@@ -330,8 +421,8 @@ def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "fl
     graph = helper.make_graph(nodes, "ssm_scan_nodes", ins, outs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
                                                     helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
-                              functions=[ssm_scan_function_proto(opset)])
-    model.ir_version = 10
+                              functions=[ssm_scan_function_proto(opset, native_nheads=native_nheads)])
+    model.ir_version = 10 if opset < NATIVE_OPSET else 13
     if inline:
         model = inline_ssm_scan(model)
     return model

@@ -38,22 +38,23 @@ def _export(tmp_path_factory, ck, name, **kw):
 
 @pytest.fixture(scope="session")
 def export_fp32_both(tmp_path_factory, tiny_g2):
-    return _export(tmp_path_factory, tiny_g2, "fp32_both", ssm_impl="both")
+    """All three flavours (ssmscan, std, native) of the G=2 checkpoint."""
+    return _export(tmp_path_factory, tiny_g2, "fp32_all", ssm_impl="all")
 
 
 @pytest.fixture(scope="session")
 def export_fp32_g1_cli(tmp_path_factory, tiny_g1):
-    """fp32 export of the G=1 checkpoint through the CLI (``m2export export ... --ssm-impl both``)."""
+    """fp32 export of the G=1 checkpoint through the CLI (``m2export export ... --ssm-impl all``)."""
     from m2export.cli.main import main
 
     out = tmp_path_factory.mktemp("exp") / "fp32_g1_cli"
-    assert main(["export", str(tiny_g1), "-o", str(out), "--ssm-impl", "both", "-q"]) == 0
+    assert main(["export", str(tiny_g1), "-o", str(out), "--ssm-impl", "all", "-q"]) == 0
     return out
 
 
 @pytest.fixture(scope="session")
 def export_fp16_both(tmp_path_factory, tiny_g2):
-    return _export(tmp_path_factory, tiny_g2, "fp16_both", ssm_impl="both", dtype="fp16")
+    return _export(tmp_path_factory, tiny_g2, "fp16_all", ssm_impl="all", dtype="fp16")
 
 
 @pytest.fixture(scope="session")

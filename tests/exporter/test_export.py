@@ -30,7 +30,7 @@ CHUNK = 8
 # (batch, seqlen): none equals the export example (2, 7)
 PREFILL_CASES = {"L1": (1, 1), "L_lt_chunk": (1, 5), "L_eq_chunk": (1, CHUNK), "L_k_chunk_plus_1": (1, 2 * CHUNK + 1),
                  "B3_L25": (3, 3 * CHUNK + 1)}
-IMPLS = ["ssmscan", "std"]
+IMPLS = ["ssmscan", "std", "native"]
 
 
 def _model(ck, dtype=None):
@@ -82,13 +82,45 @@ def test_onnx_graph_structure(export_fp32_both):
         assert not [n for n in model.graph.node if n.op_type in ("Softplus", "Loop", "Scan", "CastLike")]
 
 
+def test_native_graph_structure(export_fp32_both):
+    """native flavour: opset 27; per layer one CausalConvWithState and one If whose short-sequence branch is a
+    LinearAttention (decode: the If folds away, LinearAttention at the top level); no Conv, SSMScan or Loop."""
+    import onnx_ir as ir
+
+    m = read_manifest(export_fp32_both)
+    cfg = m.model_config()
+    for role in ("prefill", "decode"):
+        model = onnx.load(export_fp32_both / m.graph(role, "native").file)
+        assert not model.functions
+        assert {o.domain: o.version for o in model.opset_import} == {"": 27}
+        nodes = list(ir.traversal.RecursiveGraphIterator(ir.serde.deserialize_model(model).graph))
+        ops = [n.op_type for n in nodes]
+        assert ops.count("LinearAttention") == ops.count("CausalConvWithState") == cfg.n_layer
+        assert not {"Conv", "SSMScan", "Loop", "Scan", "CastLike"} & set(ops)
+        for n in nodes:
+            if n.op_type == "LinearAttention":
+                attrs = {k: a.value for k, a in n.attributes.items()}
+                assert attrs["update_rule"] == "gated" and attrs["scale"] == 1.0
+                assert attrs["q_num_heads"] == attrs["kv_num_heads"] == cfg.nheads
+
+
+def test_native_flavour_rejects_bf16(tiny_g2, tmp_path):
+    from m2export.errors import ParameterError
+    from m2export.exporter import export_model
+
+    with pytest.raises(ParameterError, match="no bf16") as e:
+        export_model(tiny_g2, tmp_path / "o", ssm_impl="native", dtype="bf16")
+    assert "'both'" in e.value.hint and not (tmp_path / "o").exists()
+
+
 def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
     m = read_manifest(export_fp32_both)
     cfg = m.model_config()
     oc = Mamba2OnnxConfig(cfg)
     assert {(g.role, g.ssm_impl, g.file) for g in m.graphs} == {
         ("prefill", "ssmscan", "model.onnx"), ("decode", "ssmscan", "decode.onnx"),
-        ("prefill", "std", "model.std.onnx"), ("decode", "std", "decode.std.onnx")}
+        ("prefill", "std", "model.std.onnx"), ("decode", "std", "decode.std.onnx"),
+        ("prefill", "native", "model.native.onnx"), ("decode", "native", "decode.native.onnx")}
     assert m.dtype == "fp32" and m.opset == Mamba2OnnxConfig.DEFAULT_OPSET
     assert m.checkpoint_sha256 == load_checkpoint(tiny_g2).sha256
     assert {"torch", "onnx", "onnxscript", "onnxruntime", "m2export"} <= set(m.tool_versions)
@@ -192,7 +224,7 @@ def test_bf16_export(export_bf16_both, tiny_g2):
     ids = _ids(2, 2 * CHUNK + 1, seed=3)
     with torch.no_grad():
         ref = m16(ids)
-    for impl in IMPLS:
+    for impl in ("ssmscan", "std"):  # native is fp32/fp16 only (test_native_flavour_rejects_bf16)
         model = onnx.load(export_bf16_both / m.graph("prefill", impl).file)
         types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
         assert types["logits"] == onnx.TensorProto.BFLOAT16 and types["past_conv_state.0"] == onnx.TensorProto.BFLOAT16

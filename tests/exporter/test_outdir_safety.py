@@ -49,14 +49,16 @@ def fingerprint(d: Path) -> dict[str, str]:
 
 
 def is_complete_export(d: Path, ssm_impl: str) -> bool:
-    """The manifest is readable and names exactly the files present, each a loadable ONNX graph."""
+    """The manifest is readable and names exactly the files present (plus genai_config.json), each a loadable
+    ONNX graph."""
     import onnx
 
+    from m2export.exporter.genai import GENAI_CONFIG_FILE
     from m2export.exporter.manifest import read_manifest
 
     m = read_manifest(d)
     files = {g.file for g in m.graphs}
-    if sorted(files | {"m2export.json"}) != sorted(p.name for p in d.iterdir()):
+    if sorted(files | {"m2export.json", GENAI_CONFIG_FILE}) != sorted(p.name for p in d.iterdir()):
         return False
     if ssm_impl == "both" and len(files) != 4:
         return False

@@ -130,6 +130,59 @@ def test_large_decay_sums(inline):
         assert_close(f"node{k} final_state", ref.final_state, torch.from_numpy(outs[2 * k + 1]), rel=5e-6)
 
 
+def _native_session(nheads: int, dtype: str = "float32"):
+    """The native flavour's SSMScan body (LinearAttention up to NATIVE_RECURRENT_MAX_LEN tokens, else chunked),
+    inlined, for problems with ``nheads`` heads; two nodes with different attributes as in two_node_session."""
+    attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4)]
+    model = ssm_scan_node_model(attrs, dtype=dtype, inline=True, native_nheads=nheads)
+    onnx.checker.check_model(model, full_check=True)
+    assert {o.domain: o.version for o in model.opset_import} == {"": 27}
+    return attrs, _session(model)
+
+
+@pytest.mark.parametrize("init_state", [True, False], ids=["init_state", "zero_state"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_node_vs_oracle(case, init_state):
+    """Both branches of the native body: L1, L_lt_chunk, L_eq_chunk take LinearAttention, the rest the chunked SSD."""
+    p = SSMScanProblem(*CASES[case])
+    attrs, sess = _native_session(p.nheads)
+    inp = make_inputs(p, seed=list(CASES).index(case), init_state=init_state, dt_scale=2.0)
+    outs = sess.run(None, _feeds(inp))
+    for k, a in enumerate(attrs):
+        ref = ssm_scan_recurrent(**inp, dt_softplus=a.dt_softplus, dt_limit=a.dt_limit)
+        assert_close(f"native {case} node{k} y", ref.y, torch.from_numpy(outs[2 * k]), rel=FP32_REL)
+        assert_close(f"native {case} node{k} final_state", ref.final_state, torch.from_numpy(outs[2 * k + 1]),
+                     rel=FP32_REL)
+
+
+@pytest.mark.parametrize("seqlen", [1, 8, 9, 512])
+def test_native_node_large_decay_sums(seqlen):
+    """ORT's LinearAttention (seqlen <= 8) and the chunked branch on dt*A summing to -4,000 per 256 tokens."""
+    from m2export.exporter.ssm_scan_op import NATIVE_RECURRENT_MAX_LEN
+
+    assert NATIVE_RECURRENT_MAX_LEN == 8  # the seqlens above straddle it
+    p = SSMScanProblem(2, seqlen, 8, 16, 2, 16)
+    _, sess = _native_session(8)
+    inp = large_decay_inputs(p, seed=seqlen)
+    y, s = sess.run(None, _feeds(inp))[:2]
+    ref = ssm_scan_recurrent(**inp)
+    assert_close("native y", ref.y, torch.from_numpy(y), rel=5e-6)
+    assert_close("native final_state", ref.final_state, torch.from_numpy(s), rel=5e-6)
+
+
+@pytest.mark.parametrize("seqlen", [1, 21])
+def test_native_fp16_node(seqlen):
+    """fp16 x/dt/B/C through the native body (both branches): y fp16, final_state fp32, rel-L2 2e-3."""
+    p = SSMScanProblem(2, seqlen, 4, 8, 2, 16, dtype="float16")
+    _, sess = _native_session(4, "float16")
+    inp = make_inputs(p, seed=12)
+    y, s = sess.run(None, _feeds(inp))[:2]
+    assert y.dtype == np.float16 and s.dtype == np.float32
+    ref = ssm_scan_recurrent(**inp)
+    assert_close("fp16 y", ref.y, torch.from_numpy(y), rel=2e-3)
+    assert_close("fp16 final_state", ref.final_state, torch.from_numpy(s), rel=2e-3)
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
 def test_fp16_node(inline):
     """fp16 x/dt/B/C: internals fp32 (Cast islands), y fp16, final_state fp32; bound: rel-L2 2e-3."""

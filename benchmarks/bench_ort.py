@@ -1,0 +1,299 @@
+"""m2export vs Microsoft's mobius-onnx on the same HF checkpoints, in ONNX Runtime (CPU), one run side by side.
+
+Per checkpoint (``--checkpoint``: ``130m``, a mamba2-130m-shaped HF checkpoint with transformers' default
+init, ``tests.helpers.hf_init_checkpoint``; ``bundled``, samples/checkpoints/stdlib-byte-mamba2 converted
+to the HF format so mobius can read it; or a path to any HF Mamba-2 folder):
+
+* export: wall time and peak RSS of a fresh child process doing only the export
+  (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``), bytes on disk of the output folder;
+  m2export: ``export_model(..., ssm_impl="native")``; mobius: ``mobius build OUT --config CK --ep cpu
+  --optimize`` from a throwaway venv (``--mobius-venv``, created with ``pip install mobius-onnx``
+  on first use; never a project dependency);
+* ORT prefill L=128 / 512 and decode ms/token: both models' sessions in one process, measured in
+  interleaved rounds (m2export, mobius, m2export, ...), best and median of ``--reps`` (>= 10);
+* accuracy: logits of the L=512 prefill vs transformers' ``Mamba2ForCausalLM`` in float64 (rel-L2).
+  Note: for ngroups > 1 transformers' gated RMSNorm normalises all channels at once, mamba_ssm (and
+  m2export) per group; the bundled checkpoint (ngroups 2, trained with mamba_ssm semantics) therefore
+  differs from transformers by design, and its row is reported against both references.
+* ORT kernels per prefill (L=512) and decode call: ORT profiling, count and total time of node events.
+
+Results: a markdown table on stdout, appended to benchmarks/RESULTS.md. The machine is shared: compare
+best-of-N; the median shows the noise.
+
+    python benchmarks/bench_ort.py --checkpoint bundled --checkpoint 130m --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _child(cmd: list[str]) -> dict:
+    """Run ``cmd`` in a fresh process; wall time and the child's peak RSS (bytes)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"{cmd[0]} ... failed (rc {proc.returncode}): " + " / ".join(tail))
+    # ru_maxrss of children is the max over all children so far: only meaningful when it grew
+    return {"wall_s": wall, "peak_rss_bytes": rss * 1024 if rss > before else None}
+
+
+def mobius_venv(venv: Path) -> Path:
+    """The mobius venv's python, creating the venv (torch 2.13.0 CPU first, then mobius-onnx) on first use."""
+    py = venv / "bin" / "python"
+    if not (venv / "bin" / "mobius").exists():
+        _log(f"creating {venv} with mobius-onnx (throwaway; not a project dependency)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "mobius-onnx"], check=True)
+    return py
+
+
+def checkpoints(names: list[str], work: Path) -> dict[str, Path]:
+    """name -> HF-format checkpoint dir."""
+    from m2export.models.checkpoint import load_checkpoint, save_checkpoint
+    from tests.helpers import hf_init_checkpoint
+
+    out = {}
+    for n in names:
+        if n == "130m":
+            out[n] = hf_init_checkpoint(work / "hf-mamba2-130m", "mamba2-130m")
+        elif n == "bundled":
+            d = work / "hf-stdlib-byte-mamba2"
+            if not (d / "config.json").is_file():
+                save_checkpoint(load_checkpoint(ROOT / "samples/checkpoints/stdlib-byte-mamba2").model, d, format="hf")
+            out[n] = d
+        else:
+            out[Path(n).name] = Path(n)
+    return out
+
+
+def _feeds_for(sess, ids, past=None):
+    """Feeds for any decoder graph: input_ids, optional attention_mask / position_ids, zero (or given) states."""
+    import numpy as np
+
+    b, L = ids.shape
+    feeds = {}
+    types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+             "tensor(int32)": np.int32}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = ids
+        elif i.name == "attention_mask":
+            total = L + (past or {}).get("_past_len", 0)
+            feeds[i.name] = np.ones((b, total), types[i.type])
+        elif i.name == "position_ids":
+            start = (past or {}).get("_past_len", 0)
+            feeds[i.name] = np.arange(start, start + L, dtype=types[i.type])[None].repeat(b, 0)
+        elif past is not None and i.name in past:
+            feeds[i.name] = past[i.name]
+        else:
+            shape = [b if isinstance(d, str) and "batch" in d else (0 if isinstance(d, str) else d) for d in i.shape]
+            feeds[i.name] = np.zeros(shape, types[i.type])
+    return feeds
+
+
+def _pairs(sess) -> dict[str, str]:
+    """present output name -> past input name (by the shared suffix after 'past'/'present')."""
+    ins = [i.name for i in sess.get_inputs()]
+    out = {}
+    for o in sess.get_outputs():
+        n = o.name
+        for cand in (n.replace("present_", "past_", 1), n.replace("present.", "past_key_values.", 1),
+                     n.replace("present", "past", 1)):
+            if cand in ins:
+                out[n] = cand
+                break
+    return out
+
+
+class Runner:
+    """One decoder graph in an ORT session: prefill(ids) and decode steps by feeding present -> past."""
+
+    def __init__(self, path: Path, threads: int, profile_dir: Path | None = None):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        if profile_dir is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = str(profile_dir / path.parent.name)
+        self.sess = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.sess.get_outputs()]
+        self.pairs = _pairs(self.sess)
+
+    def run(self, ids, past=None):
+        out = dict(zip(self.names, self.sess.run(self.names, _feeds_for(self.sess, ids, past))))
+        nxt = {self.pairs[k]: v for k, v in out.items() if k in self.pairs}
+        nxt["_past_len"] = (past or {}).get("_past_len", 0) + ids.shape[1]
+        return out, nxt
+
+
+def _profile_counts(path: Path) -> tuple[int, float]:
+    """(node events, total node time in ms) of one ORT profile JSON."""
+    ev = json.loads(path.read_text())
+    nodes = [e for e in ev if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    return len(nodes), sum(e.get("dur", 0) for e in nodes) / 1e3
+
+
+def measure(runners: dict, vocab: int, seqlens, reps: int, decode_steps: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    res = {k: {} for k in runners}
+    for L in seqlens:
+        ids = rng.integers(0, vocab, (1, L), dtype=np.int64)
+        for r in runners.values():
+            r.run(ids)  # warm-up
+        ts = {k: [] for k in runners}
+        for _ in range(reps):
+            for k, r in runners.items():
+                t = time.perf_counter()
+                r.run(ids)
+                ts[k].append(time.perf_counter() - t)
+        for k, v in ts.items():
+            res[k][f"prefill L={L} ms"] = (1e3 * min(v), 1e3 * statistics.median(v))
+    ids = rng.integers(0, vocab, (1, 16), dtype=np.int64)
+    states = {k: r.run(ids)[1] for k, r in runners.items()}
+    ts = {k: [] for k in runners}
+    tok = np.array([[1]], np.int64)
+    for _ in range(max(reps, decode_steps)):
+        for k, r in runners.items():
+            t = time.perf_counter()
+            _, states[k] = r.run(tok, states[k])
+            ts[k].append(time.perf_counter() - t)
+    for k, v in ts.items():
+        res[k]["decode ms/token"] = (1e3 * min(v), 1e3 * statistics.median(v))
+    return res
+
+
+def accuracy(runners: dict, ck: Path, L: int = 512) -> dict:
+    """rel-L2 of each runner's L-token prefill logits vs transformers float64 (and vs m2export's float64 model)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+    from m2export.models.checkpoint import load_checkpoint
+
+    vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+    with torch.no_grad():
+        ref = transformers.Mamba2ForCausalLM.from_pretrained(str(ck), dtype=torch.float64).eval()(ids).logits.numpy()
+        ours64 = load_checkpoint(ck, dtype=torch.float64).model.eval()
+        for m in ours64.mixers:
+            m.scan_fn = lambda *a, **k: ssm_scan_recurrent(*a, dt_softplus=k["dt_softplus"], dt_limit=k["dt_limit"])
+        ref2 = ours64(ids).logits.numpy()
+    out = {}
+    for k, r in runners.items():
+        lg = r.run(ids.numpy())[0]["logits"].astype(np.float64)[..., : ref.shape[-1]]
+        out[k] = (float(np.linalg.norm(lg - ref) / np.linalg.norm(ref)),
+                  float(np.linalg.norm(lg - ref2[..., : ref.shape[-1]]) / np.linalg.norm(ref2[..., : ref.shape[-1]])))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", action="append", help="130m | bundled | HF folder (repeatable; default both)")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workdir", default="/tmp/m2export-bench-ort")
+    ap.add_argument("--mobius-venv", default="/tmp/m2export-mobius-venv")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    if args.reps < 10:
+        ap.error("--reps: at least 10")
+    import onnxruntime
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    py_mobius = mobius_venv(Path(args.mobius_venv))
+    lines = []
+    for name, ck in checkpoints(args.checkpoint or ["bundled", "130m"], work).items():
+        out_ours, out_mob = work / f"m2export-{name}", work / f"mobius-{name}"
+        for d in (out_ours, out_mob):
+            shutil.rmtree(d, ignore_errors=True)
+        _log(f"[{name}] m2export export")
+        e_ours = _child([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[3]); "
+                         "from m2export.exporter import export_model; "
+                         "export_model(sys.argv[1], sys.argv[2], ssm_impl='native')", str(ck), str(out_ours),
+                         str(ROOT)])
+        _log(f"[{name}] mobius build")
+        e_mob = _child([str(py_mobius), "-m", "mobius", "build", str(out_mob), "--config", str(ck), "--ep", "cpu",
+                        "--optimize"])
+        g_ours = out_ours / "model.onnx"
+        g_mob = next(iter(sorted(out_mob.rglob("model.onnx"))), None) or next(iter(sorted(out_mob.rglob("*.onnx"))))
+        runners = {"m2export native": Runner(g_ours, args.threads), "mobius": Runner(g_mob, args.threads)}
+        vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
+        _log(f"[{name}] timing (interleaved)")
+        t = measure(runners, vocab, args.seqlens, args.reps, args.decode_steps)
+        _log(f"[{name}] accuracy")
+        acc = accuracy(runners, ck, max(args.seqlens))
+        prof = work / "profiles"
+        prof.mkdir(exist_ok=True)
+        kern = {}
+        for k, g in (("m2export native", g_ours), ("mobius", g_mob)):
+            for what, L in (("prefill L=512", 512), ("decode", 1)):
+                r = Runner(g, args.threads, profile_dir=prof)
+                past = r.run(__import__("numpy").ones((1, 16), "int64"))[1] if L == 1 else None
+                r.run(__import__("numpy").ones((1, L), "int64"), past)
+                kern[(k, what)] = _profile_counts(Path(r.sess.end_profiling()))
+        rows = []
+        for k, e in (("m2export native", e_ours), ("mobius", e_mob)):
+            out_dir = out_ours if k.startswith("m2export") else out_mob
+            rss = f"{e['peak_rss_bytes'] / 2**30:.2f} GiB" if e["peak_rss_bytes"] else "n/a"
+            cells = [f"{e['wall_s']:.1f} s / {rss}", f"{_du(out_dir) / 1e6:.0f} MB"]
+            cells += [f"{t[k][c][0]:.1f} / {t[k][c][1]:.1f}" for c in [f"prefill L={L} ms" for L in args.seqlens]
+                      + ["decode ms/token"]]
+            cells += [f"{kern[(k, 'prefill L=512')][0]} / {kern[(k, 'decode')][0]}", f"{acc[k][0]:.2e}",
+                      f"{acc[k][1]:.2e}"]
+            rows.append(f"| {name} | {k} | " + " | ".join(cells) + " |")
+        lines += rows
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (f"## bench_ort.py — {now} — CPU {os.cpu_count()} cores ({platform.machine()}, shared), "
+            f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, {args.threads} threads, "
+            f"best / median of {args.reps} interleaved runs\n\n"
+            "| checkpoint | exporter | export wall / peak RSS | on disk | "
+            + " | ".join(f"prefill L={L} ms" for L in args.seqlens)
+            + " | decode ms/token | ORT kernels prefill L=512 / decode | logits rel-L2 vs transformers fp64 "
+              "| vs m2export fp64 (mamba_ssm semantics) |\n|" + "---|" * (8 + len(args.seqlens)) + "\n")
+    table = head + "\n".join(lines) + "\n"
+    print(table)
+    with open(args.results, "a") as f:
+        f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
