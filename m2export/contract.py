@@ -111,6 +111,14 @@ class SSMScanAttrs:
     def __post_init__(self):
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:
             raise ContractError(f"chunk_size: expected an integer >= 1, got {self.chunk_size!r}")
+        if not isinstance(self.dt_softplus, bool):
+            raise ContractError(f"dt_softplus: expected True or False, got {self.dt_softplus!r}")
+        for name in ("dt_min", "dt_max"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ContractError(f"dt_limit: {name} must be a number, got {v!r}")
+        if not math.isfinite(self.dt_min):
+            raise ContractError(f"dt_limit: expected a finite dt_min, got {self.dt_min}")
         if not (self.dt_min <= self.dt_max) or self.dt_min < 0 or math.isnan(self.dt_min):
             raise ContractError(
                 f"dt_limit: expected 0 <= dt_min <= dt_max, got dt_min={self.dt_min}, dt_max={self.dt_max}")
@@ -124,9 +132,14 @@ class SSMScanAttrs:
             ContractError: malformed dt_limit or chunk_size.
         """
         try:
-            lo, hi = (float(v) for v in dt_limit)
+            lo, hi = dt_limit
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)):
+                raise TypeError
+            lo, hi = float(lo), float(hi)
         except (TypeError, ValueError):
             raise ContractError(f"dt_limit: expected (dt_min, dt_max), two numbers, got {dt_limit!r}") from None
+        if dt_softplus not in (True, False) or not isinstance(dt_softplus, (bool, int)):  # "no" is truthy: refuse
+            raise ContractError(f"dt_softplus: expected True or False, got {dt_softplus!r}")
         return cls(chunk_size=chunk_size, dt_softplus=bool(dt_softplus), dt_min=lo, dt_max=hi)
 
     @property
@@ -143,6 +156,13 @@ class SSMScanAttrs:
         unknown = set(attrs) - set(ATTRIBUTE_NAMES) - {"plugin_namespace", "plugin_version"}
         if unknown:
             raise ContractError(f"SSMScan: unknown attribute(s) {sorted(unknown)}; expected {list(ATTRIBUTE_NAMES)}")
+        for name, want in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
+            got = attrs.get(name, want)
+            got = got.decode() if isinstance(got, bytes) else got
+            if got != want:
+                raise ContractError(f"SSMScan: attribute {name}={got!r}; this m2export implements {want!r}")
+        if attrs.get("dt_softplus", 1) not in (0, 1) or isinstance(attrs.get("dt_softplus", 1), (bool, float)):
+            raise ContractError(f"SSMScan: attribute dt_softplus={attrs['dt_softplus']!r}; expected 0 or 1")
         return cls(chunk_size=int(attrs.get("chunk_size", 256)),
                    dt_softplus=bool(int(attrs.get("dt_softplus", 1))),
                    dt_min=float(attrs.get("dt_min", 0.0)), dt_max=float(attrs.get("dt_max", math.inf)))

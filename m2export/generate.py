@@ -182,7 +182,7 @@ def sample_next(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.r
     x = np.asarray(logits, dtype=np.float64)
     if temperature <= 0:
         return int(x.argmax())
-    x = x / temperature
+    x = (x - x.max()) / temperature  # shifted first: a tiny temperature (5e-324) gives 0 and -inf, never inf - inf
     if 0 < top_k < len(x):
         kth = np.partition(x, -top_k)[-top_k]
         x = np.where(x >= kth, x, -np.inf)
@@ -256,6 +256,10 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         decode_s = 0.0
         while len(new) < max_new_tokens:
             logits = np.asarray(out["logits"])[0, -1, :cfg.vocab_size]
+            if not np.isfinite(logits).all():  # argmax/softmax would turn NaN into token 0
+                step = "the prefill" if not new else f"decode step {len(new)}"
+                raise M2ExportError(f"{s.label}: non-finite logits (NaN/inf) after {step}; no token can be chosen",
+                                    hint="compare the export with its checkpoint: m2export check OUTDIR")
             new.append(sample_next(logits, temperature=temperature, top_k=top_k, rng=rng))
             if on_token is not None:
                 on_token(new[-1])

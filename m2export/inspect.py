@@ -82,6 +82,16 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
     scans = [{"name": n.name, "inputs": list(n.input), "outputs": list(n.output),
               "attributes": {a.name: attr(a) for a in n.attribute}}
              for n in m.graph.node if n.op_type == OP_NAME and n.domain == OP_DOMAIN]
+    for sc in scans:  # the contract, not just the names: chunk_size 0, plugin_version "2" ... are errors
+        from m2export.contract import SSMScanAttrs
+        from m2export.errors import ContractError
+
+        try:
+            SSMScanAttrs.from_onnx_attributes(sc["attributes"])
+        except ContractError as e:
+            raise ContractError(f"{p}: SSMScan node {sc['name']!r}: {e}") from None
+        except (TypeError, ValueError) as e:  # e.g. a graph-typed attribute
+            raise ContractError(f"{p}: SSMScan node {sc['name']!r}: malformed attribute ({e})") from None
     n_params = 0
     for init in m.graph.initializer:
         k = 1

@@ -43,3 +43,38 @@ def test_attrs_roundtrip_and_errors():
 def test_problem_rejects_ungroupable_heads():
     with pytest.raises(ContractError, match="nheads=6, ngroups=4"):
         SSMScanProblem(1, 1, 6, 8, 4, 16)
+
+
+# ------------------------------------------------------------------------------------------ issue 13, item 4
+@pytest.mark.parametrize("kw,match", [
+    (dict(dt_limit=(math.inf, math.inf)), "finite dt_min"),
+    (dict(dt_limit=("0", "1")), "two numbers"),
+    (dict(dt_softplus="no"), "dt_softplus: expected True or False"),
+    (dict(chunk_size=0), "chunk_size: expected an integer >= 1"),
+])
+def test_bad_keywords_break_the_contract(kw, match):
+    from m2export.contract import SSMScanAttrs
+
+    with pytest.raises(ContractError, match=match):
+        SSMScanAttrs.make(**kw)
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ({"chunk_size": 0}, "chunk_size"), ({"chunk_size": -7}, "chunk_size"), ({"mystery": 1}, "unknown attribute"),
+    ({"plugin_version": "2"}, "plugin_version='2'"), ({"plugin_namespace": b"other"}, "plugin_namespace='other'"),
+    ({"dt_softplus": 2}, "dt_softplus=2"),
+])
+def test_bad_node_attributes_break_the_contract(attrs, match):
+    from m2export.contract import SSMScanAttrs
+
+    with pytest.raises(ContractError, match=match):
+        SSMScanAttrs.from_onnx_attributes(attrs)
+
+
+def test_nan_A_is_refused_by_the_reference():
+    import torch
+
+    from m2export.kernels.ssd.naive import check_decay
+
+    with pytest.raises(ContractError, match="expected A <= 0 and finite"):
+        check_decay(torch.tensor([-1.0, float("nan")]))

@@ -43,7 +43,7 @@ from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
-from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
+from m2export.errors import CheckpointError, ContractError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
 from m2export.exporter.configs import Mamba2OnnxConfig
 from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
 
@@ -150,6 +150,7 @@ class CheckReport:
     corpus: str = "Python stdlib sources"
     versions: dict[str, str] = field(default_factory=dict)
     past_len: int = 0  # prefill sizes are also fed continuing this many reference tokens (0: fresh only)
+    vocab_coverage: str = ""  # which token ids the prefill feeds hold (TokenDataLoader.coverage)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -190,6 +191,7 @@ class CheckReport:
         lines = [f"# m2export check: {'PASSED' if self.passed else 'FAILED'}", "",
                  f"- output folder: `{self.outdir}` (dtype {self.dtype})",
                  f"- reference: `{self.reference}` ({self.runners[0]['detail'] if self.runners else ''})",
+                 f"- vocabulary: {self.vocab_coverage or 'not recorded'}",
                  "- runtimes: " + ", ".join(f"`{r['name']}` ({r['detail']})" for r in self.runners)]
         lines += [f"- {s}" for s in self.skipped]
         lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
@@ -402,6 +404,15 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         raise ParameterError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
+    from m2export.inspect import describe_onnx
+
+    for g in manifest.graphs:  # SSMScan attributes must keep the contract (ORT would run them as they are)
+        try:
+            describe_onnx(outdir / g.file)
+        except ContractError:
+            raise
+        except M2ExportError:  # unreadable graph: the runtime that loads it reports that, as before
+            pass
     cfg = manifest.model_config()
     dtype = manifest.dtype
     report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
@@ -429,6 +440,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
     comparisons = [(i, 0) for i in range(1, len(rts))]
     hist: dict[str, list[np.ndarray]] = {}
+    ref_bad: set[str] = set()
     prog = progress or (lambda desc, total: (lambda: None))
 
     severity = G_LOGGER.INFO if polygraphy_log else G_LOGGER.CRITICAL
@@ -440,9 +452,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             stream = Comparator.run([r.prefill for r in rts], data_loader=rec, streaming=True)
             labels = loader.labels
             prefill_acc = Comparator.compare_accuracy(
-                _tap(stream, advance, hist, rec), comparisons=comparisons,
+                _tap(stream, advance, hist, rec, ref_bad), comparisons=comparisons,
                 compare_func=compare_func)
-            rows = _rows("prefill", prefill_acc, labels, out_names, atol_d, rtol_d)
+            rows = _rows("prefill", prefill_acc, labels, out_names, atol_d, rtol_d, ref_bad)
 
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
@@ -470,7 +482,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         runners=[{"name": r.name, "detail": r.detail, "label": r.label or r.name} for r in rts], skipped=skipped,
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
-        corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len)
+        corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
+        vocab_coverage=loader.coverage)
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, REFERENCE):  # JSON has no bf16; ORT CPU neither
             cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
@@ -545,9 +558,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _tap(stream, advance, hist, rec=None):
+def _tap(stream, advance, hist, rec=None, ref_bad: set | None = None):
     """Pass Polygraphy's streamed RunResults through, advancing the progress bar, handing the reference's
-    outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`) and (when matplotlib is
+    outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`), collecting into ``ref_bad`` the
+    outputs where the reference itself is non-finite, and (when matplotlib is
     installed) keeping a strided sample of the abs errors vs the reference (runner 0) per runtime and
     output group for the histogram."""
     want_hist = importlib.util.find_spec("matplotlib") is not None
@@ -555,6 +569,9 @@ def _tap(stream, advance, hist, rec=None):
         ref = rr[0][1][0]
         if rec is not None:
             rec.record_outputs(k, ref)
+        if ref_bad is not None:  # outputs where the reference itself is non-finite (named in the rows' notes)
+            ref_bad.update(n for n, v in ref.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
+                           and not np.isfinite(np.asarray(v)).all())
         for name, iters in list(rr)[1:] if want_hist else []:
             it = iters[0]
             for out_name in it.keys():
@@ -568,7 +585,7 @@ def _tap(stream, advance, hist, rec=None):
         yield rr
 
 
-def _rows(section, acc_results, labels, out_names, atol_d, rtol_d) -> list[OutputRow]:
+def _rows(section, acc_results, labels, out_names, atol_d, rtol_d, ref_bad: set = frozenset()) -> list[OutputRow]:
     """OutputRow per (pair, output) aggregated over iterations; outputs never compared become failures."""
     acc = acc_results[0]  # one compare func
     rows = []
@@ -588,7 +605,8 @@ def _rows(section, acc_results, labels, out_names, atol_d, rtol_d) -> list[Outpu
             notes = [] if len(stats) == len(results) else ["shape mismatch"]
             max_abs = _nanmax([s.max_absdiff for s in stats])
             if any(not math.isfinite(s.max_absdiff) for s in stats):
-                notes.append("non-finite values (NaN/inf) in the runtime's output")
+                notes.append("non-finite values (NaN/inf) in the reference's output" if name in ref_bad else
+                             "non-finite values (NaN/inf) in the runtime's output")
                 max_abs = math.nan
             rows.append(OutputRow(
                 section, runner, reference, name, len(results), max_abs,
@@ -669,6 +687,12 @@ def _greedy_update(g: dict, step: int, last: np.ndarray, ref: np.ndarray, atol: 
     margin = top2[:, 1] - top2[:, 0]
     for b in range(len(mine)):
         g["total"] += 1
+        bad = [who for who, x in (("runtime", last[b]), ("reference", ref[b])) if not np.isfinite(x).all()]
+        if bad:  # NaN argmax is 0 on both sides: never an agreement
+            g["mismatches"].append({"where": f"{'prefill' if step == 0 else f'step {step}'} batch {b} (non-finite "
+                                             f"logits ({' and '.join(bad)}))", "token": int(mine[b]),
+                                    "reference_token": int(theirs[b]), "reference_margin": float("nan")})
+            continue
         if mine[b] == theirs[b]:
             g["agree"] += 1
         elif margin[b] <= 2 * atol:

@@ -30,6 +30,8 @@ from m2export.models.config import Mamba2Config
 #: numpy dtype of the conv states / logits per export dtype (bf16 has no numpy dtype)
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 DEFAULT_CORPUS_BYTES = 1 << 20  # 1 MiB of stdlib sources is plenty of distinct windows
+#: the logits of one vocabulary-sweep feed stay below this many bytes (fp32): 333 tokens of a 50k vocabulary
+SWEEP_LOGITS_BYTES = 64 << 20
 
 
 @lru_cache(maxsize=4)
@@ -177,6 +179,10 @@ class TokenDataLoader:
             the feed is the last ``seqlen`` tokens with the reference's ``present_*`` states as ``past_*``
             (conv states rounded to the export dtype, as a runtime feeding its own states back would get).
         past_len: tokens before a continued window (default :func:`default_past_len`).
+        vocab_sweep: after the corpus feeds, feed every token id 0..vocab_size-1 at least once
+            (:func:`vocab_sweep_windows`: a seeded permutation cut into (1, L) windows, fresh states), so every
+            embedding row is exercised (a byte corpus reaches ids 0-255 only); every lm_head row is compared
+            in every feed anyway (the whole logits). :attr:`coverage` states what was fed.
 
     Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
     shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
@@ -184,8 +190,10 @@ class TokenDataLoader:
     """
 
     def __init__(self, cfg: Mamba2Config, dtype: str, shapes: Sequence[tuple[int, int]], *,
-                 corpus: bytes | None = None, seed: int = 0, reference=None, past_len: int | None = None):
+                 corpus: bytes | None = None, seed: int = 0, reference=None, past_len: int | None = None,
+                 vocab_sweep: bool = True):
         self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
+        self.sweep = vocab_sweep_windows(cfg, seed) if vocab_sweep else []
         self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
         feed_dtype(dtype)  # KeyError-free check of the dtype name
         self.reference = reference
@@ -201,10 +209,23 @@ class TokenDataLoader:
             out.append(f"{b}x{s}")
             if self.reference is not None:
                 out.append(f"{b}x{s} after {self.past_len}")
-        return out
+        n = len(self.sweep)
+        return out + [f"vocab sweep {i + 1}/{n} (1x{w.shape[1]})" for i, w in enumerate(self.sweep)]
+
+    @property
+    def coverage(self) -> str:
+        """Which token ids the feeds hold, in words (for the report)."""
+        v = self.cfg.vocab_size
+        if self.sweep:
+            return (f"every token id 0..{v - 1} fed at least once ({len(self.sweep)} vocabulary-sweep input(s) of up "
+                    f"to {max(w.shape[1] for w in self.sweep)} tokens after the corpus windows); every lm_head row "
+                    "compared in every input")
+        distinct = len(np.unique(self.tokens))
+        return (f"only the ids of the corpus windows (the corpus holds {distinct} distinct of {v} ids; no "
+                "vocabulary sweep): embedding rows of other ids are not exercised")
 
     def __len__(self) -> int:
-        return len(self.shapes) * (1 if self.reference is None else 2)
+        return len(self.shapes) * (1 if self.reference is None else 2) + len(self.sweep)
 
     def __iter__(self) -> Iterator["OrderedDict[str, np.ndarray]"]:
         rng = np.random.default_rng(self.seed)
@@ -225,6 +246,18 @@ class TokenDataLoader:
                     yield continued_feed(ref, self.cfg, self.dtype,
                                          token_windows(self.tokens, batch, self.past_len + seqlen, cont_rng),
                                          self.past_len)
+            for ids in self.sweep:
+                feed = OrderedDict(input_ids=ids)
+                feed.update(zero_states(self.cfg, 1, self.dtype))
+                yield feed
+
+
+def vocab_sweep_windows(cfg: Mamba2Config, seed: int, logits_bytes: int = SWEEP_LOGITS_BYTES) -> list[np.ndarray]:
+    """A seeded permutation of every token id 0..vocab_size-1 cut into (1, L) int64 windows, L as large as
+    keeps one feed's fp32 logits (L x vocab_size_padded x 4 bytes) under ``logits_bytes`` (at least 16)."""
+    ids = np.random.default_rng([seed, 2]).permutation(cfg.vocab_size).astype(np.int64)
+    L = max(16, min(cfg.vocab_size, logits_bytes // (4 * cfg.vocab_size_padded)))
+    return [np.ascontiguousarray(ids[None, i:i + L]) for i in range(0, len(ids), L)]
 
 
 def default_past_len(cfg: Mamba2Config) -> int:

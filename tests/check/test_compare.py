@@ -30,8 +30,9 @@ def test_check_passes_both_flavours(passing_report, tiny_out):
     names = [r["name"] for r in report.runners]
     assert names == ["torch", "onnxrt:model.onnx+decode.onnx", "onnxrt:model.std.onnx+decode.std.onnx"]
     outputs = ["logits", "present_conv_state.0", "present_ssm_state.0", "present_conv_state.1", "present_ssm_state.1"]
-    # 5 default sizes, each fresh and continued; sequence: prefill + 8 decode steps
-    for section, iters in (("prefill", 10), ("sequence", 9)):
+    # 5 default sizes, each fresh and continued, + 1 vocabulary-sweep feed; sequence: prefill + 8 decode steps
+    assert report.vocab_coverage.startswith("every token id 0..255 fed at least once")
+    for section, iters in (("prefill", 11), ("sequence", 9)):
         for runner in names[1:]:
             rows = [r for r in report.rows if r.section == section and r.runner.split("+")[0] == runner.split("+")[0]]
             assert [r.output for r in rows] == outputs
@@ -77,9 +78,12 @@ def test_data_loader_script_feeds_continued_states(passing_report, tiny_out, tin
     m = read_manifest(tiny_out)
     ours = list(TokenDataLoader(m.model_config(), m.dtype, [tuple(s) for s in report.shapes],
                                 reference=ModelFromCheckpoint(tiny_ck), past_len=report.past_len))
-    assert len(feeds) == len(ours) == 2 * len(report.shapes) and report.past_len > 0
+    n = 2 * len(report.shapes)  # fresh + continued per size, then the vocabulary sweep (every id 0..255)
+    assert len(feeds) == len(ours) == n + 1 and report.past_len > 0
     for a, b in zip(feeds, ours):
         assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert sorted(feeds[n]["input_ids"].ravel().tolist()) == list(range(256))
+    feeds = feeds[:n]
     assert all(f["past_ssm_state.0"].any() and f["past_conv_state.1"].any() for f in feeds[1::2])
     assert not any(f["past_ssm_state.0"].any() for f in feeds[::2])
     assert "continued after" in (rep / REPORT_MD).read_text()

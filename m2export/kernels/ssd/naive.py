@@ -56,9 +56,12 @@ def dt_transform(dt: torch.Tensor, dt_bias: torch.Tensor | None, *, dt_softplus:
 
 
 def check_decay(A: torch.Tensor) -> None:
-    """Raise ContractError unless every A <= 0 (the contract: A = -exp(A_log); a growing state is undefined)."""
-    if A.numel() and bool((A > 0).any()):
-        raise ContractError(f"A: expected A <= 0 (A = -exp(A_log)), got max(A) = {A.max().item():.4g}")
+    """Raise ContractError unless every A is finite and <= 0 (the contract: A = -exp(A_log); a growing state is
+    undefined, a NaN one poisons every later token)."""
+    if A.numel() and bool(((A > 0) | ~torch.isfinite(A)).any()):  # NaN > 0 is False: test finiteness too
+        bad = A[(A > 0) | ~torch.isfinite(A)]
+        raise ContractError(f"A: expected A <= 0 and finite (A = -exp(A_log)), got {bad[0].item():.4g} "
+                            f"(max(A) = {A.max().item():.4g})")
 
 
 def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:

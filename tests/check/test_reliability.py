@@ -1,0 +1,94 @@
+"""Issue 13, items 1-2: check exercises the whole vocabulary and never counts NaN as agreement; generate
+refuses non-finite logits (naming the step and the runtime) instead of turning them into token 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from m2export.check.compare import _greedy_update, run_check
+from m2export.errors import M2ExportError
+from m2export.generate import generate, sample_next
+from tests.check.exports import copy_export, scale_initializer
+
+VOCAB = dict(d_model=32, n_layer=1, vocab_size=2000, d_state=16, headdim=16, chunk_size=8, tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def wide_export(tmp_path_factory):
+    """A 2000-token (untied) checkpoint and its export: the byte corpus alone reaches ids 0-255 only."""
+    from m2export.exporter import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    d = tmp_path_factory.mktemp("wide")
+    ck = random_checkpoint(d / "ck", seed=5, **VOCAB)
+    export_model(ck, d / "out")
+    return d / "out"
+
+
+def set_embedding_row(onnx_path, row: int, value: float) -> None:
+    """Set row ``row`` of the graph's embedding initializer (the (vocab, d_model) Gather table) to ``value``."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(onnx_path))
+    for i, t in enumerate(m.graph.initializer):
+        arr = numpy_helper.to_array(t)
+        if arr.ndim == 2 and arr.shape[0] == 2000 and "embedding" in t.name:
+            arr = arr.copy()
+            arr[row] = value
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(arr, t.name))
+            break
+    else:
+        raise KeyError("no embedding initializer")
+    onnx.save(m, str(onnx_path))
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e5])
+def test_check_exercises_every_embedding_row(wide_export, tmp_path, value):
+    out = copy_export(wide_export, tmp_path / "out")
+    set_embedding_row(out / "model.onnx", 1500, value)
+    report = run_check(out, decode_steps=0)
+    assert not report.passed
+    bad = [r for r in report.rows if not r.passed]
+    assert bad and all("vocab" in " ".join(r.failed_iterations) for r in bad), [
+        (r.output, r.failed_iterations) for r in bad]
+    assert "every token id 0..1999" in report.vocab_coverage
+
+
+def test_untampered_wide_export_passes_with_full_coverage(wide_export, tmp_path):
+    out = copy_export(wide_export, tmp_path / "out")
+    report = run_check(out, decode_steps=2)
+    assert report.passed, report.failures()
+    assert report.vocab_coverage.startswith("every token id 0..1999 fed at least once")
+
+
+def test_greedy_never_agrees_on_nan():
+    g = {"agree": 0, "total": 0, "ties": 0, "mismatches": []}
+    nan = np.full((2, 10), np.nan, dtype=np.float32)
+    _greedy_update(g, 3, nan, nan.copy(), atol=1e-3)
+    assert g["agree"] == 0 and len(g["mismatches"]) == 2
+    assert "non-finite logits (runtime and reference)" in g["mismatches"][0]["where"]
+
+
+def test_generate_refuses_non_finite_logits(tiny_out, tmp_path):
+    out = copy_export(tiny_out, tmp_path / "out")
+    scale_initializer(out / "decode.onnx", _embedding_name(out / "decode.onnx"), float("nan"))
+    with pytest.raises(M2ExportError, match=r"non-finite logits \(NaN/inf\) after decode step 1") as e:
+        generate(out, list(b"def "), runtime="onnxrt", max_new_tokens=4)
+    assert "onnxrt" in str(e.value)
+    scale_initializer(out / "model.onnx", _embedding_name(out / "model.onnx"), float("nan"))
+    with pytest.raises(M2ExportError, match=r"non-finite logits \(NaN/inf\) after the prefill"):
+        generate(out, list(b"def "), runtime="onnxrt", max_new_tokens=4)
+
+
+def _embedding_name(path) -> str:
+    import onnx
+
+    m = onnx.load(str(path))
+    return next(t.name for t in m.graph.initializer if len(t.dims) == 2 and t.dims[0] == 256)  # (vocab, d_model)
+
+
+def test_tiny_temperature_samples_the_argmax():
+    x = np.array([0.5, 3.0, -1.0, 2.9])
+    assert sample_next(x, temperature=5e-324, top_k=0, rng=np.random.default_rng(0)) == 1
