@@ -1,24 +1,29 @@
-"""``m2export export``: a Mamba-2 checkpoint -> ONNX prefill/decode graphs + m2export.json."""
+"""``m2export export``: a Mamba-2 or hybrid checkpoint -> one ONNX graph per flavour + m2export.json."""
 
 from __future__ import annotations
 
-HELP = "export a checkpoint to ONNX (prefill + decode graphs; SSMScan custom-op or standard-op flavour)"
-DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) to ONNX:
+HELP = "export a checkpoint to ONNX (one graph for prefill and decode; SSMScan custom-op or standard-op flavour)"
+DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) or a hybrid (Nemotron-H,
+Granite 4.0-H, Bamba) to ONNX:
 
-  OUTDIR/model.onnx     prefill graph: input_ids [batch_size, sequence_length] + past states -> logits + present states
-  OUTDIR/decode.onnx    decode graph: the same with sequence_length fixed to 1
-  OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
-  OUTDIR/*.std.onnx     the std flavour as well, with --ssm-impl both
+  OUTDIR/model.onnx       input_ids [batch_size, sequence_length] + past states -> logits + present states;
+                          prefill, and decode with sequence_length 1
+  OUTDIR/model.onnx.data  the weights, stored once for every graph of the folder
+  OUTDIR/m2export.json    manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
+  OUTDIR/*.std.onnx       the std flavour as well, with --ssm-impl both
+  OUTDIR/tokenizer.json   copied from the checkpoint folder when it has one (with its config); generate uses it
 
-Both graphs take every layer's past_conv_state.{i} / past_ssm_state.{i} (zeros start a fresh sequence)
-and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float32 whatever --dtype.
+The graph takes every Mamba layer's past_conv_state.{i} / past_ssm_state.{i} and every attention layer's
+past_key_values.{i}.key / .value (batch_size, kv heads, past_sequence_length, head_dim); zeros (KV caches
+of length 0) start a fresh sequence. It returns present_conv_state.{i} / present_ssm_state.{i} /
+present.{i}.key / .value. ssm states are float32 whatever --dtype.
 
 graph flavours (both are ONNX graphs; --ssm-impl picks):
   ssmscan  (default) one m2export::SSMScan custom-op node per layer carrying plugin_namespace/plugin_version
            (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
            (ONNX Runtime runs it as is)
   std      standard ONNX ops only (no custom domain, no CumSum): any runtime, no plugin
-  both     ssmscan as model.onnx/decode.onnx and std as model.std.onnx/decode.std.onnx
+  both     ssmscan as model.onnx and std as model.std.onnx (one weights file)
   (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)
 
 --dtype bf16 graphs do not run in ONNX Runtime's CPU provider (it has no bf16 MatMul/Conv); build them
