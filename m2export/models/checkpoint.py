@@ -255,8 +255,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
 
     Args:
         path: checkpoint directory, its config.json, or a weight file next to config.json.
-        dtype: build the model in this dtype (default float32). MoE routers stay float32 (as transformers
-            keeps them: ``_keep_in_fp32_modules_strict``).
+        dtype: build the model in this dtype (default float32). MoE routers stay float32 and route in
+            float32 (transformers keeps Nemotron-H's so, ``_keep_in_fp32_modules_strict``; its Granite router
+            computes the logits in the model dtype, m2export in float32: closer to the float32 routing).
         allow_nonfinite: accept NaN/Inf weights and, for fp16/bf16 ``dtype``, values beyond that dtype's
             range (which the cast would turn into inf); refused by default (:func:`check_weights`).
     Returns:

@@ -169,7 +169,9 @@ class Adapters(nn.Module):
 
 
 class Router(nn.Module):
-    """Top-k routing of :class:`~m2export.models.spec.MoESpec` (see there for both rules)."""
+    """Top-k routing of :class:`~m2export.models.spec.MoESpec` (see there for both rules), in float32 for
+    every model dtype: the loader keeps ``weight`` float32, and a model cast afterwards (``.half()``) still
+    routes in float32."""
 
     def __init__(self, spec: MoESpec):
         super().__init__()
@@ -181,11 +183,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (tokens, d_model) -> (weights (tokens, top_k) float32, expert indices (tokens, top_k) int64)."""
         s = self.spec
+        logits = F.linear(x.float(), self.weight.float())  # float32 whatever the model dtype (MoESpec)
         if s.routing == "softmax_topk":
-            logits = F.linear(x, self.weight).float()
             top, idx = logits.topk(s.top_k, dim=-1)
             return torch.softmax(top, dim=-1), idx
-        logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float() if s.score_correction_bias else scores
         T = choice.shape[0]

@@ -67,11 +67,19 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         attention_in_multiplier=0.9, attention_out_multiplier=1.1, key_multiplier=0.6, mlp_multipliers=[1.2, 0.8],
         embedding_multiplier=2.0, lm_head_multiplier=0.5, rope_parameters={"rope_theta": 1e5, "rope_type": "default"},
         tie_word_embeddings=False)),
-    # Falcon-H1 without the gated norm (y * silu(z)), norm-before-gate default, tied embeddings
+    # Falcon-H1 as above but the gated RMSNorm normalises before the gate (mamba_norm_before_gate true)
+    "falcon_h1_norm_before_gate": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=40, mamba_d_ssm=48, mamba_n_heads=4, mamba_d_head=12, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        ssm_multipliers=[1.5, 0.5, 1.25, 0.75, 1.2], ssm_in_multiplier=0.8, ssm_out_multiplier=1.4,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.9, key_multiplier=1.3, mlp_multipliers=[0.7, 1.3],
+        embedding_multiplier=0.5, lm_head_multiplier=2.0, tie_word_embeddings=False)),
+    # Falcon-H1 without the gated norm (y * silu(z)), norm-before-gate default, no conv bias, tied embeddings
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=48, mamba_d_ssm=64, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
-        mamba_chunk_size=8, mamba_rms_norm=False, ssm_multipliers=[1.0, 2.0, 0.5, 0.5, 1.5],
+        mamba_chunk_size=8, mamba_rms_norm=False, mamba_conv_bias=False, ssm_multipliers=[1.0, 2.0, 0.5, 0.5, 1.5],
         tie_word_embeddings=True)),
     # Zamba2: two shared blocks called ABA (first layer hybrid), attention adapters, RoPE, ngroups 2
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
@@ -80,12 +88,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2,
         chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
         intermediate_size=40, tie_word_embeddings=True)),  # false unties the shared blocks in transformers 5.24
-    # Zamba2: one shared block, no attention adapters (the MLP ones are always there), no RoPE, GQA 2/1, tied
+    # Zamba2: one shared block, no attention adapters (the MLP ones are always there), no RoPE, GQA 2/1, tied,
+    # add_bias_linear (in_proj, out_proj, gate_up, down), mamba_expand 3
     "zamba2_plain": ("Zamba2Config", "Zamba2ForCausalLM", dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
-        num_attention_heads=2, num_key_value_heads=1, n_mamba_heads=8, mamba_d_state=8, chunk_size=8,
-        num_mem_blocks=1,
-        use_shared_attention_adapter=False, adapter_rank=8, use_mem_rope=False)),
+        num_attention_heads=2, num_key_value_heads=1, n_mamba_heads=8, mamba_expand=3, mamba_d_state=8,
+        chunk_size=8, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8, use_mem_rope=False,
+        add_bias_linear=True)),
     # plain Mamba-2 saved by transformers 5 (time_step_limit written as {"__float__": "Infinity"}), ngroups 2
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2, state_size=8,
