@@ -20,6 +20,12 @@ Decisions where the checkpoint's own code and transformers differ, or transforme
 * Nemotron-H: ``attention_bias: true`` is refused (transformers builds the projections without bias anyway).
 * Zamba2: transformers clamps dt at ``time_step_min`` in prefill as for Nemotron-H; Zamba2's config has no
   ``time_step_limit``, and m2export uses (0, inf) (mamba_ssm's default).
+* Zamba2: ``kv_channels`` and ``num_query_groups`` (set but unused by transformers) must equal what it derives
+  (hidden_size // heads, heads); ``head_dim`` is an alias of ``attention_head_dim``; Zyphra's pre-transformers
+  key names (``ffn_hidden_size``, ``state_size``, ``lora_rank``, ...: :data:`_ZAMBA2_LEGACY`) are refused with
+  their current names, since transformers ignores them and would build other shapes.
+* Falcon-H1: an absent ``mamba_d_ssm`` means 1024 (``FalconH1Config``'s default), not mamba_expand * hidden_size
+  (that is what null means); the error says which applied.
 * Gated RMSNorm is per group (group size d_inner / ngroups) in every family, as in mamba_ssm
   (``layernorm_gated.py``) and in transformers 5.24 (which normalises per group in all of these families).
 * The SSM state is float32 whatever ``mamba_ssm_cache_dtype`` says.
@@ -150,6 +156,13 @@ class FieldReader:
             raise self.error(f"field {key!r}: expected a non-negative integer, got {v!r}")
         return v
 
+    def dim(self, key: str, default: Any = None) -> int:
+        """A size or count that must be >= 1 (named in the error, before any spec sees it)."""
+        v = self.int(key, default)
+        if v < 1:
+            raise self.error(f"field {key!r}: expected a positive integer, got {v!r}")
+        return v
+
     def float(self, key: str, default: float | None = None) -> float:
         v = self.get(key, default, (int, float))
         if v is None:
@@ -160,6 +173,26 @@ class FieldReader:
 
     def bool(self, key: str, default: bool) -> bool:
         return self.get(key, default, bool)
+
+    def eps(self, key: str, default: float) -> float:
+        """A norm epsilon: a finite number >= 0 (a negative one makes x / sqrt(mean(x^2) + eps) NaN)."""
+        v = self.float(key, default)
+        if v < 0:
+            raise self.error(f"field {key!r}: expected a norm epsilon >= 0, got {v!r}")
+        return v
+
+    def numbers(self, key: str, n: int, default: list[float], what: str) -> list[float]:
+        """A list of exactly ``n`` finite numbers (``what`` names its entries in the error)."""
+        v = self.get(key, default, list)
+        if len(v) != n or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                  for x in v):
+            raise self.error(f"field {key!r}: expected {n} finite numbers ({what}), got {v!r}")
+        return [float(x) for x in v]
+
+    def divides(self, part_key: str, part: int, whole_key: str, whole: int) -> None:
+        """``part`` (from ``part_key``) must be positive and divide ``whole`` (from ``whole_key``)."""
+        if part < 1 or whole % part:
+            raise self.error(f"{part_key}={part} does not divide {whole_key}={whole}")
 
     def expect(self, key: str, allowed: tuple, default: Any = None, why: str = "") -> Any:
         """The value of ``key`` (or ``default``); an error unless it is one of ``allowed``."""
@@ -261,10 +294,11 @@ def _attention(r: FieldReader, d_model: int, *, scale: float | None, rope: bool 
     """``rope``: False = none, True = full head, a float = partial (Bamba). Absent num_key_value_heads:
     ``kv_default`` (the family config's default; None = num_attention_heads); null: num_attention_heads.
     Absent head_dim: ``head_dim_default`` or hidden_size // num_attention_heads."""
-    nh = r.int("num_attention_heads")
+    nh = r.dim("num_attention_heads")
     kvh = r.get("num_key_value_heads", None, int)
     if kvh is None:
         kvh = kv_default if "num_key_value_heads" not in r.raw and kv_default is not None else nh
+    r.divides("num_key_value_heads", kvh, "num_attention_heads", nh)
     hd = r.get("head_dim", head_dim_default, int)
     if hd is None:
         if d_model % nh:
@@ -291,7 +325,8 @@ def _with(r: FieldReader, make: Callable[[], Any]) -> Any:
     try:
         return make()
     except ConfigError as e:
-        raise ConfigError(f"{r.source}: {e}", hint=e.hint) from None
+        msg = str(e) if str(e).startswith(f"{r.source}: ") else f"{r.source}: {e}"  # r.error's are prefixed
+        raise ConfigError(msg, hint=e.hint) from None
 
 
 def _mamba_from_granite_like(r: FieldReader, d_model: int, eps: float) -> MambaSpec:
@@ -360,7 +395,7 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
                  "next-token inference", source, n_mtp)
 
     d = r.int("hidden_size")
-    eps = r.float("layer_norm_epsilon", 1e-5)
+    eps = r.eps("layer_norm_epsilon", 1e-5)
     for twin in ("rms_norm_eps", "norm_eps"):  # in NVIDIA's configs; transformers reads layer_norm_epsilon only
         if r.has(twin) and r.float(twin) != eps:
             raise r.error(f"{twin}={r.raw[twin]} conflicts with layer_norm_epsilon={eps} (transformers uses the "
@@ -432,7 +467,7 @@ def read_granitemoehybrid(raw: dict[str, Any], source: str = "config.json") -> M
     r = FieldReader(raw, source, aliases={"layers_block_type": "layer_types"})
     _no_quantization(r)
     d = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", 1e-6)
+    eps = r.eps("rms_norm_eps", 1e-6)
     kinds = _layer_kinds(r, "layer_types", ("mamba", "attention"))
     if kinds is None:
         kinds = ["mamba"] * r.int("num_hidden_layers", 32)
@@ -483,7 +518,7 @@ def read_bamba(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     r = FieldReader(raw, source)
     _no_quantization(r)
     d = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", 1e-5)
+    eps = r.eps("rms_norm_eps", 1e-5)
     n = r.int("num_hidden_layers", 32)
     idx = r.get("attn_layer_indices", [], list)
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in idx):
@@ -527,9 +562,9 @@ def read_falcon_h1(raw: dict[str, Any], source: str = "config.json") -> ModelSpe
     """
     r = FieldReader(raw, source, harmless={"mlp_expansion_factor"})
     _no_quantization(r)
-    d = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", 1e-5)
-    n = r.int("num_hidden_layers", 32)
+    d = r.dim("hidden_size")
+    eps = r.eps("rms_norm_eps", 1e-5)
+    n = r.dim("num_hidden_layers", 32)
     for key in ("layers_block_type", "layer_types"):
         v = r.get(key)
         if v is not None and v != ["hybrid"] * n:
@@ -539,27 +574,28 @@ def read_falcon_h1(raw: dict[str, Any], source: str = "config.json") -> ModelSpe
     if r.get("mamba_use_mlp", True) is not True:
         raise r.error("mamba_use_mlp=false is not supported (transformers' Falcon-H1 always has the MLP)")
     r.expect("hidden_act", ("silu",), "silu")
-    expand = r.int("mamba_expand", 2)
-    d_ssm = r.get("mamba_d_ssm", None, int) if "mamba_d_ssm" in r.raw else 1024
+    expand = r.dim("mamba_expand", 2)
+    absent = "mamba_d_ssm" not in r.raw
+    d_ssm = 1024 if absent else r.get("mamba_d_ssm", None, int)  # FalconH1Config's default is 1024, not null
     if d_ssm is None:
         d_ssm = expand * d
-    nheads = r.int("mamba_n_heads", 128)
+    width = ("mamba_d_ssm (absent: transformers' default 1024)" if absent else
+             "mamba_d_ssm" if r.raw["mamba_d_ssm"] is not None else "mamba_expand * hidden_size (mamba_d_ssm null)")
+    nheads = r.dim("mamba_n_heads", 128)
     hd = r.get("mamba_d_head", "auto")
     if hd == "auto":
-        if d_ssm % nheads:
-            raise r.error(f"mamba_n_heads={nheads} does not divide the SSM width {d_ssm}")
+        r.divides("mamba_n_heads", nheads, f"the SSM width {width}", d_ssm)
         hd = d_ssm // nheads
     if not isinstance(hd, int) or isinstance(hd, bool) or hd * nheads != d_ssm:
-        raise r.error(f"mamba_d_head={hd!r} * mamba_n_heads={nheads} conflicts with the SSM width {d_ssm} "
-                      "(mamba_d_ssm, or mamba_expand * hidden_size when it is null)")
-    mults = r.get("ssm_multipliers", [1.0] * 5, list)
-    mlp_m = r.get("mlp_multipliers", [1.0, 1.0], list)
-    if len(mults) != 5 or len(mlp_m) != 2 or not all(isinstance(v, (int, float)) for v in mults + mlp_m):
-        raise r.error(f"ssm_multipliers (5 numbers) / mlp_multipliers (2 numbers): got {mults!r} / {mlp_m!r}")
+        raise r.error(f"mamba_d_head={hd!r} * mamba_n_heads={nheads} conflicts with the SSM width {d_ssm} = "
+                      f"{width} (transformers requires them equal)")
+    r.divides("mamba_n_groups", r.dim("mamba_n_groups", 1), "mamba_n_heads", nheads)
+    mults = r.numbers("ssm_multipliers", 5, [1.0] * 5, "the z, x, B, C, dt slices")
+    mlp_m = r.numbers("mlp_multipliers", 2, [1.0, 1.0], "gate, down")
     rms = r.bool("mamba_rms_norm", False)
     mamba = _with(r, lambda: MambaSpec(
-        d_model=d, nheads=nheads, headdim=hd, d_state=r.int("mamba_d_state", 256), ngroups=r.int("mamba_n_groups", 1),
-        d_conv=r.int("mamba_d_conv", 4), chunk_size=r.int("mamba_chunk_size", 256), dt_limit=r.dt_limit(),
+        d_model=d, nheads=nheads, headdim=hd, d_state=r.dim("mamba_d_state", 256), ngroups=r.dim("mamba_n_groups", 1),
+        d_conv=r.dim("mamba_d_conv", 4), chunk_size=r.dim("mamba_chunk_size", 256), dt_limit=r.dt_limit(),
         conv_bias=r.bool("mamba_conv_bias", True), bias=r.bool("mamba_proj_bias", False),
         out_bias=r.bool("projectors_bias", False), norm="gated_rms" if rms else "gate",
         norm_before_gate=r.bool("mamba_norm_before_gate", True), gated_norm_epsilon=eps,
@@ -571,12 +607,12 @@ def read_falcon_h1(raw: dict[str, Any], source: str = "config.json") -> ModelSpe
         _attention(r, d, scale=None, rope=True, qkv_bias=bias, o_bias=bias, kv_default=8),
         key_multiplier=r.float("key_multiplier", 1.0), in_multiplier=r.float("attention_in_multiplier", 1.0),
         out_multiplier=r.float("attention_out_multiplier", 1.0)))
-    mlp = _with(r, lambda: MLPSpec(d_model=d, d_ff=r.int("intermediate_size", 14336), act="silu", gated=True,
+    mlp = _with(r, lambda: MLPSpec(d_model=d, d_ff=r.dim("intermediate_size", 14336), act="silu", gated=True,
                                    bias=r.bool("mlp_bias", False), gate_multiplier=float(mlp_m[0]),
                                    down_multiplier=float(mlp_m[1])))
     layer = LayerSpec(mixer=ParallelSpec(attention=attn, mamba=mamba), ffn=mlp, norm_epsilon=eps)
     spec = _with(r, lambda: ModelSpec(
-        family="falcon_h1", d_model=d, vocab_size=r.int("vocab_size", 128000), layers=(layer,) * n,
+        family="falcon_h1", d_model=d, vocab_size=r.dim("vocab_size", 128000), layers=(layer,) * n,
         norm_epsilon=eps, tie_embeddings=r.bool("tie_word_embeddings", False),
         embedding_multiplier=r.float("embedding_multiplier", 1.0), logits_multiplier=r.float("lm_head_multiplier",
                                                                                             1.0)))
@@ -593,11 +629,18 @@ def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     feed ``norm(h + that)`` to the layer's mixer. Per call: q/k/v adapters (``use_shared_attention_adapter``)
     and gate_up adapters (always, in transformers) of rank ``adapter_rank``. MLP: gelu-gated, fused gate_up.
     """
-    r = FieldReader(raw, source, harmless={"use_mem_eff_path", "hybrid_layer_ids", "kv_channels",
-                                           "num_query_groups", "ft_lora", "use_long_context"})
+    r = FieldReader(raw, source, harmless={"use_mem_eff_path", "hybrid_layer_ids", "ft_lora", "use_long_context"},
+                    aliases={"head_dim": "attention_head_dim"})  # Zamba2Config.attribute_map
     _no_quantization(r)
-    d = r.int("hidden_size")
-    eps = r.float("rms_norm_eps", 1e-5)
+    legacy = sorted(k for k in _ZAMBA2_LEGACY if k in r.raw)
+    if legacy:
+        raise r.error("Zyphra's pre-transformers key names " + ", ".join(f"{k} (now {_ZAMBA2_LEGACY[k]})"
+                                                                          for k in legacy)
+                      + ": transformers 5.24 ignores them and would build other shapes; use the checkpoint's "
+                      "current config.json or rename the keys")
+    _no_sliding_window(r)
+    d = r.dim("hidden_size")
+    eps = r.eps("rms_norm_eps", 1e-5)
     kinds = _layer_kinds_zamba2(r)
     if r.get("use_long_context", False):
         raise r.error("use_long_context=true is not supported (it rescales rope_theta)")
@@ -609,24 +652,26 @@ def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     listed = r.raw.get("hybrid_layer_ids")
     if listed is not None and listed != hybrid:
         raise r.error(f"hybrid_layer_ids={listed} conflicts with layers_block_type (hybrid at {hybrid})")
-    expand = r.int("mamba_expand", 2)
-    nheads = r.int("n_mamba_heads", 8)
-    if (expand * d) % nheads:
-        raise r.error(f"n_mamba_heads={nheads} does not divide mamba_expand * hidden_size = {expand * d}")
+    expand = r.dim("mamba_expand", 2)
+    nheads = r.dim("n_mamba_heads", 8)
+    r.divides("n_mamba_heads", nheads, "mamba_expand * hidden_size", expand * d)
+    r.divides("mamba_ngroups", r.dim("mamba_ngroups", 1), "n_mamba_heads", nheads)
     _derived(r, "mamba_headdim", expand * d // nheads)
     bias = r.bool("add_bias_linear", False)
     mamba = _with(r, lambda: MambaSpec(
-        d_model=d, nheads=nheads, headdim=expand * d // nheads, d_state=r.int("mamba_d_state", 64),
-        ngroups=r.int("mamba_ngroups", 1), d_conv=r.int("mamba_d_conv", 4), chunk_size=r.int("chunk_size", 256),
+        d_model=d, nheads=nheads, headdim=expand * d // nheads, d_state=r.dim("mamba_d_state", 64),
+        ngroups=r.dim("mamba_ngroups", 1), d_conv=r.dim("mamba_d_conv", 4), chunk_size=r.dim("chunk_size", 256),
         conv_bias=True, bias=bias, gated_norm_epsilon=1e-5))
     r.expect("hidden_act", ("gelu",), "gelu", why="the only activation m2export implements for Zamba2's MLP")
-    nh = r.int("num_attention_heads", 32)
-    if (2 * d) % nh:
-        raise r.error(f"num_attention_heads={nh} does not divide attention_hidden_size = {2 * d}")
+    nh = r.dim("num_attention_heads", 32)
+    r.divides("num_attention_heads", nh, "attention_hidden_size = 2 * hidden_size", 2 * d)
     hd = 2 * d // nh
     _derived(r, "attention_hidden_size", 2 * d)
     _derived(r, "attention_head_dim", hd)
+    _derived(r, "kv_channels", d // nh)  # transformers 5.24 sets both (unused) in Zamba2Config.__post_init__
+    _derived(r, "num_query_groups", nh)  # (Zyphra's GQA field; transformers' is num_key_value_heads)
     kvh = r.get("num_key_value_heads", None, int) or nh
+    r.divides("num_key_value_heads", kvh, "num_attention_heads", nh)
     if r.get("use_shared_attention_adapter", False) and kvh != nh:
         raise r.error(f"num_key_value_heads={kvh} != num_attention_heads={nh} with use_shared_attention_adapter: "
                       "transformers' k/v adapters are attention_hidden_size wide, so it supports no GQA there")
@@ -635,10 +680,8 @@ def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
                                           scale=(hd / 2) ** -0.5, rope=rope, d_in=2 * d, d_out=d))
     mlp = _with(r, lambda: MLPSpec(d_model=d, d_ff=r.get("intermediate_size", None, int) or 4 * d, act="gelu",
                                    gated=True, bias=bias, fused_gate_up=True))
-    n_blocks = r.int("num_mem_blocks", 1)
-    if n_blocks < 1:
-        raise r.error(f"num_mem_blocks={n_blocks}: expected >= 1")
-    rank = r.int("adapter_rank", 128)
+    n_blocks = r.dim("num_mem_blocks", 1)
+    rank = r.dim("adapter_rank", 128)
     block = _with(r, lambda: SharedBlockSpec(attention=attn, mlp=mlp, norm_epsilon=eps, adapter_rank=rank,
                                              attention_adapter=r.bool("use_shared_attention_adapter", False),
                                              mlp_adapter=True))
@@ -650,10 +693,17 @@ def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     if r.has("time_step_limit"):
         raise r.error("time_step_limit is not a Zamba2 field (transformers ignores it); remove it")
     spec = _with(r, lambda: ModelSpec(
-        family="zamba2", d_model=d, vocab_size=r.int("vocab_size", 32000), layers=layers, norm_epsilon=eps,
+        family="zamba2", d_model=d, vocab_size=r.dim("vocab_size", 32000), layers=layers, norm_epsilon=eps,
         tie_embeddings=r.bool("tie_word_embeddings", True), shared_blocks=(block,) * n_blocks))
     r.finish()
     return spec
+
+
+#: Zamba2 config keys of Zyphra's own (pre-transformers) code -> the Zamba2Config key that replaced them
+_ZAMBA2_LEGACY = {"ffn_hidden_size": "intermediate_size", "state_size": "mamba_d_state",
+                  "expansion_factor": "mamba_expand", "conv_dimension": "mamba_d_conv", "lora_rank": "adapter_rank",
+                  "use_shared_attention_lora": "use_shared_attention_adapter",
+                  "use_shared_block_lora": "the MLP adapters, always built", "gated_linear_unit": "always gated"}
 
 
 def _layer_kinds_zamba2(r: FieldReader) -> list[str]:

@@ -149,6 +149,76 @@ HYBRID_PRESETS: dict[str, HybridPreset] = {
         unverified=("n_mamba_heads (transformers' 8 gives Mamba head dim 640)", "num_mem_blocks",
                     "use_shared_attention_adapter", "adapter_rank", "use_mem_rope", "intermediate_size (4 * hidden)",
                     "vocab_size", "chunk_size", "mamba_ngroups")),
+    # TII Falcon-H1-0.5B: its config.json as quoted (whole) in Megatron-Bridge's bridge test
+    "falcon-h1-0.5b": HybridPreset("falcon_h1", {
+        **_FALCON_ARCH, "vocab_size": 32784, "hidden_size": 1024, "num_hidden_layers": 36,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048,
+        "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128, "mamba_conv_bias": True,
+        "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_norm_before_gate": False, "mamba_use_mlp": True,
+        "attention_bias": False, "mlp_bias": False, "projectors_bias": False, "rms_norm_eps": 1e-5,
+        "rope_theta": 1e11, "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375,
+        "embedding_multiplier": 5.656854249492381, "key_multiplier": 0.39062499999999994,
+        "lm_head_multiplier": 0.0390625, "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "ssm_in_multiplier": 1.25,
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        "ssm_out_multiplier": 0.23570226039551587, "tie_word_embeddings": False}, sources=(
+        f"{_MB}:tests/unit_tests/models/falcon_h1/test_falcon_h1_bridge.py (FALCON_H1_500M_CONFIG, last changed "
+        "in 50ccc9774c33; the examples in examples/models/falcon_h1/ convert tiiuae/Falcon-H1-0.5B-Instruct): "
+        "every field above except mamba_d_ssm",
+        "mamba_d_ssm 1536 = mamba_n_heads 24 * mamba_d_head 64: the quoted config omits it, transformers 5.24's "
+        "FalconH1Config requires the product to equal it (its default 1024 would be refused), and "
+        f"{_MB}:src/megatron/bridge/models/falcon_h1/falconh1_bridge.py writes the same product on export",
+        f"{_TF} docs (model_doc/falcon_h1.md table, row 'H1 0.5B'): 36 layers, dim 1024, 8/2 heads, 24 Mamba "
+        "heads, head dims 64/64, d_state 128: the same numbers",
+        "check: the model built from it (m2export and transformers 5.24 alike) has 521,411,104 parameters, the "
+        "521M a public model card of a Falcon-H1-0.5B-Base continued-pretraining found by the search tool reports")),
+    # IBM Granite-4.0-H-1B (dense: no routed experts): the config.json fields two public test fixtures quote
+    "granite-4.0-h-1b": HybridPreset("granitemoehybrid", {
+        **_GRANITE_ARCH, "vocab_size": 100352, "hidden_size": 1536, "num_hidden_layers": 40,
+        "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9
+                        + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4),
+        "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 4096,
+        "shared_intermediate_size": 4096, "num_local_experts": 0, "num_experts_per_tok": 0, "mamba_d_state": 128,
+        "mamba_n_groups": 1, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_conv": 4,
+        "mamba_chunk_size": 256, "position_embedding_type": "nope", "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0, "attention_multiplier": 1.0, "logits_scaling": 1.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True}, sources=(
+        "ibm-granite/granite-4.0-h-1b config.json fields quoted in a public model-matrix test found by the search "
+        "tool (GRANITE_H_1B_HF, 'verbatim from the published config.json (2026-08-24), minus the fields the "
+        "importer does not read': hidden 1536, 40 layers, 12/4 heads, intermediate 4096, shared 4096, 0 experts, "
+        "vocab 100352, tied, mamba_d_state 128, 1 group, 48 x 64 Mamba heads, expand 2, d_conv 4, chunk 256, "
+        "layer_types); no citable repository path in the stored index",
+        "a second public test fixture ('Granite-4.0-H-1B's, from its config.json') with the same hidden size, "
+        "layers, vocab, Mamba heads, d_state, chunk size and layer_types",
+        "IBM's Granite 4.0 announcement as reported in public articles: no positional encoding (NoPE)",
+        "check: the model built from it (m2export and transformers 5.24 alike) has 1,461,538,368 parameters "
+        "(the '1.5B' public descriptions give)"),
+        unverified=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                    "rms_norm_eps")),
+    # Zyphra Zamba2-7B: its config.json in Zyphra's pre-transformers key names (transformers_version
+    # 4.43.0.dev0), quoted whole in NX-AI's mlstm_kernels benchmark; renamed to Zamba2Config's keys here
+    "zamba2-7b": HybridPreset("zamba2", {
+        **_ZAMBA2_ARCH, "vocab_size": 32000, "hidden_size": 3584, "num_hidden_layers": 81,
+        "layers_block_type": (["mamba"] * 6 + ["hybrid"] + ["mamba"] * 4 + ["hybrid"]
+                              + (["mamba"] * 5 + ["hybrid"]) * 11 + ["mamba"] * 3),
+        "num_attention_heads": 32, "num_key_value_heads": 32, "mamba_d_state": 64, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_ngroups": 2, "n_mamba_heads": 112, "chunk_size": 256, "intermediate_size": 14336,
+        "num_mem_blocks": 2, "use_shared_attention_adapter": False, "adapter_rank": 128, "use_mem_rope": True,
+        "rope_theta": 10000.0, "add_bias_linear": False, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
+        sources=(
+        "subho406/mlstm_kernels@5e51cf119d2a:mlstm_kernels/utils/benchmark/benchmarks/huggingface_model_configs.py "
+        "(zamba_config, a fork of NX-AI/mlstm_kernels; last changed in 81cdfbd534c6): hidden_size 3584, 81 layers "
+        "(13 hybrid at 6, 11, 17, ..., 77), ffn_hidden_size 14336 (= intermediate_size), expansion_factor 2, "
+        "conv_dimension 4, state_size 64, mamba_headdim 64 (so n_mamba_heads = 2 * 3584 / 64 = 112), "
+        "mamba_ngroups 2, num_mem_blocks 2, lora_rank 128 (= adapter_rank), use_shared_attention_lora false, "
+        "use_shared_block_lora true (the MLP adapters transformers always builds), use_mem_rope true, rope_theta "
+        "10000, 32/32 heads (kv_channels 112), add_bias_linear false, rms_norm_eps 1e-5, vocab 32000",
+        "check: the model built from it (m2export and transformers 5.24 alike) has 7,356,749,648 parameters, "
+        "the 7.4B of Zyphra's Zamba2 technical report (arXiv 2411.15242)"),
+        unverified=("chunk_size (not in the quoted config; transformers' 256)",
+                    "tie_word_embeddings (not in the quoted config; transformers' true)",
+                    "hidden_act (not in the quoted config; gated_linear_unit true, transformers' gelu)")),
     "tiny-falcon-h1": HybridPreset("falcon_h1", {
         **_FALCON_ARCH, "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "mamba_d_ssm": 80, "mamba_n_heads": 8,
@@ -186,17 +256,9 @@ HYBRID_PRESETS: dict[str, HybridPreset] = {
         "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_chunk_size": 16}, sources=("test shape",)),
 }
 
-#: presets the issues ask for whose shape could not be established from stored public material
-UNAVAILABLE: dict[str, str] = {
-    "falcon-h1-0.5b": "only part of tiiuae/Falcon-H1-0.5B's shape was found (a public reproduction protocol records "
-                      "36 hybrid layers, hidden 1024, KV 2 x 64, conv_state 1792 channels, ssm_state 24 x 64 x 128, "
-                      "i.e. mamba_d_ssm 1536 in 1 group); its MLP width, vocabulary and attention heads were not, and "
-                      "transformers' defaults for them would make a 2.19B-parameter model: m2export does not guess",
-    "zamba2-7b": "no copy of Zyphra/Zamba2-7B's config.json (hidden size, layer pattern, Mamba heads, memory blocks) "
-                 "was found in the stored public material, so m2export does not guess it",
-    "granite-4.0-h-1b": "no copy of ibm-granite/granite-4.0-h-1b's config.json (hidden size, layer count, Mamba "
-                        "heads, layer types) was found in the stored public material, so m2export does not guess it",
-}
+#: presets the issues ask for whose shape could not be established from stored public material (none left:
+#: falcon-h1-0.5b, granite-4.0-h-1b and zamba2-7b were found; a name added here is refused with its reason)
+UNAVAILABLE: dict[str, str] = {}
 
 
 def preset_config(name: str) -> tuple[str, dict[str, Any]]:

@@ -67,10 +67,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         attention_in_multiplier=0.9, attention_out_multiplier=1.1, key_multiplier=0.6, mlp_multipliers=[1.2, 0.8],
         embedding_multiplier=2.0, lm_head_multiplier=0.5, rope_parameters={"rope_theta": 1e5, "rope_type": "default"},
         tie_word_embeddings=False)),
-    # Falcon-H1 as above but the gated RMSNorm normalises before the gate (mamba_norm_before_gate true)
+    # Falcon-H1 as above but the gated RMSNorm normalises before the gate (mamba_norm_before_gate true);
+    # attention head_dim 12 != hidden_size / heads = 8 (Falcon-H1-0.5B: 64 != 128)
     "falcon_h1_norm_before_gate": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=40, mamba_d_ssm=48, mamba_n_heads=4, mamba_d_head=12, mamba_n_groups=2,
+        head_dim=12, intermediate_size=40, mamba_d_ssm=48, mamba_n_heads=4, mamba_d_head=12, mamba_n_groups=2,
         mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
         ssm_multipliers=[1.5, 0.5, 1.25, 0.75, 1.2], ssm_in_multiplier=0.8, ssm_out_multiplier=1.4,
         attention_in_multiplier=1.2, attention_out_multiplier=0.9, key_multiplier=1.3, mlp_multipliers=[0.7, 1.3],

@@ -36,6 +36,18 @@ def _ids(vocab, batch, n, seed=1):
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+@torch.no_grad()
+def _prefill_then_steps(model, ids, n_prefill):
+    """Logits (batch, seqlen, vocab) of prefill(ids[:, :n_prefill]) then one decode step per remaining token,
+    each continuing from the previous call's states."""
+    out = model.forward_states(ids[:, :n_prefill])
+    pieces = [out.logits]
+    for t in range(n_prefill, ids.shape[1]):
+        out = model.forward_states(ids[:, t:t + 1], out.states)
+        pieces.append(out.logits)
+    return torch.cat(pieces, 1)
+
+
 def test_logits_match_transformers(case):
     name, _, hf, ck = case
     ids = _ids(ck.spec.vocab_size, 2, 13)  # 13: more than one chunk (8), not a multiple
@@ -214,6 +226,7 @@ def test_part2_cases_cover_the_issue_matrix():
     assert norms == {("gated_rms", False), ("gated_rms", True), ("gate", None)}  # mamba_rms_norm both ways
     assert any(p.mamba.ngroups > 1 for p in falcon.values())
     assert any(not p.mamba.conv_bias for p in falcon.values()) and any(p.mamba.conv_bias for p in falcon.values())
+    assert any(p.attention.head_dim * p.attention.num_heads != 32 for p in falcon.values())  # head_dim explicit
     for name in ("falcon_h1", "falcon_h1_norm_before_gate"):  # every muP multiplier non-unit
         p, spec = falcon[name], _case_spec(name)
         m, a = p.mamba, p.attention
@@ -240,13 +253,7 @@ def test_prefill_100_then_decode_equals_one_prefill(tmp_path, name):
         full = model.forward_states(ids).logits
     err = (full - hf_logits(hf, ids)).abs().max().item()
     assert err <= ATOL, f"{name}: prefill(106): max |ours - transformers| = {err:.3g}"
-    with torch.no_grad():
-        out = model.forward_states(ids[:, :100])
-        pieces = [out.logits]
-        for t in range(100, 106):
-            out = model.forward_states(ids[:, t:t + 1], out.states)
-            pieces.append(out.logits)
-    err = (torch.cat(pieces, 1) - full).abs().max().item()
+    err = (_prefill_then_steps(model, ids, 100) - full).abs().max().item()
     assert err <= 1e-5, f"{name}: prefill(100) + 6 decode steps differs from prefill(106) by {err:.3g}"
 
 
@@ -276,7 +283,7 @@ def test_zamba2_untied_blocks_refused(tmp_path):
 @pytest.mark.parametrize("name,edit,match", [
     ("falcon_h1", lambda c: c.update(mamba_d_head=10), r"mamba_d_head=10 \* mamba_n_heads=4 conflicts"),
     ("falcon_h1", lambda c: c.update(layers_block_type=["mamba"] * 3), r"every Falcon-H1 layer is 'hybrid'"),
-    ("falcon_h1", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), r"ssm_multipliers \(5 numbers\)"),
+    ("falcon_h1", lambda c: c.update(ssm_multipliers=[1.0, 2.0]), r"'ssm_multipliers': expected 5 finite numbers"),
     ("zamba2", lambda c: c.update(num_key_value_heads=2), r"supports no GQA there"),
     ("zamba2", lambda c: c.update(use_long_context=True), r"use_long_context=true is not supported"),
     ("zamba2", lambda c: c.update(use_shared_mlp_adapter=False), r"use_shared_mlp_adapter=false"),
@@ -319,11 +326,85 @@ def test_granite_moe_in_low_precision(tmp_path, dtype):
     assert got.dtype == dtype
     err = (got.float() - hf_logits(hf, ids)).abs().max().item()
     assert err <= LOW_PRECISION_ATOL[dtype], f"{dtype}: max |ours - transformers fp32| = {err:.3g}"
-    with torch.no_grad():
-        out = m.forward_states(ids[:, :9])
-        pieces = [out.logits]
-        for t in range(9, 13):
-            out = m.forward_states(ids[:, t:t + 1], out.states)
-            pieces.append(out.logits)
-    err = (torch.cat(pieces, 1).float() - got.float()).abs().max().item()
+    err = (_prefill_then_steps(m, ids, 9).float() - got.float()).abs().max().item()
     assert err <= LOW_PRECISION_ATOL[dtype], f"{dtype}: prefill(9) + 4 decode steps vs prefill(13): {err:.3g}"
+
+
+@pytest.mark.parametrize("name,edit,match", [
+    # Falcon-H1
+    ("falcon_h1", dict(ssm_multipliers=[True, 1, 1, 1, 1]), r"'ssm_multipliers': expected 5 finite numbers"),
+    ("falcon_h1", dict(mlp_multipliers=[1.0, "x"]), r"'mlp_multipliers': expected 2 finite numbers \(gate, down\)"),
+    ("falcon_h1", dict(mamba_n_groups=3), r"mamba_n_groups=3 does not divide mamba_n_heads=4"),
+    ("falcon_h1", dict(num_key_value_heads=3), r"^falcon_h1: num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ("falcon_h1", dict(mamba_chunk_size=0), r"field 'mamba_chunk_size': expected a positive integer, got 0"),
+    ("falcon_h1", dict(mamba_d_state=0), r"field 'mamba_d_state': expected a positive integer"),
+    ("falcon_h1", dict(num_attention_heads=0), r"field 'num_attention_heads': expected a positive integer"),
+    ("falcon_h1", dict(rms_norm_eps=-1e-5), r"field 'rms_norm_eps': expected a norm epsilon >= 0"),
+    ("falcon_h1", dict(hidden_act="gelu"), r"'hidden_act'='gelu' is not supported; expected 'silu'"),
+    ("falcon_h1", dict(mamba_use_mlp=False), r"mamba_use_mlp=false is not supported"),
+    ("falcon_h1", dict(attn_layer_indices=[0]), r"attn_layer_indices is not supported"),
+    ("falcon_h1", dict(sliding_window=64), r"sliding_window=64 is not supported"),
+    ("falcon_h1", dict(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn"}), r"rope_type='yarn' is not supp"),
+    ("falcon_h1", dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     r"partial_rotary_factor=0.5 is not supported"),
+    ("falcon_h1", dict(time_step_limit=[0.1]), r"'time_step_limit': expected \[min, max\]"),
+    ("falcon_h1", dict(mamba_rms_norm="yes"), r"'mamba_rms_norm': expected bool, got 'yes'"),
+    ("falcon_h1", dict(quantization_config={"quant_method": "gptq"}), r"quantization_config"),
+    ("falcon_h1", dict(mamba_mystery=1), r"unsupported field\(s\) \['mamba_mystery'\]"),
+    # the Megatron-Bridge copy of Falcon-H1-0.5B's config omits mamba_d_ssm: transformers' default 1024 applies
+    ("falcon_h1", dict(mamba_d_ssm=None, mamba_expand=2, mamba_d_head=12),
+     r"conflicts with the SSM width 64 = mamba_expand \* hidden_size \(mamba_d_ssm null\)"),
+    # Zamba2
+    ("zamba2", dict(ffn_hidden_size=64, lora_rank=8),
+     r"Zyphra's pre-transformers key names ffn_hidden_size \(now intermediate_size\), lora_rank \(now adapter_rank"),
+    ("zamba2", dict(use_shared_attention_lora=True), r"use_shared_attention_lora \(now use_shared_attention_adapter"),
+    ("zamba2", dict(mamba_ngroups=3), r"mamba_ngroups=3 does not divide n_mamba_heads=4"),
+    ("zamba2", dict(n_mamba_heads=0), r"field 'n_mamba_heads': expected a positive integer"),
+    ("zamba2", dict(num_attention_heads=0), r"field 'num_attention_heads': expected a positive integer"),
+    ("zamba2", dict(num_attention_heads=5), r"num_attention_heads=5 does not divide attention_hidden_size"),
+    ("zamba2", dict(num_mem_blocks=0), r"field 'num_mem_blocks': expected a positive integer"),
+    ("zamba2", dict(adapter_rank=0), r"field 'adapter_rank': expected a positive integer"),
+    ("zamba2", dict(head_dim=99), r"conflicting 'head_dim'=99 and 'attention_head_dim'=16"),
+    ("zamba2", dict(attention_head_dim=8), r"attention_head_dim=8 conflicts with the value the other fields give"),
+    ("zamba2", dict(num_query_groups=2), r"num_query_groups=2 conflicts with the value the other fields give \(4\)"),
+    ("zamba2", dict(kv_channels=3), r"kv_channels=3 conflicts"),
+    ("zamba2", dict(sliding_window=64), r"sliding_window=64 is not supported"),
+    ("zamba2", dict(hidden_act="silu"), r"'hidden_act'='silu' is not supported; expected 'gelu'"),
+    ("zamba2", dict(use_conv_bias=False), r"use_conv_bias=false is not supported"),
+    ("zamba2", dict(rms_norm_eps=-1.0), r"field 'rms_norm_eps': expected a norm epsilon >= 0"),
+    ("zamba2", dict(rope_parameters={"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}),
+     r"rope_parameters \['factor'\] are not supported"),
+    ("zamba2", dict(layers_block_type=["hybrid", "attention", "hybrid", "mamba", "hybrid"]),
+     r"layers_block_type=.*expected a list of 'mamba'/'linear_attention'/'hybrid'"),
+    ("zamba2_plain", dict(num_key_value_heads=3), r"num_key_value_heads=3 does not divide num_attention_heads=2"),
+    ("zamba2", dict(quantization_config={"quant_method": "awq"}), r"quantization_config"),
+])
+def test_part2_reader_refusals_are_one_line_and_name_the_field(name, edit, match):
+    """Issue 12: every unsupported or inconsistent Falcon-H1 / Zamba2 field is refused by the reader (before any
+    weight is read) in one line that names it (the config as transformers 5.24 writes it, edited)."""
+    import transformers
+
+    from m2export.models.families import READERS, decode_hf_floats
+
+    cfg_cls, _, kwargs = CASES[name]
+    raw = decode_hf_floats(json.loads(getattr(transformers, cfg_cls)(**kwargs).to_json_string()))
+    raw.update(edit)
+    with pytest.raises(ConfigError, match=match) as e:
+        READERS[raw["model_type"]](raw, name)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{name}: ")
+    assert not str(e.value).startswith(f"{name}: {name}: "), "the source is named once"
+
+
+def test_part2_refusal_through_the_cli_is_one_line(tmp_path, capsys):
+    """random-checkpoint --config with a Zamba2 config in Zyphra's old key names: exit 1, one error line naming
+    the keys, no traceback."""
+    from m2export.cli.main import main
+
+    from m2export.models.presets import HYBRID_PRESETS
+
+    cfg = dict(HYBRID_PRESETS["tiny-zamba2"].config, ffn_hidden_size=96)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["random-checkpoint", "--config", str(tmp_path / "config.json"), "-o", str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err
+    assert "ffn_hidden_size (now intermediate_size)" in err and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()

@@ -49,10 +49,37 @@ def test_published_shapes():
     assert (z.n_layer, len(z.attention_layers), z.d_model) == (54, 9, 2560)
 
 
-def test_unavailable_preset_refused_by_name(tmp_path):
-    name = next(iter(UNAVAILABLE))
-    with pytest.raises(ConfigError, match=rf"preset '{name}' is not available"):
-        random_checkpoint(tmp_path / "x", preset=name)
+@pytest.mark.parametrize("name,params", [("falcon-h1-0.5b", 521_411_104), ("granite-4.0-h-1b", 1_461_538_368),
+                                         ("zamba2-7b", 7_356_749_648)])
+def test_part2_presets_match_transformers_parameter_count(name, params):
+    """The three presets found in public config copies: m2export's model and transformers' (built from the same
+    config.json on the meta device) have the same parameter total, the one the sources cite."""
+    import transformers
+
+    spec = _spec(name)
+    fam, cfg = preset_config(name)
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in HybridLM(spec).parameters())
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    theirs = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert ours == theirs == params
+    if name == "falcon-h1-0.5b":
+        mb, at = spec.layers[0].mamba, spec.layers[0].attention_in()
+        assert (mb.nheads, mb.headdim, mb.d_inner, mb.d_state, at.num_heads, at.num_kv_heads, at.head_dim,
+                at.rope.theta) == (24, 64, 1536, 128, 8, 2, 64, 1e11)
+    elif name == "granite-4.0-h-1b":
+        assert spec.attention_layers == (5, 15, 25, 35) and spec.layers[0].mamba.nheads == 48
+    else:
+        assert (spec.n_layer, len(spec.shared_blocks), spec.layers[0].mamba.nheads, spec.layers[0].mamba.ngroups) \
+            == (81, 2, 112, 2)
+        assert spec.attention_layers == (6,) + tuple(range(11, 78, 6))  # 13 hybrid layers
+
+
+def test_unavailable_preset_refused_by_name(tmp_path, monkeypatch):
+    """A preset whose config was not found is refused with its reason (none is left today: a stand-in)."""
+    monkeypatch.setitem(UNAVAILABLE, "some-hybrid-1b", "its config.json was not found")
+    with pytest.raises(ConfigError, match=r"preset 'some-hybrid-1b' is not available: its config.json was not"):
+        random_checkpoint(tmp_path / "x", preset="some-hybrid-1b")
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(HYBRID_PRESETS) if n.startswith("tiny-")])
