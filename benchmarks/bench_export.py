@@ -94,7 +94,7 @@ def _child_run(phase: str, ck: str, out: str, spec: str) -> None:
     import torch
 
     from m2export.exporter.manifest import read_manifest
-    from m2export.exporter.runtime import ort_session, zero_states
+    from m2export.exporter.runtime import OrtModel
 
     cfg = json.loads(spec)
     seqlens, reps, threads, steps = cfg["seqlens"], cfg["reps"], cfg["threads"], cfg["decode_steps"]
@@ -127,37 +127,21 @@ def _child_run(phase: str, ck: str, out: str, spec: str) -> None:
         res["tokens"] = toks
     else:
         impl = phase.split(":", 1)[1]
-        g = man.graph("prefill", impl)
-        sess = ort_session(Path(out) / g.file, threads=threads, dtype=man.dtype)
-        names = list(g.outputs)
-
-        def prefill(ids, past=None):
-            feeds = {"input_ids": ids, **(past or zero_states(man, 1, "prefill", impl))}
-            return dict(zip(names, sess.run(names, feeds)))
-
+        om = OrtModel(out, impl, threads=threads)
         for L in seqlens:
             ids = _prompt(vocab, L).numpy()
-            best, med = _timeit(lambda: prefill(ids), reps)
+            best, med = _timeit(lambda: om.run(ids), reps)
             res["rows"].append({"what": f"prefill L={L}", "best": L / best, "median": L / med})
-        logits = prefill(_prompt(vocab, seqlens[-1]).numpy())["logits"].astype(np.float32)
+        logits = om.run(_prompt(vocab, seqlens[-1]).numpy())["logits"].astype(np.float32)
         if ref_file.is_file():
             ref = np.load(ref_file)
             res["rel_l2"] = float(np.linalg.norm(logits - ref) / np.linalg.norm(ref))
-        st = prefill(gen_prompt.numpy())
-        del sess
-        gd = man.graph("decode", impl)
-        dsess = ort_session(Path(out) / gd.file, threads=threads, dtype=man.dtype)
-        toks = [int(st["logits"][0, -1].argmax())]
-        warm = {"input_ids": np.array([[toks[-1]]], np.int64),
-                **{k.replace("present_", "past_"): v for k, v in st.items() if k.startswith("present_")}}
-        dsess.run(list(gd.outputs), warm)  # warm-up, result unused
-        t = time.perf_counter()
-        for _ in range(steps):
-            feeds = {"input_ids": np.array([[toks[-1]]], np.int64),
-                     **{k.replace("present_", "past_"): v for k, v in st.items() if k.startswith("present_")}}
-            st = dict(zip(list(gd.outputs), dsess.run(list(gd.outputs), feeds)))
-            toks.append(int(st["logits"][0, -1].argmax()))
-        res["rows"].append({"what": "decode", "best": 1e3 * (time.perf_counter() - t) / steps, "unit": "ms/token"})
+        om.run(np.zeros((1, 1), np.int64), decode=True)  # warm-up, result unused
+        toks, secs = [], 0.0
+        for st in om.run_sequence(gen_prompt.numpy(), steps):
+            toks.append(int(np.asarray(st.outputs["logits"])[0, -1].argmax()))
+            secs += st.seconds if st.index else 0.0
+        res["rows"].append({"what": "decode", "best": 1e3 * secs / steps, "unit": "ms/token"})
         res["tokens"] = toks
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(res))

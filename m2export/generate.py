@@ -1,8 +1,9 @@
 """Text generation with an export (ONNX Runtime, TensorRT) or the PyTorch reference.
 
 All three runtimes are driven through the same Polygraphy runners as ``m2export check``
-(:mod:`m2export.check.runners`): the prefill graph consumes the prompt, then the decode graph
-runs one token at a time, each step's ``present_*_state.{i}`` fed back as ``past_*_state.{i}``.
+(:mod:`m2export.check.runners`) and the same loop (:meth:`m2export.exporter.runtime.Decoder.run_sequence`):
+the prefill graph consumes the prompt, then the decode graph runs one token at a time, each call's
+``present`` states fed back as the next call's ``past`` states.
 
 Tokens are bytes for byte-level models (vocab_size 256, e.g. the bundled stdlib model); a
 ``tokenizers`` JSON file can be given for other vocabularies, or raw token ids.
@@ -10,8 +11,7 @@ Tokens are bytes for byte-level models (vocab_size 256, e.g. the bundled stdlib 
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -86,10 +86,14 @@ class _Session:
     decode: Any
     cfg: Any
     dtype: str
+    #: the export's (or checkpoint's) tokenizer.json, if it has one: generate's default tokenizer
+    tokenizer_file: Path | None = None
 
 
 def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = None) -> _Session:
-    """Prefill and decode runners of ``runtime`` for ``source`` (an export OUTDIR, or a checkpoint for torch).
+    """Prefill and decode runners of ``runtime`` for ``source`` (an export OUTDIR, or a checkpoint for torch);
+    decode None: the prefill runner serves decode steps (one graph; a TensorRT engine's decode profile is used
+    where the engine has one).
 
     Raises:
         ExportFolderError: OUTDIR/graph/engine missing; CheckpointError: bad checkpoint;
@@ -97,7 +101,8 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
             before the engines (as in ``m2export check``); with TensorRT usable, missing engines are an
             ExportFolderError (exit 1).
     """
-    from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
+    from m2export.check import runners
+    from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner
     from m2export.exporter.configs import MANIFEST_FILE
     from m2export.exporter.manifest import REEXPORT_HINT, read_manifest
 
@@ -118,45 +123,43 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
         else:
             ck = ModelFromCheckpoint(src)
             label = f"torch ({src})"
-        cfg = ck().config
-        return _Session("torch", label, TorchRunner(ck, role="prefill"), TorchRunner(ck, role="decode"), cfg, "fp32")
+        loaded = ck()
+        tok = loaded.path / "tokenizer.json"
+        return _Session("torch", label, TorchRunner(ck, role="prefill"), None,
+                        loaded.config if loaded.config is not None else loaded.spec, "fp32",
+                        tok if tok.is_file() else None)
     if not is_outdir:
         raise ExportFolderError(f"{src}: not an m2export output folder (no {MANIFEST_FILE})",
                                 hint=f"`runtime='{runtime}'` needs an OUTDIR from 'm2export export'; a checkpoint "
                                      "works with `runtime='torch'`")
     m = read_manifest(src)
     cfg = m.model_config()
+    tok = src / "tokenizer.json" if "tokenizer.json" in m.tokenizer and (src / "tokenizer.json").is_file() else None
     if runtime in ("onnxrt", "onnx-reference"):
         if runtime == "onnxrt" and m.dtype == "bf16":
             raise BackendUnavailable("a bf16 export cannot run on ONNX Runtime's CPU provider (no bfloat16 "
                                      "MatMul/Conv kernels)",
                                      hint="use `runtime='onnx-reference'` (ONNX's reference evaluator, slow), trt "
                                           "on a GPU, or export with `dtype='fp16'`")
-        files = []
-        for role in ("prefill", "decode"):
-            f = src / m.graph(role, ssm_impl).file
-            if not f.is_file():
-                raise ExportFolderError(f"{f}: graph listed in {MANIFEST_FILE} is missing",
-                                        hint=REEXPORT_HINT)
-            files.append(f)
+        f = src / m.graph("prefill", ssm_impl).file
+        if not f.is_file():
+            raise ExportFolderError(f"{f}: graph listed in {MANIFEST_FILE} is missing", hint=REEXPORT_HINT)
         if runtime == "onnx-reference":
-            return _Session(runtime, f"onnx-reference ({files[0].name} + {files[1].name})",
-                            OnnxReferenceRunner(files[0]), OnnxReferenceRunner(files[1]), cfg, m.dtype)
-        return _Session("onnxrt", f"onnxrt ({files[0].name} + {files[1].name})", onnxrt_runner(files[0]),
-                        onnxrt_runner(files[1]), cfg, m.dtype)
+            return _Session(runtime, f"onnx-reference ({f.name})", OnnxReferenceRunner(f), None, cfg, m.dtype, tok)
+        return _Session("onnxrt", f"onnxrt ({f.name})", onnxrt_runner(f), None, cfg, m.dtype, tok)
     why = backends.tensorrt_unavailable_reason()
     if why:  # exit 4 before anything about the engines (one rule with check)
         raise backends.tensorrt_unavailable_error(why, "run TensorRT engines")
-    engines = [m.engine("prefill"), m.engine("decode")]
-    if any(e is None for e in engines):
-        raise ExportFolderError(f"{src}: no TensorRT engines (model.plan, decode.plan) in {MANIFEST_FILE}",
-                                hint="build them with 'm2export build OUTDIR' on a machine with a GPU and TensorRT")
-    for e in engines:
-        if not (src / e.file).is_file():
-            raise ExportFolderError(f"{src / e.file}: engine listed in {MANIFEST_FILE} is missing",
-                                    hint="rebuild with 'm2export build OUTDIR'")
-    return _Session("trt", f"trt ({engines[0].file} + {engines[1].file})", trt_runner(src / engines[0].file),
-                    trt_runner(src / engines[1].file), cfg, m.dtype)
+    engine = m.engine("prefill")
+    if engine is None:
+        raise ExportFolderError(f"{src}: no TensorRT engines (model.plan) in {MANIFEST_FILE}",
+                                hint="build it with 'm2export build OUTDIR' on a machine with a GPU and TensorRT")
+    if not (src / engine.file).is_file():
+        raise ExportFolderError(f"{src / engine.file}: engine listed in {MANIFEST_FILE} is missing",
+                                hint="rebuild with 'm2export build OUTDIR'")
+    pre, dec = runners.trt_runners(src, engine)
+    return _Session("trt", f"trt ({engine.file}, profiles {'+'.join(engine.profile_roles)})", pre, dec, cfg, m.dtype,
+                    tok)
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -239,39 +242,40 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
     cfg = s.cfg
     ids = [int(i) for i in prompt_ids]
     check_prompt_ids(ids, cfg.vocab_size)
-    from m2export.check.data import zero_states
+    from m2export.exporter.configs import GraphIO
+    from m2export.exporter.runtime import Decoder, feed_dtype_of
 
     rng = np.random.default_rng(seed)
     new: list[int] = []
-    with s.prefill as pre, s.decode as dec:
-        warm = OrderedDict(input_ids=np.asarray([ids[:1]], dtype=np.int64))
-        warm.update(zero_states(cfg, 1, s.dtype))
-        pre.infer(warm)  # untimed warm-up: first runs pay one-off allocations
-        dec.infer(warm)
-        feed = OrderedDict(input_ids=np.asarray([ids], dtype=np.int64))
-        feed.update(zero_states(cfg, 1, s.dtype))
-        t0 = time.perf_counter()
-        out = pre.infer(feed)
-        prefill_s = time.perf_counter() - t0
-        decode_s = 0.0
-        while len(new) < max_new_tokens:
-            logits = np.asarray(out["logits"])[0, -1, :cfg.vocab_size]
-            if not np.isfinite(logits).all():  # argmax/softmax would turn NaN into token 0
-                step = "the prefill" if not new else f"decode step {len(new)}"
-                raise M2ExportError(f"{s.label}: non-finite logits (NaN/inf) after {step}; no token can be chosen",
-                                    hint="compare the export with its checkpoint: m2export check OUTDIR")
-            new.append(sample_next(logits, temperature=temperature, top_k=top_k, rng=rng))
-            if on_token is not None:
-                on_token(new[-1])
-            if len(new) == max_new_tokens:
-                break
-            feed = OrderedDict(input_ids=np.asarray([[new[-1]]], dtype=np.int64))
-            for i in range(cfg.n_layer):
-                feed[f"past_conv_state.{i}"] = np.array(out[f"present_conv_state.{i}"], copy=True)
-                feed[f"past_ssm_state.{i}"] = np.array(out[f"present_ssm_state.{i}"], copy=True)
-            t0 = time.perf_counter()
-            out = dec.infer(feed)
-            decode_s += time.perf_counter() - t0
+
+    def choose(k: int, last: np.ndarray) -> np.ndarray:
+        logits = last[0, :cfg.vocab_size]
+        if not np.isfinite(logits).all():  # argmax/softmax would turn NaN into token 0
+            step = "the prefill" if k == 0 else f"decode step {k}"
+            raise M2ExportError(f"{s.label}: non-finite logits (NaN/inf) after {step}; no token can be chosen",
+                                hint="compare the export with its checkpoint: m2export check OUTDIR")
+        new.append(sample_next(logits, temperature=temperature, top_k=top_k, rng=rng))
+        if on_token is not None:
+            on_token(new[-1])
+        return np.asarray([new[-1]], dtype=np.int64)
+
+    one_graph = s.decode is None or s.decode is s.prefill
+    with s.prefill as pre, (contextlib.nullcontext(None) if one_graph else s.decode) as dec:
+        runner = Decoder(GraphIO.for_model(cfg, s.dtype), pre.infer, None if dec is None else dec.infer,
+                         np_dtype=feed_dtype_of)
+        runner.call([ids[:1]])  # untimed warm-up: first runs pay one-off allocations
+        runner.call([ids[:1]], decode=True)
+        prefill_s = decode_s = 0.0
+        if max_new_tokens > 0:
+            for st in runner.run_sequence([ids], max_new_tokens - 1, choose):
+                if st.index == 0:
+                    prefill_s = st.seconds
+                else:
+                    decode_s += st.seconds
+            choose(max_new_tokens - 1, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
+        else:
+            runner.call([ids])
+            prefill_s = runner.last_seconds
     return GenerationResult(s.label, ids, new, prefill_s, decode_s,
                             settings={"temperature": temperature, "top_k": top_k, "seed": seed,
                                       "max_new_tokens": max_new_tokens})

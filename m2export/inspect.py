@@ -192,10 +192,18 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
                                                 "parameters", "inputs", "outputs")})
         graphs.append(entry)
     engines = [{**asdict(e), "present": (d / e.file).is_file()} for e in m.engines]
+    data: dict[str, dict[str, Any]] = {}
+    for g in m.graphs:
+        for name in g.external_data:
+            f = d / name
+            entry = data.setdefault(name, {"file": name, "present": f.is_file(),
+                                           "bytes": f.stat().st_size if f.is_file() else 0, "graphs": []})
+            entry["graphs"].append(g.file)
     return {"kind": "outdir", "path": str(d), "source_checkpoint": m.source_checkpoint,
             "checkpoint_format": m.checkpoint_format, "checkpoint_sha256": m.checkpoint_sha256,
             "dtype": m.dtype, "opset": m.opset, "config": c, "tool_versions": m.tool_versions,
-            "graphs": graphs, "engines": engines}
+            "graphs": graphs, "external_data": list(data.values()), "engines": engines,
+            "disk_bytes": sum(f.stat().st_size for f in d.iterdir() if f.is_file())}
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -286,9 +294,10 @@ def format_text(info: dict[str, Any]) -> str:
             L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {g['bytes'] / 1e6:.1f} MB, "
                      f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
-            for x in g.get("external_data", []):  # the weights, when they live beside the graph
-                size = "MISSING" if x["bytes"] is None else f"{x['bytes'] / 1e6:.1f} MB"
-                L.append(f"    + external data {x['file']}: {size}")
+        for x in info.get("external_data", []):
+            L.append(f"  {x['file']:<16} weights, {x['bytes'] / 1e6:.1f} MB, stored once for "
+                     + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING"))
+        L.append(f"  on disk: {info['disk_bytes'] / 1e6:.1f} MB in all")
         first = next((g for g in info["graphs"] if g["present"]), None)
         if first:
             L.append(f"  {first['file']} inputs:")

@@ -43,7 +43,7 @@ PLUGIN_MODES = {
     "aot": "the cuTile kernel is compiled to PTX and embedded in the engine",
 }
 
-#: the primary flavour (model.onnx / decode.onnx); the other one gets a ``.std.onnx`` suffix
+#: the primary flavour (model.onnx); the other one gets a ``.std.onnx`` suffix
 PRIMARY_FLAVOUR = "ssmscan"
 #: file-name infix of the std flavour's graphs (model.std.onnx)
 STD_SUFFIX = ".std"

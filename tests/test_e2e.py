@@ -44,7 +44,7 @@ def test_main_job_export_build_check_generate(tmp_path, capsys):
     assert text.strip().splitlines()[-1].startswith("PASSED | m2export check")
     report = json.loads((out / "check_report.json").read_text())
     runners = [r["name"] for r in report["runners"]]
-    assert runners[:3] == ["torch", "onnxrt:model.onnx+decode.onnx", "onnxrt:model.std.onnx+decode.std.onnx"]
+    assert runners[:3] == ["torch", "onnxrt:model.onnx", "onnxrt:model.std.onnx"]
     if tensorrt_available():
         assert any(r.startswith("trt:") for r in runners)
     else:

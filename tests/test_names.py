@@ -40,7 +40,7 @@ def test_generate_runtime_ort_is_an_alias_with_a_note(tiny_out, capsys):
     assert old.out == new.out
     assert "note: --runtime ort is deprecated; use --runtime onnxrt" in old.err
     assert "deprecated" not in new.err
-    assert new.err.startswith("onnxrt (model.onnx + decode.onnx): prefill")
+    assert new.err.startswith("onnxrt (model.onnx): prefill")
 
 
 def test_library_runtime_alias_warns(tiny_out):
@@ -49,7 +49,7 @@ def test_library_runtime_alias_warns(tiny_out):
     ref = generate(tiny_out, [100, 101], runtime="onnxrt", max_new_tokens=3)
     with pytest.warns(DeprecationWarning, match="runtime 'ort' is deprecated; use 'onnxrt'"):
         old = generate(tiny_out, [100, 101], runtime="ort", max_new_tokens=3)
-    assert old.new_ids == ref.new_ids and old.runtime == ref.runtime == "onnxrt (model.onnx + decode.onnx)"
+    assert old.new_ids == ref.new_ids and old.runtime == ref.runtime == "onnxrt (model.onnx)"
 
 
 def test_check_runtime_ort_is_an_alias(tiny_out, tmp_path, capsys):
@@ -84,7 +84,7 @@ def test_manifest_with_old_flavour_names_reads_as_new(tiny_out, tmp_path, capsys
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reading an old manifest is not the user's deprecated call
         man = read_manifest(out)
-    assert sorted(g.ssm_impl for g in man.graphs) == ["ssmscan", "ssmscan", "std", "std"]
+    assert sorted(g.ssm_impl for g in man.graphs) == ["ssmscan", "std"]
     assert man.graph("prefill", "std").file == "model.std.onnx"
     assert main(["generate", str(out), "--prompt", "x", "--max-new-tokens", "2", "--ssm-impl", "std", "-q"]) == 0
     capsys.readouterr()

@@ -34,18 +34,19 @@ from typing import Any, Callable
 import numpy as np
 
 from m2export import backends, names
-from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, read_corpus, token_windows,
-                                 zero_states)
+from m2export.check.data import (TokenDataLoader, byte_tokens, chunk_size_of, default_shapes, read_corpus,
+                                 token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
 from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
 from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
 from m2export.check.repro import describe as describe_saved
-from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runner
+from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runners
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ContractError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
-from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.configs import GraphIO
 from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
+from m2export.exporter.runtime import Decoder, feed_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def _json_default(o):
 # ----------------------------------------------------------------------------------------------- runners
 @dataclass
 class _Runtime:
-    """One runtime's prefill and decode runners (decode None when the export has no decode graph);
+    """One runtime's prefill and decode runners (decode None: the prefill graph serves decode steps too);
     ``label`` is its short console name, runtime/flavour (``onnxrt/std``)."""
 
     name: str
@@ -299,19 +300,12 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         what = "ONNX Runtime CPU" if rt_name == "onnxrt" else "onnx.reference.ReferenceEvaluator"
         for impl in [primary] + [i for i in manifest.ssm_impls() if i != primary]:
             g = manifest.graph("prefill", impl)
-            pre = _graph_path(outdir, g.file, f"{impl} prefill graph")
-            try:
-                dg = manifest.graph("decode", impl)
-            except ExportFolderError:
-                dg = None
-            dec = _graph_path(outdir, dg.file, f"{impl} decode graph") if dg else None
-            files = pre.name + (f"+{dec.name}" if dec else "")
-            out.append(_Runtime(f"{rt_name}:{files}", f"{what}, ssm_impl={impl}",
-                                make(pre, name=f"{rt_name}:{pre.name}"),
-                                make(dec, name=f"{rt_name}:{dec.name}") if dec else None, label=f"{rt_name}/{impl}"))
+            pre = _graph_path(outdir, g.file, f"{impl} graph")
+            out.append(_Runtime(f"{rt_name}:{pre.name}", f"{what}, ssm_impl={impl}",
+                                make(pre, name=f"{rt_name}:{pre.name}"), None, label=f"{rt_name}/{impl}"))
     if "trt" in runtimes:
-        pre_e, dec_e = manifest.engine("prefill"), manifest.engine("decode")
-        engines = [e for e in (pre_e, dec_e) if e is not None]
+        pre_e = manifest.engine("prefill")
+        engines = list(manifest.engines)
         why = backends.tensorrt_unavailable_reason()
         if require_trt and why:  # one rule with generate's trt runtime: no usable TensorRT -> exit 4, first
             raise backends.tensorrt_unavailable_error(why, "check the TensorRT engines")
@@ -327,13 +321,13 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         elif why:
             skipped.append(f"TensorRT: skipped: {why} ({', '.join(e.file for e in engines)} not checked)")
         elif pre_e is None:
-            skipped.append("TensorRT: skipped: no prefill engine (model.plan)")
+            skipped.append("TensorRT: skipped: no engine with a prefill profile (model.plan)")
         else:
             flavour = next((g.ssm_impl for g in manifest.graphs if g.file == pre_e.onnx_file), None)
-            out.append(_Runtime(f"trt:{pre_e.file}" + (f"+{dec_e.file}" if dec_e else ""),
-                                f"TensorRT {pre_e.tensorrt_version}, {pre_e.precision}, plugin {pre_e.plugin_mode}",
-                                trt_runner(outdir / pre_e.file),
-                                trt_runner(outdir / dec_e.file) if dec_e else None,
+            pre, dec = trt_runners(outdir, pre_e)
+            out.append(_Runtime(f"trt:{pre_e.file}",
+                                f"TensorRT {pre_e.tensorrt_version}, {pre_e.precision}, plugin {pre_e.plugin_mode}, "
+                                f"profiles {'+'.join(pre_e.profile_roles)}", pre, dec,
                                 label="trt" + (f"/{flavour}" if flavour else "")))
     return out, skipped
 
@@ -344,7 +338,7 @@ def _engine_shapes(manifest: Manifest) -> list[tuple[int, int]] | None:
     if e is None:
         return None
     out = []
-    for prof in e.profiles or []:
+    for prof in [e.profile("prefill")]:
         spec = prof.get("input_ids") if isinstance(prof, dict) else None
         if not isinstance(spec, dict):
             continue
@@ -423,7 +417,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                               hint="pass the checkpoint the export was made from (`checkpoint`)")
     reference = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
 
-    out_names = list(Mamba2OnnxConfig(cfg).outputs(decode=False))
+    out_names = GraphIO.for_model(cfg, dtype).output_names()
     atol_d, rtol_d = default_tolerances(dtype)
     atol_d = parse_tolerances(atol, atol_d, out_names, "atol")
     rtol_d = parse_tolerances(rtol, rtol_d, out_names, "rtol")
@@ -458,11 +452,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
-            plen = prompt_len if prompt_len is not None else min(max_seqlen, cfg.chunk_size // 2 + 5)
+            plen = prompt_len if prompt_len is not None else min(max_seqlen, chunk_size_of(cfg) // 2 + 5)
             prof = _engine_shapes(manifest)
             if prof and prompt_len is None:  # keep the prompt inside the prefill engine's profile
                 plen = min(max(plen, min(s for _, s in prof)), max(s for _, s in prof))
-            if decode_steps > 0 and all(r.decode is not None for r in rts):
+            if decode_steps > 0:
                 advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
                 seq_results, greedy = _sequence(rts, cfg, dtype, corpus, plen, decode_steps, seed,
                                                 atol_d.get("logits", atol_d[""]), advance,
@@ -471,8 +465,6 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                                                       compare_func=compare_func)
                 rows += _rows("sequence", seq_acc, ["prefill"] + [f"step {k + 1}" for k in range(decode_steps)],
                               out_names, atol_d, rtol_d)
-            elif decode_steps > 0:
-                skipped.append("sequence check: skipped: the export has no decode graph for every runtime")
     except PolygraphyException as e:
         raise M2ExportError(f"Polygraphy failed while running the comparison: {e}".strip(),
                             hint="re-run with -v for Polygraphy's log") from None
@@ -637,12 +629,13 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
               advance, batch: int = 2) -> tuple[Any, dict[str, dict[str, Any]]]:
     """Run prefill + ``steps`` decode steps per runtime; return (RunResults, greedy agreement per runtime).
 
-    The reference runs first; its greedy token at each step is fed to every runtime.
+    Each runtime runs :meth:`~m2export.exporter.runtime.Decoder.run_sequence` (its own states fed back). The
+    reference runs first; its greedy token at each step is fed to every runtime.
     """
     from polygraphy.comparator import RunResults
     from polygraphy.comparator.struct import IterationResult
 
-    n = cfg.n_layer
+    io = GraphIO.for_model(cfg, dtype)
     rng = np.random.default_rng(seed + 1)
     prompt = token_windows(byte_tokens(corpus, cfg.vocab_size), batch, plen, rng)
     results = RunResults()
@@ -650,28 +643,23 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
     ref_logits: list[np.ndarray] = []
     greedy: dict[str, dict[str, Any]] = {}
     for ri, rt in enumerate(rts):
+        def choose(k: int, last: np.ndarray, ri=ri, rt=rt) -> np.ndarray:
+            last = last[:, :cfg.vocab_size]
+            if ri == 0:
+                ref_logits.append(last)
+                ref_tokens.append(last.argmax(-1))
+            else:
+                _greedy_update(greedy.setdefault(rt.name, {"agree": 0, "total": 0, "ties": 0, "mismatches": []}),
+                               k, last, ref_logits[k], logits_atol)
+            return ref_tokens[k]
+
         iters = []
-        with rt.prefill as pre, rt.decode as dec:
-            feed = OrderedDict(input_ids=prompt)
-            feed.update(zero_states(cfg, prompt.shape[0], dtype))
-            out = _copy(pre.infer(feed))
-            iters.append(IterationResult(out, runner_name=rt.name))
-            for k in range(steps + 1):
-                last = np.asarray(out["logits"], dtype=np.float32)[:, -1, :cfg.vocab_size]
-                if ri == 0:
-                    ref_logits.append(last)
-                    ref_tokens.append(last.argmax(-1))
-                else:
-                    _greedy_update(greedy.setdefault(rt.name, {"agree": 0, "total": 0, "ties": 0, "mismatches": []}),
-                                   k, last, ref_logits[k], logits_atol)
-                if k == steps:
-                    break
-                feed = OrderedDict(input_ids=ref_tokens[k][:, None].astype(np.int64))
-                for i in range(n):
-                    feed[f"past_conv_state.{i}"] = out[f"present_conv_state.{i}"]
-                    feed[f"past_ssm_state.{i}"] = out[f"present_ssm_state.{i}"]
-                out = _copy(dec.infer(feed))
-                iters.append(IterationResult(out, runner_name=rt.name))
+        one_graph = rt.decode is None or rt.decode is rt.prefill
+        with rt.prefill as pre, (contextlib.nullcontext(None) if one_graph else rt.decode) as dec:
+            runner = Decoder(io, pre.infer, None if dec is None else dec.infer, np_dtype=feed_dtype_of)
+            for st in runner.run_sequence(prompt, steps, choose):
+                iters.append(IterationResult(st.outputs, runner_name=rt.name))
+            choose(steps, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
         results.append((rt.name, iters))
         advance()
     for g in greedy.values():
@@ -701,11 +689,6 @@ def _greedy_update(g: dict, step: int, last: np.ndarray, ref: np.ndarray, atol: 
             g["mismatches"].append({"where": f"{'prefill' if step == 0 else f'step {step}'} batch {b}",
                                     "token": int(mine[b]), "reference_token": int(theirs[b]),
                                     "reference_margin": float(margin[b])})
-
-
-def _copy(outputs) -> "OrderedDict[str, np.ndarray]":
-    """Own copies of a runner's outputs (runners may reuse their buffers)."""
-    return OrderedDict((k, np.array(v, copy=True)) for k, v in outputs.items())
 
 
 # ----------------------------------------------------------------------------------------------- histogram

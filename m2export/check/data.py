@@ -2,11 +2,11 @@
 
 :class:`TokenDataLoader` is a Polygraphy data loader (an iterable of feed dicts, see
 ``polygraphy.comparator.DataLoader``): every feed dict holds ``input_ids`` (batch, seqlen) int64
-taken from a text corpus, plus ``past_conv_state.{i}`` / ``past_ssm_state.{i}``, with the names and
-dtypes of the exported graphs (m2export/exporter/configs.py). The past states are zeros (a fresh
-sequence) and, when the loader is given the PyTorch reference, also the reference's own states after
-the text that precedes the window in the corpus (a continued sequence): realistic non-zero states, so
-a prefill graph that ignores its ``past_*`` inputs cannot pass.
+taken from a text corpus, plus every ``past`` state input, with the names and dtypes of the exported graphs
+(:class:`m2export.exporter.configs.GraphIO`). The past states are zeros (a fresh sequence) and, when the
+loader is given the PyTorch reference, also the reference's own states after the text that precedes the
+window in the corpus (a continued sequence): realistic non-zero states, so a prefill graph that ignores
+its ``past`` inputs cannot pass.
 
 The default corpus is the Python standard library's own ``.py`` sources: real, varied text that
 is on every machine, and the domain of the bundled stdlib byte model.
@@ -23,12 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from m2export.errors import BackendUnavailable, M2ExportError, ParameterError
-from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.errors import M2ExportError, ParameterError
+from m2export.exporter.configs import DTYPES, GraphIO
+from m2export.exporter.runtime import feed_dtype_of
 from m2export.models.config import Mamba2Config
 
-#: numpy dtype of the conv states / logits per export dtype (bf16 has no numpy dtype)
-NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 DEFAULT_CORPUS_BYTES = 1 << 20  # 1 MiB of stdlib sources is plenty of distinct windows
 #: the logits of one vocabulary-sweep feed stay below this many bytes (fp32): 333 tokens of a 50k vocabulary
 SWEEP_LOGITS_BYTES = 64 << 20
@@ -75,6 +74,15 @@ def read_corpus(text_file: str | Path | None) -> bytes:
     return data
 
 
+def chunk_size_of(cfg) -> int:
+    """The scan chunk size of a model description: Mamba2Config.chunk_size, or the first Mamba layer's of a
+    layer stack (a stack without Mamba layers: 64, only for choosing check sizes)."""
+    c = getattr(cfg, "chunk_size", None)
+    if c:
+        return int(c)
+    return next((L.mamba.chunk_size for L in getattr(cfg, "layers", ()) if L.mamba is not None), 64)
+
+
 def byte_tokens(data: bytes, vocab_size: int) -> np.ndarray:
     """Byte-level token ids (int64); bytes >= vocab_size (only for vocabularies < 256) wrap around."""
     ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
@@ -89,43 +97,6 @@ def token_windows(tokens: np.ndarray, batch: int, seqlen: int, rng: np.random.Ge
     return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int64)
 
 
-def zero_states(cfg: Mamba2Config, batch: int, dtype: str) -> "OrderedDict[str, np.ndarray]":
-    """``past_conv_state.{i}`` (model dtype, see :func:`feed_dtype`) and ``past_ssm_state.{i}`` (fp32) zeros:
-    a fresh sequence."""
-    conv_dt = feed_dtype(dtype)
-    oc = Mamba2OnnxConfig(cfg)
-    out: OrderedDict[str, np.ndarray] = OrderedDict()
-    for name, shape in oc.inputs(decode=False).items():
-        if name == "input_ids":
-            continue
-        concrete = tuple(batch if d == "batch_size" else d for d in shape)
-        out[name] = np.zeros(concrete, dtype=np.float32 if "ssm_state" in name else conv_dt)
-    return out
-
-
-def feed_dtype(dtype: str):
-    """numpy dtype of the model-dtype tensors in feed dicts and runner outputs.
-
-    fp32/fp16 as themselves; bf16 values travel as float32 (Polygraphy has no numpy bfloat16): runners
-    of bf16 graphs cast at their boundary (see :class:`m2export.check.runners.OnnxReferenceRunner`).
-    """
-    return {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[dtype]
-
-
-def np_dtype(dtype: str):
-    """numpy dtype of an export dtype name.
-
-    Raises:
-        BackendUnavailable: bf16 (numpy has no bfloat16, and ONNX Runtime's CPU provider has no bf16
-            MatMul/Conv kernels), exit code 4.
-    """
-    if dtype not in NP_DTYPES:
-        raise BackendUnavailable(f"a {dtype} export cannot be run here: numpy and ONNX Runtime's CPU provider have "
-                                 "no bfloat16 support", hint="export with `dtype='fp16'` or fp32 to check or "
-                                                             "generate on the CPU")
-    return NP_DTYPES[dtype]
-
-
 def default_shapes(cfg: Mamba2Config, max_seqlen: int = 512) -> list[tuple[int, int]]:
     """(batch, seqlen) pairs across the range that matters for a chunked scan.
 
@@ -133,7 +104,7 @@ def default_shapes(cfg: Mamba2Config, max_seqlen: int = 512) -> list[tuple[int, 
     batch 1..3, the larger batches on the shorter sequences (logits are batch x seqlen x vocab: on a
     50k vocabulary every token costs 200 kB per runtime). Capped at ``max_seqlen``.
     """
-    c = cfg.chunk_size
+    c = chunk_size_of(cfg)
     cand = [(1, 1), (3, max(2, c // 2 - 1)), (1, c), (2, c + 1), (1, 2 * c + 3)]
     out = []
     for b, s in cand:
@@ -168,7 +139,7 @@ class TokenDataLoader:
 
     Args:
         cfg: the model configuration (state shapes, vocabulary size).
-        dtype: export dtype ("fp32" | "fp16" | "bf16"): dtype of ``past_conv_state.{i}`` (:func:`feed_dtype`).
+        dtype: export dtype ("fp32" | "fp16" | "bf16"): dtypes of the model-dtype states (bf16 as float32).
         shapes: (batch, seqlen) per feed dict.
         corpus: text bytes to cut windows from (default :func:`stdlib_corpus`).
         seed: window offsets; the same seed gives the same feeds.
@@ -195,7 +166,9 @@ class TokenDataLoader:
         self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
         self.sweep = vocab_sweep_windows(cfg, seed) if vocab_sweep else []
         self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
-        feed_dtype(dtype)  # KeyError-free check of the dtype name
+        if dtype not in DTYPES:
+            raise M2ExportError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
+        self.io = GraphIO.for_model(cfg, dtype)
         self.reference = reference
         self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
         if self.past_len < 1:
@@ -240,15 +213,15 @@ class TokenDataLoader:
             for batch, seqlen in self.shapes:
                 feed: OrderedDict[str, np.ndarray] = OrderedDict(
                     input_ids=token_windows(self.tokens, batch, seqlen, rng))
-                feed.update(zero_states(self.cfg, batch, self.dtype))
+                feed.update(self.io.zero_feeds(batch, feed_dtype_of))
                 yield feed
                 if ref is not None:
-                    yield continued_feed(ref, self.cfg, self.dtype,
+                    yield continued_feed(ref, self.io,
                                          token_windows(self.tokens, batch, self.past_len + seqlen, cont_rng),
                                          self.past_len)
             for ids in self.sweep:
                 feed = OrderedDict(input_ids=ids)
-                feed.update(zero_states(self.cfg, 1, self.dtype))
+                feed.update(self.io.zero_feeds(1, feed_dtype_of))
                 yield feed
 
 
@@ -263,17 +236,14 @@ def vocab_sweep_windows(cfg: Mamba2Config, seed: int, logits_bytes: int = SWEEP_
 def default_past_len(cfg: Mamba2Config) -> int:
     """Tokens the reference reads before a continued window: one chunk + 3, so its states come out of
     a chunk boundary and a partial chunk."""
-    return cfg.chunk_size + 3
+    return chunk_size_of(cfg) + 3
 
 
-def continued_feed(reference_runner, cfg: Mamba2Config, dtype: str, window: np.ndarray,
-                   past_len: int) -> "OrderedDict[str, np.ndarray]":
+def continued_feed(reference_runner, io: GraphIO, window: np.ndarray, past_len: int) -> "OrderedDict[str, np.ndarray]":
     """Feed dict for ``window[:, past_len:]`` continuing ``window[:, :past_len]``: the past states are what
     the (active) reference prefill runner returns for the first ``past_len`` tokens from zero states."""
     pre = OrderedDict(input_ids=np.ascontiguousarray(window[:, :past_len]))
-    pre.update(zero_states(cfg, window.shape[0], dtype))
-    out = reference_runner.infer(pre)
+    pre.update(io.zero_feeds(window.shape[0], feed_dtype_of))
     feed: OrderedDict[str, np.ndarray] = OrderedDict(input_ids=np.ascontiguousarray(window[:, past_len:]))
-    for name in zero_states(cfg, window.shape[0], dtype):
-        feed[name] = np.array(out[name.replace("past_", "present_", 1)], copy=True)
+    feed.update(io.next_past(reference_runner.infer(pre)))
     return feed

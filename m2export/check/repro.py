@@ -135,7 +135,7 @@ def trt_profile(manifest, graph, batch=None, seq=None) -> dict[str, dict[str, li
     from m2export.trt.build import DEFAULT_BATCH, DEFAULT_SEQ, graph_profile
 
     inputs = {name: spec["shape"] for name, spec in graph.inputs.items()}
-    return graph_profile(inputs, graph.role, batch or DEFAULT_BATCH, seq or DEFAULT_SEQ)
+    return graph_profile(inputs, "prefill", batch or DEFAULT_BATCH, seq or DEFAULT_SEQ)
 
 
 def trtexec_shapes(profile: dict[str, dict[str, list[int]]], which: str) -> str:
@@ -164,7 +164,7 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
            "--check-error-stat", "elemwise"]
     onnxrt, trt = [], []
     for g in manifest.graphs:
-        if g.role != "prefill":
+        if not g.serves("prefill"):
             continue
         onnx_rel = _rel(outdir / g.file, report_dir)
         onnxrt.append(q(["polygraphy", "run", onnx_rel, "--onnxrt", *cmp]))
@@ -179,16 +179,17 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
                           "--trt-opt-shapes", *polygraphy_shapes(prof, "opt"),
                           "--trt-max-shapes", *polygraphy_shapes(prof, "max"), *cmp]))
     for e in manifest.engines:
-        if e.role != "prefill" or e.plugin_mode == "jit":
+        if not e.serves("prefill") or e.plugin_mode == "jit":
             continue
         plan_rel = _rel(outdir / e.file, report_dir)
         trt.append(q(["polygraphy", "run", plan_rel, "--model-type", "engine", "--trt", *cmp]))
-        prof = (e.profiles or [None])[0]
+        prof = e.profile("prefill") or None
         g = next((g for g in manifest.graphs if g.file == e.onnx_file), None)
         if not isinstance(prof, dict) and g is not None:
             prof = trt_profile(manifest, g)
         if isinstance(prof, dict):
-            trt.append(q(["trtexec", f"--loadEngine={plan_rel}", f"--shapes={trtexec_shapes(prof, 'opt')}"]))
+            trt.append(q(["trtexec", f"--loadEngine={plan_rel}", f"--profile={e.profile_index('prefill')}",
+                          f"--shapes={trtexec_shapes(prof, 'opt')}"]))
     return {"onnxrt": onnxrt, "tensorrt": trt}
 
 

@@ -2,8 +2,8 @@
 
 * :class:`TorchRunner`: the PyTorch reference (:class:`m2export.models.mamba2.Mamba2LMHeadModel`,
   fp32, scan ``m2export.kernels.ssd.naive.ssm_scan_chunked``) behind the same feed-dict interface
-  as the exported graphs: ``input_ids`` + ``past_*_state.{i}`` in, ``logits`` + ``present_*_state.{i}``
-  out (names from m2export/exporter/configs.py). Polygraphy's own ``PytRunner`` predates
+  as the exported graphs: ``input_ids`` + every ``past`` state in, ``logits`` + every ``present`` state
+  out (names, dtypes and pairing from :class:`m2export.exporter.configs.GraphIO`). Polygraphy's own ``PytRunner`` predates
   ``BaseRunner``'s metadata checks, so we subclass ``BaseRunner`` and fill in only the ``*_impl``.
 * ONNX Runtime: Polygraphy's ``OnnxrtRunner`` on a ``SessionFromOnnx`` (CPU provider), one per
   graph flavour present in OUTDIR (:func:`onnxrt_runner`).
@@ -28,10 +28,10 @@ from polygraphy.backend.base import BaseLoader, BaseRunner
 from polygraphy.common import TensorMetadata
 
 from m2export import backends
-from m2export.check.data import feed_dtype
 from m2export.errors import CheckpointError, RuntimeLoadError
-from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.configs import DTYPES, GraphIO
 from m2export.exporter.manifest import REEXPORT_HINT
+from m2export.exporter.runtime import feed_dtype_of
 
 ROLES = ("prefill", "decode")
 
@@ -76,12 +76,13 @@ class TorchRunner(BaseRunner):
         model: a :class:`LoadedCheckpoint`, a ``Mamba2LMHeadModel``, or a loader returning either
             (e.g. :class:`ModelFromCheckpoint`). Run in fp32 whatever the export dtype.
         role: "prefill" (``input_ids`` (batch, sequence_length)) or "decode" (``input_ids`` (batch, 1)).
-        dtype: export dtype ("fp32" | "fp16"): dtype of ``past_conv_state.{i}`` inputs and of ``logits`` /
-            ``present_conv_state.{i}`` outputs, so outputs compare like for like with the graph's.
+        dtype: export dtype ("fp32" | "fp16" | "bf16"): the model-dtype inputs and outputs (logits, conv
+            states, KV caches) are rounded to it, so outputs compare like for like with the graph's; bf16
+            travels as float32 (:func:`~m2export.exporter.runtime.feed_dtype_of`).
         name: runner name in reports (default "torch").
 
-    Outputs: ``OrderedDict`` in graph order: ``logits`` (batch, seqlen, vocab_size_padded), then per layer
-    ``present_conv_state.{i}``, ``present_ssm_state.{i}`` (fp32).
+    Outputs: ``OrderedDict`` in graph order (:class:`GraphIO` of the model in ``dtype``): ``logits`` (batch,
+    seqlen, vocab_size_padded), then every ``present`` state.
     """
 
     def __init__(self, model, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):
@@ -90,7 +91,7 @@ class TorchRunner(BaseRunner):
             raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
         self._model = model
         self.role, self.dtype = role, dtype
-        self._io_dtype = feed_dtype(dtype)
+        self._io_dtype = feed_dtype_of(DTYPES[dtype])
 
     def activate_impl(self):
         import torch
@@ -98,47 +99,41 @@ class TorchRunner(BaseRunner):
         m, _ = pg_util.invoke_if_callable(self._model)
         self.model = getattr(m, "model", m)  # LoadedCheckpoint -> Mamba2LMHeadModel
         self.model = self.model.float().eval()
-        self.cfg = self.model.cfg
+        self.cfg = self.model.spec  # the layer-stack description (every family)
+        self.io = GraphIO.for_model(self.cfg, self.dtype, decode=self.role == "decode")
         self._torch = torch
 
     def get_input_metadata_impl(self):
         meta = TensorMetadata()
-        for name, shape in Mamba2OnnxConfig(self.cfg).inputs(decode=self.role == "decode").items():
-            if name == "input_ids":
-                dt = np.int64
-            elif "ssm_state" in name:
-                dt = np.float32
-            else:
-                dt = self._io_dtype
-            meta.add(name, dtype=dt, shape=list(shape))
+        for t in self.io.inputs:
+            meta.add(t.name, dtype=feed_dtype_of(t.dtype), shape=list(t.shape))
         return meta
 
     def infer_impl(self, feed_dict):
+        from m2export.exporter.export import flat_forward
+
         torch = self._torch
-        n = self.cfg.n_layer
         ids = torch.as_tensor(np.asarray(feed_dict["input_ids"]), dtype=torch.int64)
-        conv = [torch.as_tensor(np.asarray(feed_dict[f"past_conv_state.{i}"])).float() for i in range(n)]
-        ssm = [torch.as_tensor(np.asarray(feed_dict[f"past_ssm_state.{i}"])).float() for i in range(n)]
+        past = [torch.as_tensor(np.asarray(feed_dict[s.past.name])).float() for s in self.io.states]
         start = time.perf_counter()
         with torch.no_grad():
-            fn = self.model.step if self.role == "decode" else self.model.forward
-            out = fn(ids, conv, ssm)
+            logits, presents = flat_forward(self.model, ids, past)
         self.inference_time = time.perf_counter() - start
-        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(out.logits))
-        for i in range(n):
-            res[f"present_conv_state.{i}"] = self._model_dtype(out.conv_states[i])
-            res[f"present_ssm_state.{i}"] = out.ssm_states[i].float().numpy().astype(np.float32)
+        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(logits))
+        for s, t in zip(self.io.states, presents):
+            res[s.present.name] = (t.float().numpy().astype(np.float32) if s.present.dtype == "float32"
+                                   else self._model_dtype(t))
         return res
 
     def _model_dtype(self, t) -> np.ndarray:
-        """An fp32 result rounded to the export dtype, as a numpy array of :func:`feed_dtype`: what a graph
+        """An fp32 result rounded to the export dtype, as a numpy array of :func:`feed_dtype_of`: what a graph
         computing exactly in that dtype would return (bf16 rounded, then carried as float32)."""
         if self.dtype == "bf16":
             t = t.to(self._torch.bfloat16)
         return t.float().numpy().astype(self._io_dtype)
 
     def deactivate_impl(self):
-        del self.model, self.cfg, self._torch
+        del self.model, self.cfg, self.io, self._torch
 
 
 class OnnxReferenceRunner(BaseRunner):
@@ -229,21 +224,52 @@ def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
     return OnnxrtRunner(_CpuSessionFromOnnx(p), name=name or f"onnxrt:{p.name}")
 
 
-def trt_runner(engine_path: str | Path, *, name: str | None = None):
-    """Polygraphy ``TrtRunner`` on ``EngineFromBytes(BytesFromPath(engine_path))``.
+class EngineOnce(BaseLoader):
+    """Lazy loader that deserialises one engine file once and hands the same ``ICudaEngine`` to every runner
+    (the prefill and the decode profile's runner share the engine, so its weights are on the GPU once)."""
 
-    Registers the m2export::SSMScan plugin first (``m2export.plugins.register()``), so the engine can be
-    deserialised.
+    def __init__(self, engine_path: str | Path):
+        self.path = Path(engine_path)
+        self._engine = None
+
+    def call_impl(self):
+        if self._engine is None:
+            from polygraphy.backend.common import BytesFromPath
+            from polygraphy.backend.trt import EngineFromBytes
+
+            self._engine = EngineFromBytes(BytesFromPath(str(self.path)))()
+        return self._engine
+
+
+def trt_runner(engine_path: str | Path, *, name: str | None = None, profile: int | None = None,
+               engine: EngineOnce | None = None):
+    """Polygraphy ``TrtRunner`` on the engine at ``engine_path``, using optimization profile ``profile``.
+
+    ``engine``: an :class:`EngineOnce` to share with another runner (e.g. the decode profile's). Registers the
+    m2export::SSMScan plugin first (``m2export.plugins.register()``), so the engine can be deserialised.
 
     Raises:
         BackendUnavailable: ``tensorrt`` is not installed or the plugin cannot be registered (exit code 4).
     """
     backends.require_tensorrt("run TensorRT engines")
-    from polygraphy.backend.common import BytesFromPath
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+    from polygraphy.backend.trt import TrtRunner
 
     from m2export import plugins
 
     plugins.register()  # the SSMScan plugin must be registered before the engine is deserialised
     p = Path(engine_path)
-    return TrtRunner(EngineFromBytes(BytesFromPath(str(p))), name=name or f"trt:{p.name}")
+    return TrtRunner(engine or EngineOnce(p), name=name or f"trt:{p.name}", optimization_profile=profile)
+
+
+def trt_runners(outdir: Path, entry) -> tuple[object, object | None]:
+    """(prefill runner, decode runner or None) of one engine entry of m2export.json: one shared engine, the
+    runners on its "prefill" and "decode" optimization profiles (decode None: the engine has no decode
+    profile, and its prefill profile serves decode steps too)."""
+    shared = EngineOnce(outdir / entry.file)
+    pre = trt_runner(outdir / entry.file, name=f"trt:{entry.file}:prefill", profile=entry.profile_index("prefill"),
+                     engine=shared)
+    dec = None
+    if "decode" in entry.profile_roles:
+        dec = trt_runner(outdir / entry.file, name=f"trt:{entry.file}:decode", profile=entry.profile_index("decode"),
+                         engine=shared)
+    return pre, dec

@@ -1,6 +1,6 @@
 """Default accuracy tolerances of ``m2export check``, per export dtype: the one table they come from.
 
-atol is ``Mamba2OnnxConfig.ATOL`` (m2export/exporter/configs.py, shared with the exporter's own
+atol is ``GraphIO.ATOL`` (m2export/exporter/configs.py, shared with the exporter's own
 validation); rtol is :data:`DEFAULT_RTOL` here. :func:`default_tolerances` is what the check uses and
 :func:`defaults_table` renders the same values for ``m2export check --help``. Light to import (no
 Polygraphy, no torch), so the help text can be generated from it.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from m2export.errors import ExportFolderError
 
-#: default rtol per export dtype (atol comes from Mamba2OnnxConfig.ATOL)
+#: default rtol per export dtype (atol comes from GraphIO.ATOL)
 DEFAULT_RTOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
 
 
 def _atol_table() -> dict[str, float]:
-    from m2export.exporter.configs import Mamba2OnnxConfig
+    from m2export.exporter.configs import GraphIO
 
-    return {k: float(v) for k, v in Mamba2OnnxConfig.ATOL}
+    return {k: float(v) for k, v in GraphIO.ATOL}
 
 
 def default_tolerances(dtype: str) -> tuple[dict[str, float], dict[str, float]]:

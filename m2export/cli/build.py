@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-HELP = "build TensorRT engines (model.plan, decode.plan) from an export folder"
-DESCRIPTION = """Build TensorRT engines from the ONNX graphs of an export folder with Polygraphy's TensorRT
-backend: one optimization profile per graph (batch and sequence length ranges below; the decode graph's
-sequence length is 1), a strongly typed network (precision = the ONNX dtypes), the m2export::SSMScan
-plugin registered first. Writes OUTDIR/model.plan and OUTDIR/decode.plan and records them (TensorRT
-version, GPU, profiles, plugin mode) in OUTDIR/m2export.json. Needs TensorRT >= 10.7 and an NVIDIA GPU;
+HELP = "build the TensorRT engine (model.plan) from an export folder"
+DESCRIPTION = """Build one TensorRT engine from the ONNX graph of an export folder with Polygraphy's TensorRT
+backend: a prefill and a decode optimization profile sharing the weights (batch and sequence length ranges
+below; sequence length 1 in the decode profile; KV caches' past_sequence_length 0..--max-seq), a strongly
+typed network (precision = the ONNX dtypes), the m2export::SSMScan plugin registered first. Writes
+OUTDIR/model.plan and records it (TensorRT version, GPU, profiles, plugin mode) in OUTDIR/m2export.json. Needs TensorRT >= 10.7 and an NVIDIA GPU;
 engines are specific to that GPU architecture and TensorRT version.
 
 plugin modes:
@@ -23,7 +23,7 @@ SSMScan plugin cannot be registered.
 examples:
   m2export build out/tiny
   m2export build out/tiny --plugin aot --max-batch 16 --max-seq 4096
-  m2export build out/tiny/decode.onnx --opt-batch 8 --workspace 8G --opt-level 5
+  m2export build out/tiny/model.std.onnx --opt-batch 8 --workspace 8G --opt-level 5
 """
 
 
@@ -33,12 +33,14 @@ def add_arguments(p):
     p.add_argument("path", metavar="OUTDIR|MODEL.onnx", help="export folder, or one of its .onnx graphs")
     p.add_argument("--plugin", choices=["jit", "aot"], default="jit", help="SSMScan plugin mode (default: jit)")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
-                   help="which graphs of OUTDIR to build (default: both)")
+                   help="optimization profiles of the one engine (default: both: a prefill and a decode profile "
+                        "sharing the weights)")
     p.add_argument("--skip-if-unavailable", action="store_true",
                    help="without TensorRT or a GPU, say so and exit 0 instead of exit 4 (scripts that run anywhere)")
     g = p.add_argument_group("Optimization profile")
     for dim, (lo, opt, hi) in DEFAULT_PROFILE.items():
-        what = "batch size" if dim == "batch" else "sequence length (prefill graph)"
+        what = "batch size" if dim == "batch" else ("sequence length (prefill profile; KV caches' "
+                                                    "past_sequence_length spans 0..max)")
         g.add_argument(f"--min-{dim}", type=int, default=lo, metavar="N", help=f"smallest {what} (default: {lo})")
         g.add_argument(f"--opt-{dim}", type=int, default=opt, metavar="N", help=f"{what} TensorRT tunes for (default: {opt})")
         g.add_argument(f"--max-{dim}", type=int, default=hi, metavar="N", help=f"largest {what} (default: {hi})")

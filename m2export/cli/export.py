@@ -1,19 +1,24 @@
-"""``m2export export``: a Mamba-2 checkpoint -> ONNX prefill/decode graphs + m2export.json."""
+"""``m2export export``: a Mamba-2 or hybrid checkpoint -> one ONNX graph per flavour + m2export.json."""
 
 from __future__ import annotations
 
-HELP = "export a checkpoint to ONNX (prefill + decode graphs; SSMScan custom-op or standard-op flavour)"
-DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) to ONNX:
+HELP = "export a checkpoint to ONNX (one graph for prefill and decode; SSMScan custom-op or standard-op flavour)"
+DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) or a hybrid (Nemotron-H,
+Granite 4.0-H, Bamba) to ONNX:
 
-  OUTDIR/model.onnx     prefill graph: input_ids [batch_size, sequence_length] + past states -> logits + present states
-  OUTDIR/decode.onnx    decode graph: the same with sequence_length fixed to 1
-  OUTDIR/m2export.json  manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
-  OUTDIR/*.std.onnx     the std flavour as well, with --ssm-impl both or all
-  OUTDIR/*.native.onnx  the native flavour as well, with --ssm-impl all
-  OUTDIR/genai_config.json  onnxruntime-genai's config (and the checkpoint's tokenizer files, if any)
+  OUTDIR/model.onnx       input_ids [batch_size, sequence_length] + past states -> logits + present states;
+                          prefill, and decode with sequence_length 1
+  OUTDIR/model.onnx.data  the weights, stored once for every graph of the folder
+  OUTDIR/m2export.json    manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
+  OUTDIR/*.std.onnx       the std flavour as well, with --ssm-impl both or all
+  OUTDIR/*.native.onnx    the native flavour as well, with --ssm-impl all
+  OUTDIR/genai_config.json  onnxruntime-genai's config, and the checkpoint's tokenizer files (generate uses
+                          tokenizer.json)
 
-Both graphs take every layer's past_conv_state.{i} / past_ssm_state.{i} (zeros start a fresh sequence)
-and return present_conv_state.{i} / present_ssm_state.{i}. ssm states are float32 whatever --dtype.
+The graph takes every Mamba layer's past_conv_state.{i} / past_ssm_state.{i} and every attention layer's
+past_key_values.{i}.key / .value (batch_size, kv heads, past_sequence_length, head_dim); zeros (KV caches
+of length 0) start a fresh sequence. It returns present_conv_state.{i} / present_ssm_state.{i} /
+present.{i}.key / .value. ssm states are float32 whatever --dtype.
 
 graph flavours (all are ONNX graphs; --ssm-impl picks):
   ssmscan  (default) one m2export::SSMScan custom-op node per layer carrying plugin_namespace/plugin_version
@@ -22,8 +27,8 @@ graph flavours (all are ONNX graphs; --ssm-impl picks):
   std      standard ONNX ops only (no custom domain): any runtime, no plugin
   native   opset 27 with ONNX Runtime's own kernels for the mixer (LinearAttention for sequences up to
            8 tokens, decode included, CausalConvWithState; ONNX Runtime >= 1.32); fp32/fp16
-  both     ssmscan as model.onnx/decode.onnx and std as model.std.onnx/decode.std.onnx
-  all      both, plus native as model.native.onnx/decode.native.onnx
+  both     ssmscan as model.onnx and std as model.std.onnx (one weights file)
+  all      both, plus native as model.native.onnx
   (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)
 
 --dtype bf16 graphs do not run in ONNX Runtime's CPU provider (it has no bf16 MatMul/Conv); build them

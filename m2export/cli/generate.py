@@ -41,14 +41,15 @@ def add_arguments(p):
     x.add_argument("--prompt", metavar="TEXT", help="prompt text")
     x.add_argument("--prompt-ids", metavar="ID,ID,...",
                    help="prompt as comma-separated token ids, each in [0, vocab_size)")
-    g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes")
+    g.add_argument("--tokenizer", metavar="FILE", help="tokenizers JSON for vocabularies other than bytes (default: "
+                   "the tokenizer.json export copied from the checkpoint, if it had one)")
     g = p.add_argument_group("Runtime")
     g.add_argument("--runtime", choices=list(names.RUNTIMES), type=names.cli_type("runtime", "--runtime"),
                    default=None, help="default: onnxrt for an OUTDIR, torch for a checkpoint; onnx-reference runs "
                         "the graphs in ONNX's reference evaluator (any dtype, bf16 included; slow)")
     g.add_argument("--ssm-impl", choices=list(names.FLAVOURS), type=names.cli_type("flavour", "--ssm-impl"),
                    default=None, help="onnxrt/onnx-reference: which graph flavour, ssmscan (SSMScan custom op) or std "
-                        "(standard ops) (default: the primary model.onnx/decode.onnx)")
+                        "(standard ops) (default: the primary model.onnx)")
     g = p.add_argument_group("Decoding")
     g.add_argument("--max-new-tokens", type=non_negative_int, default=64, metavar="N", help="(default: %(default)s)")
     g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
@@ -75,15 +76,16 @@ def run(args) -> int:
     runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
     tok = None
+    tok_file = args.tokenizer or session.tokenizer_file  # the export's own tokenizer.json unless --tokenizer
     if args.prompt_ids is not None:
         try:
             ids = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
         except ValueError:
             raise M2ExportError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
-        if args.tokenizer or session.cfg.vocab_size == 256:
-            tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
+        if tok_file or session.cfg.vocab_size == 256:
+            tok = choose_tokenizer(session.cfg.vocab_size, tok_file)
     else:
-        tok = choose_tokenizer(session.cfg.vocab_size, args.tokenizer)
+        tok = choose_tokenizer(session.cfg.vocab_size, tok_file)
         ids = tok.encode(args.prompt)
     check_prompt_ids(ids, session.cfg.vocab_size, param="prompt_ids" if args.prompt_ids is not None else None)
     on_token = None

@@ -1,17 +1,25 @@
-"""``export_model``: a Mamba-2 checkpoint -> OUTDIR with prefill/decode ONNX graphs and m2export.json.
+"""``export_model``: a Mamba-2 checkpoint -> OUTDIR with one ONNX graph per flavour and m2export.json.
 
-Steps (one progress-bar tick each): load the checkpoint in the export dtype; per role (prefill, decode)
-trace with ``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatcher` routes every scan
-through ``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node); attach the
-model-local function body; save (external data above 2 GB); for the ``std`` flavour inline the function
-(standard ops only); ``onnx.checker`` full check of every file; write the manifest. Everything is written
-through :func:`m2export._paths.staged_output`: a temporary sibling of OUTDIR swapped in at the end, so a
-failed or interrupted export leaves nothing and the previous export stays intact until the swap.
+One graph serves prefill and decode (``sequence_length`` 1 is a decode step; the past states are inputs):
+measured on a mamba2-130m-shaped checkpoint (ORT CPU, 1 thread, batch 1, L=1, best of 60 interleaved
+runs), the prefill graph took 108.8 ms (ssmscan flavour) / 157.0 ms (std) where the separately traced
+decode graph took 107.4 / 142.3 ms: within the run-to-run noise of that loaded machine (medians 128 vs 121
+/ 197 vs 197 ms), so the second graph (and its copy of the weights) bought nothing.
+
+Steps (one progress-bar tick each): load the checkpoint in the export dtype; trace with
+``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatcher` routes every scan through
+``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node); attach the model-local
+function body; save; for the ``std`` flavour inline the function (standard ops only); ``onnx.checker``
+full check of every file; write the manifest. Weights are stored once, in ``model.onnx.data``
+(:class:`SharedWeights`), which every graph of the folder references (both flavours included). Everything
+is written through :func:`m2export._paths.staged_output`: a temporary sibling of OUTDIR swapped in at the
+end, so a failed or interrupted export leaves nothing and the previous export stays intact until the swap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -22,25 +30,23 @@ from typing import Any
 from m2export import contract
 from m2export import _paths
 from m2export.errors import ExportError, Interrupted, InternalError, ParameterError
-from m2export.exporter.configs import DECODE_FILE, DTYPES, PREFILL_FILE, Mamba2OnnxConfig
+from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREFILL_FILE, SEQ,
+                                       WEIGHTS_FILE, GraphIO)
 from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
-from m2export.exporter.genai import write_genai_files
+from m2export.exporter.genai import TOKENIZER_FILES, write_genai_files
 from m2export.exporter.native_ort import to_native_ort
 from m2export.names import FLAVOUR_SUFFIX, FLAVOURS, GROUPS, PRIMARY_FLAVOUR, canonical
 
 log = logging.getLogger("m2export")
 
 SSM_IMPL_CHOICES = (*FLAVOURS, *GROUPS)
-#: protobuf's hard limit; above it weights go to ``<file>.data`` next to the graph
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 #: example sizes used for tracing; tests run other sizes to prove the axes are dynamic
-EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 7
+EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 7, 5
 
 
-def graph_file(role: str, ssm_impl: str, primary: bool) -> str:
-    """File name of a graph in OUTDIR: model.onnx / decode.onnx (primary), model.std.onnx / decode.std.onnx."""
-    base = PREFILL_FILE if role == "prefill" else DECODE_FILE
-    return base if primary else base.replace(".onnx", f"{FLAVOUR_SUFFIX[ssm_impl]}.onnx")
+def graph_file(ssm_impl: str, primary: bool) -> str:
+    """File name of a graph in OUTDIR: model.onnx (primary flavour), model.std.onnx / model.native.onnx (others)."""
+    return PREFILL_FILE if primary else PREFILL_FILE.replace(".onnx", f"{FLAVOUR_SUFFIX[ssm_impl]}.onnx")
 
 
 def tool_versions() -> dict[str, str]:
@@ -55,12 +61,25 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-class _GraphModule:
-    """Builds the traced callable: forward(input_ids, states) -> (logits, *present states).
+def flat_forward(model, input_ids, past: list):
+    """``(logits, presents)``: the model called with its states as one flat list in :class:`GraphIO` state order.
 
-    ``states`` is the flat list past_conv_state.0, past_ssm_state.0, past_conv_state.1, ... (the order
-    of :meth:`Mamba2OnnxConfig.inputs`).
+    A model with its own ``forward_states(input_ids, past) -> (logits, presents)`` (the layer-stack models)
+    answers for itself; a pure Mamba-2 model's flat order is conv_state.0, ssm_state.0, conv_state.1, ...
     """
+    own = getattr(model, "forward_states", None)
+    if callable(own):
+        return own(input_ids, list(past))
+    out = model(input_ids, list(past[0::2]), list(past[1::2]))
+    flat = []
+    for c, s in zip(out.conv_states, out.ssm_states):
+        flat += [c, s]
+    return out.logits, flat
+
+
+class _GraphModule:
+    """Builds the traced callable: forward(input_ids, states) -> (logits, *present states), states in the
+    order of :attr:`GraphIO.states`."""
 
     @staticmethod
     def make(model):
@@ -72,41 +91,54 @@ class _GraphModule:
                 self.model = m
 
             def forward(self, input_ids, states: list):
-                out = self.model(input_ids, list(states[0::2]), list(states[1::2]))
-                flat = []
-                for c, s in zip(out.conv_states, out.ssm_states):
-                    flat += [c, s]
-                return (out.logits, *flat)
+                logits, presents = flat_forward(self.model, input_ids, states)
+                return (logits, *presents)
 
         return GraphModule(model).eval()
 
 
-def _trace(model, cfg, onnx_cfg: Mamba2OnnxConfig, decode: bool, torch_dtype, opset: int):
+def torch_dtype(onnx_dtype: str):
+    """torch dtype of an ONNX dtype name (float32, float16, bfloat16, int64)."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "int64": torch.int64}[onnx_dtype]
+
+
+def example_inputs(io: GraphIO):
+    """(input_ids, states, dynamic_shapes) for tracing: sizes EXAMPLE_*, dims named by ``io``."""
+    import torch
+
+    dims = {BATCH: torch.export.Dim(BATCH, min=1, max=1 << 16),
+            SEQ: torch.export.Dim(SEQ, min=1, max=1 << 20),
+            PAST_SEQ: torch.export.Dim("past_sequence_length", min=0, max=1 << 20)}
+    ids = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.long)
+    states = [torch.zeros(s.past.concrete(batch_size=EXAMPLE_BATCH, past_sequence_length=EXAMPLE_PAST),
+                          dtype=torch_dtype(s.past.dtype)) for s in io.states]
+    dyn_ids = {k: dims[d] for k, d in enumerate(io.input("input_ids").shape) if isinstance(d, str)}
+    dyn_states = [{k: dims[d] for k, d in enumerate(s.past.shape) if isinstance(d, str)} for s in io.states]
+    return ids, states, {"input_ids": dyn_ids, "states": dyn_states}
+
+
+def _trace(model, io: GraphIO, opset: int):
     """torch.onnx.export (dynamo) of one role; returns the ONNXProgram (SSMScan nodes, no function yet)."""
     import torch
 
     from m2export.exporter.patcher import Mamba2ModelPatcher
     from m2export.exporter.ssm_scan_op import custom_translation_table
 
-    batch = torch.export.Dim("batch_size", min=1, max=1 << 16)
-    seq = 1 if decode else EXAMPLE_SEQ
-    ids = torch.zeros(EXAMPLE_BATCH, seq, dtype=torch.long)
-    states = []
-    for i in range(cfg.n_layer):
-        states.append(torch.zeros(EXAMPLE_BATCH, cfg.conv_dim, cfg.d_conv - 1, dtype=torch_dtype))
-        states.append(torch.zeros(EXAMPLE_BATCH, cfg.nheads, cfg.headdim, cfg.d_state, dtype=torch.float32))
-    ids_dims = {0: batch} if decode else {0: batch, 1: torch.export.Dim("sequence_length", min=1, max=1 << 20)}
-    dyn = {"input_ids": ids_dims, "states": [{0: batch} for _ in states]}
+    ids, states, dyn = example_inputs(io)
     wrapper = _GraphModule.make(model)
     with Mamba2ModelPatcher(model), torch.no_grad(), warnings.catch_warnings(), \
             contextlib.redirect_stdout(open(os.devnull, "w")):
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
             wrapper, (ids, states), dynamo=True, opset_version=opset,
-            input_names=list(onnx_cfg.inputs(decode)), output_names=list(onnx_cfg.outputs(decode)),
+            input_names=io.input_names(), output_names=io.output_names(),
             dynamic_shapes=dyn, custom_translation_table=custom_translation_table(), verbose=False,
             optimize=False)
     _optimize(prog.model)
+    _share_tied_embedding(prog.model)
     return prog
 
 
@@ -125,6 +157,42 @@ def _optimize(model) -> None:
         _constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=65536),
         common.RemoveUnusedNodesPass(), common.CommonSubexpressionEliminationPass(), common.RemoveUnusedNodesPass(),
         common.RemoveUnusedOpsetsPass(), common.DeduplicateInitializersPass())(model)
+
+
+def _share_tied_embedding(model) -> None:
+    """Keep a tied embedding once: lm_head's ``MatMul(h, Transpose(W))`` is constant-folded into a second
+    initializer ``W^T``, so ``W`` (the embedding) and ``W^T`` would both be stored. Where a ``Gather(W, ids)``
+    has an initializer equal to ``W^T`` beside it, it becomes ``Transpose(Gather(W^T, ids, axis=1))`` (same
+    values: columns of W^T are rows of W) and ``W`` drops out of the graph (in place)."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    inits = model.graph.initializers
+    by_shape: dict[tuple, list] = {}
+    for v in inits.values():
+        if v.const_value is not None and v.shape is not None and len(v.shape) == 2:
+            by_shape.setdefault((v.dtype, tuple(v.shape)), []).append(v)
+    changed = False
+    for node in list(model.graph):
+        if node.op_type != "Gather" or node.domain != "" or node.attributes.get_int("axis", 0) != 0:
+            continue
+        w, ids = node.inputs[0], node.inputs[1]
+        if w is None or w.name not in inits or w.const_value is None or w.shape is None or len(w.shape) != 2 \
+                or ids is None or ids.shape is None:
+            continue
+        cands = by_shape.get((w.dtype, (w.shape[1], w.shape[0])), [])
+        a = w.const_value.numpy() if cands else None
+        wt = next((c for c in cands if np.array_equal(c.const_value.numpy(), a.T)), None)
+        if wt is None:
+            continue
+        rank = len(ids.shape)
+        g = ir.node("Gather", [wt, ids], {"axis": 1})  # (d, *ids)
+        t = ir.node("Transpose", g.outputs, {"perm": [*range(1, rank + 1), 0]})
+        ir.convenience.replace_nodes_and_values(model.graph, node, [node], [g, t], node.outputs, t.outputs)
+        changed = True
+    if changed:
+        common.RemoveUnusedNodesPass()(model)
 
 
 def _attach_function(model, opset: int) -> None:
@@ -157,20 +225,58 @@ def _inline(model) -> None:
             raise InternalError(f"{node.op_type} left in the plugin-free graph after inlining")
 
 
-def _model_nbytes(model) -> int:
-    return sum(int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None)
+class SharedWeights:
+    """One external-data file for every graph of an export folder: each distinct weight is written once.
+
+    :meth:`externalize` moves a model's initializers of at least ``threshold`` bytes into the file (64-byte
+    aligned, deduplicated by dtype, shape and content hash) and points them there as external tensors, so
+    ``onnx_ir.save`` writes only references; a second graph with the same weights (the standard-op flavour
+    inlined from the plugin one) reuses the stored bytes. Small tensors stay inline.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, folder: Path, name: str = WEIGHTS_FILE, threshold: int = 1024):
+        self.folder, self.name, self.threshold = Path(folder), name, threshold
+        self._f = open(self.folder / name, "wb")
+        self._index: dict[tuple, tuple[int, int]] = {}
+
+    def externalize(self, model) -> bool:
+        """Point ``model``'s large initializers into the shared file; True if any initializer refers to it."""
+        import onnx_ir as ir
+
+        used = False
+        for v in model.graph.initializers.values():
+            t = v.const_value
+            if t is None or t.nbytes < self.threshold:
+                continue
+            used = True
+            if isinstance(t, ir.ExternalTensor) and Path(t.location).name == self.name:
+                continue
+            data = t.tobytes()
+            key = (t.dtype, tuple(t.shape), len(data), hashlib.blake2b(data, digest_size=20).digest())
+            if key not in self._index:
+                pad = -self._f.tell() % self.ALIGN
+                self._f.write(b"\0" * pad)
+                self._index[key] = (self._f.tell(), len(data))
+                self._f.write(data)
+            off, n = self._index[key]
+            v.const_value = ir.ExternalTensor(self.name, off, n, t.dtype, shape=t.shape, name=v.name,
+                                              base_dir=str(self.folder))
+        self._f.flush()
+        return used
+
+    def close(self) -> None:
+        self._f.close()
 
 
-def _save(model, path: Path) -> list[str]:
-    """Save an onnx_ir Model; weights go to ``<name>.data`` when the model exceeds 2 GB. Returns data files."""
+def _save(model, path: Path, weights: SharedWeights) -> list[str]:
+    """Save an onnx_ir Model with its weights in the shared file. Returns the external-data files it uses."""
     import onnx_ir as ir
 
-    if _model_nbytes(model) > EXTERNAL_DATA_THRESHOLD - 64 * 1024**2:
-        data = path.name + ".data"
-        ir.save(model, path, external_data=data)
-        return [data]
+    used = weights.externalize(model)
     ir.save(model, path)
-    return []
+    return [weights.name] if used else []
 
 
 def _check(path: Path) -> None:
@@ -182,11 +288,11 @@ def _check(path: Path) -> None:
         raise ExportError(f"{path.name}: onnx.checker rejected the exported graph: {str(e).splitlines()[0]}") from e
 
 
-def _rename_dims(model, onnx_cfg: Mamba2OnnxConfig, decode: bool) -> None:
-    """Give graph inputs/outputs the symbolic dim names of :class:`Mamba2OnnxConfig`."""
+def _rename_dims(model, io: GraphIO) -> None:
+    """Give graph inputs/outputs the symbolic dim names of :class:`GraphIO`."""
     import onnx_ir as ir
 
-    specs = {**onnx_cfg.inputs(decode), **onnx_cfg.outputs(decode)}
+    specs = {t.name: t.shape for t in (*io.inputs, *io.outputs)}
     for v in list(model.graph.inputs) + list(model.graph.outputs):
         want = specs.get(v.name)
         if want is None or v.shape is None:
@@ -196,21 +302,10 @@ def _rename_dims(model, onnx_cfg: Mamba2OnnxConfig, decode: bool) -> None:
             v.shape = ir.Shape(dims)
 
 
-def _io_entry(onnx_cfg: Mamba2OnnxConfig, decode: bool, dtype_name: str) -> tuple[dict, dict]:
-    def dt(name):
-        if name == "input_ids":
-            return "int64"
-        return "float32" if "ssm_state" in name else dtype_name
-
-    ins = {k: {"dtype": dt(k), "shape": list(v)} for k, v in onnx_cfg.inputs(decode).items()}
-    outs = {k: {"dtype": dt(k), "shape": list(v)} for k, v in onnx_cfg.outputs(decode).items()}
-    return ins, outs
-
-
 def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ssm_impl: str = PRIMARY_FLAVOUR,
                  dtype: str = "fp32", opset: int | None = None, force: bool = False, force_foreign: bool = False,
                  allow_nonfinite: bool = False, check: bool = True, progress: bool = False) -> Manifest:
-    """Export a Mamba-2 checkpoint to ONNX prefill and decode graphs in ``outdir``.
+    """Export a Mamba-2 or hybrid checkpoint to one ONNX graph per flavour (serving prefill and decode) in ``outdir``.
 
     Args:
         checkpoint: checkpoint directory (config.json + weights) or weight file, mamba_ssm or HF format.
@@ -218,12 +313,12 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         ssm_impl: graph flavour (m2export/names.py): "ssmscan" (one m2export::SSMScan custom-op node per
             layer + its model-local function), "std" (standard ops only), "native" (ONNX Runtime's own
             LinearAttention and CausalConvWithState kernels, opset 27: :mod:`m2export.exporter.native_ort`),
-            "both" (ssmscan as model.onnx/decode.onnx, std as model.std.onnx/decode.std.onnx) or "all" (both,
-            plus native as model.native.onnx/decode.native.onnx). The old spellings "plugin" and "onnx" are
+            "both" (ssmscan as model.onnx, std as model.std.onnx) or "all" (both, plus native as
+            model.native.onnx); one weights file for all of them. The old spellings "plugin" and "onnx" are
             accepted with a DeprecationWarning. Every export also writes genai_config.json
             (:mod:`m2export.exporter.genai`) for onnxruntime-genai, and copies the checkpoint's tokenizer files.
         dtype: "fp32" | "fp16" | "bf16": weights and activations; scan internals and ssm states stay fp32.
-        opset: default ONNX opset (default :attr:`Mamba2OnnxConfig.DEFAULT_OPSET`).
+        opset: default ONNX opset (default :attr:`GraphIO.DEFAULT_OPSET`).
         force: replace an existing non-empty ``outdir`` that m2export wrote (its manifest says so and it
             holds only m2export's files). Never a symlink, a folder holding the checkpoint's files (through
             symlinks too) or the current directory, nor a non-empty mount point.
@@ -247,7 +342,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise ParameterError(f"`ssm_impl`: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
     if dtype not in DTYPES:
         raise ParameterError(f"`dtype`: expected one of {list(DTYPES)}, got {dtype!r}")
-    opset = Mamba2OnnxConfig.DEFAULT_OPSET if opset is None else int(opset)
+    opset = GraphIO.DEFAULT_OPSET if opset is None else int(opset)
     import onnx
 
     if not 18 <= opset <= onnx.defs.onnx_opset_version():
@@ -258,55 +353,73 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise ParameterError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
                              "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
                              hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
-    roles = ("prefill", "decode")
-    n_steps = 1 + len(roles) * (2 + len(impls) * (1 + int(check))) + 1
+    n_steps = 1 + 2 + len(impls) * (1 + int(check)) + 1
     bar = _Progress(progress, n_steps)
     from m2export.models.checkpoint import checkpoint_files
 
     with _paths.staged_output(outdir, force=force, force_foreign=force_foreign, owned=foreign_reason,
                               protect=checkpoint_files(checkpoint)) as tmp, bar, _quiet_third_party_logs():
-        import torch
-
         from m2export.models.checkpoint import load_checkpoint
 
-        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         bar.step(f"loading {checkpoint}")
-        ck = load_checkpoint(checkpoint, dtype=torch_dtype, allow_nonfinite=allow_nonfinite)
-        cfg = ck.config
-        onnx_cfg = Mamba2OnnxConfig(cfg)
+        ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite)
         graphs: list[GraphEntry] = []
-        for role in roles:
-            decode = role == "decode"
-            bar.step(f"tracing {role} graph (torch.onnx dynamo)")
-            prog = _export_step(ck.model, cfg, onnx_cfg, decode, torch_dtype, opset)
-            model = prog.model
-            _rename_dims(model, onnx_cfg, decode)
-            bar.step(f"attaching the SSMScan function to {role}")
-            _attach_function(model, opset)
-            ins, outs = _io_entry(onnx_cfg, decode, DTYPES[dtype])
+        io = GraphIO.for_model(ck.spec, dtype)
+        bar.step("tracing the graph (torch.onnx dynamo)")
+        prog = _export_step(ck.model, io, opset)
+        model = prog.model
+        _rename_dims(model, io)
+        bar.step("attaching the SSMScan function")
+        _attach_function(model, opset)
+        weights = SharedWeights(tmp)
+        try:
             # ssmscan and native (a copy) first: inlining the std flavour mutates the model in place
             for impl in sorted(impls, key=("ssmscan", "native", "std").index):
-                primary = impl == impls[0]
-                fname = graph_file(role, impl, primary)
+                fname = graph_file(impl, impl == impls[0])
                 bar.step(f"saving {fname}")
                 if impl == "std":
                     _inline(model)
-                data = _save(to_native_ort(model, cfg.nheads, cfg.n_layer, _inline) if impl == "native"
-                             else model, tmp / fname)
+                data = _save(_native(model, ck.spec) if impl == "native" else model, tmp / fname, weights)
                 if check:
                     bar.step(f"onnx.checker full check of {fname}")
                     _check(tmp / fname)
-                graphs.append(GraphEntry(role=role, ssm_impl=impl, file=fname, inputs=ins, outputs=outs,
-                                         external_data=data))
-            del prog, model
+                graphs.append(GraphEntry(role=GRAPH_ROLE, ssm_impl=impl, file=fname, external_data=data,
+                                         **io.to_manifest()))
+        finally:
+            weights.close()
+        del prog, model
+        tokenizer = [f for f in TOKENIZER_FILES if (Path(ck.path) / f).is_file()]  # copied by write_genai_files
         bar.step("writing manifest")
         manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,
-                            checkpoint_sha256=ck.sha256, config=cfg.to_dict(), dtype=dtype, opset=opset,
-                            graphs=graphs, tool_versions=tool_versions())
+                            checkpoint_sha256=ck.sha256, config=_manifest_config(ck), dtype=dtype, opset=opset,
+                            graphs=graphs, tool_versions=tool_versions(), tokenizer=tokenizer)
         write_manifest(tmp, manifest)
         write_genai_files(tmp, manifest, checkpoint)
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
+
+
+def _native(model, spec):
+    """The native-flavour copy of ``model`` (:func:`to_native_ort`): every Mamba mixer of ``spec`` must have the
+    same number of heads (LinearAttention's ``q_num_heads`` attribute lives in the shared function body)."""
+    heads = {spec.layers[i].mamba.nheads for i in spec.mamba_layers}
+    if len(heads) != 1:
+        raise ParameterError(f"`ssm_impl` native: the Mamba layers have different head counts {sorted(heads)}; "
+                             "the native flavour needs one", hint="export the ssmscan or std flavour")
+    return to_native_ort(model, heads.pop(), len(spec.mamba_layers), _inline)
+
+
+def _manifest_config(ck) -> dict[str, Any]:
+    """What m2export.json records of the model: Mamba2Config.to_dict() for Mamba-2 checkpoints, the
+    checkpoint's own config.json (non-finite floats decoded) for hybrid families, re-read by
+    :meth:`Manifest.model_config`."""
+    import json
+
+    from m2export.models.families import decode_hf_floats
+
+    if ck.config is not None:
+        return ck.config.to_dict()
+    return decode_hf_floats(json.loads((Path(ck.path) / "config.json").read_text()))
 
 
 #: third-party loggers that narrate every pass at INFO (and torch.onnx warns about torchvision) during export
@@ -331,17 +444,17 @@ def _quiet_third_party_logs():
             logging.getLogger(n).setLevel(lvl)
 
 
-def _export_step(model, cfg, onnx_cfg, decode, torch_dtype, opset):
+def _export_step(model, io, opset):
     """One torch.onnx export, its failures turned into ExportError (kept as a seam for failure tests)."""
     try:
-        prog = _trace(model, cfg, onnx_cfg, decode, torch_dtype, opset)
+        prog = _trace(model, io, opset)
     except ExportError:
         raise
     except Exception as e:  # torch.export / onnx conversion raise many types
         if _paths.interrupted():  # a fallback caught the Interrupted our signal handler raised: re-raise it
             raise Interrupted(_paths.interrupted()) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"torch.onnx export of the {'decode' if decode else 'prefill'} graph failed: "
+        raise ExportError(f"torch.onnx export of the graph failed: "
                           f"{type(e).__name__}: {first}", hint="rerun with -v for the traceback") from e
     _paths.raise_if_interrupted()  # ... or a fallback caught it and went on: the result does not count
     return prog

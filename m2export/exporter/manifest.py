@@ -5,17 +5,20 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
 :meth:`Manifest.graph`. Layout of OUTDIR::
 
     m2export.json            this manifest
-    model.onnx  decode.onnx  primary flavour (``ssm_impl`` of the export; ssmscan by default)
-    model.onnx.data ...      external data, only when a graph exceeds 2 GB
-    model.std.onnx  decode.std.onnx   the std (standard-op) flavour, when both are exported
-    model.native.onnx  decode.native.onnx   the native flavour (ONNX Runtime's own kernels), with --ssm-impl native/all
+    model.onnx               primary flavour (``ssm_impl`` of the export; ssmscan by default): one graph for
+                             prefill and decode (sequence_length 1 is a decode step)
+    model.std.onnx           the std (standard-op) flavour, when exported (--ssm-impl std/both/all)
+    model.native.onnx        the native flavour (ONNX Runtime's own kernels), with --ssm-impl native/all
+    model.onnx.data          the weights, once, referenced by every graph of the folder (external data)
     genai_config.json        onnxruntime-genai's config (+ the checkpoint's tokenizer files, when it has them)
-    model.plan  decode.plan  TensorRT engines written by ``m2export build`` (+ .timing.cache)
+    model.plan               TensorRT engine written by ``m2export build``: one engine, one optimization
+                             profile per role (prefill, decode) (+ .timing.cache)
     check_report.json ...    ``m2export check``'s reports (:data:`CHECK_REPORT_FILES`)
 
 Graph flavours are named as in :mod:`m2export.names`; a manifest written with the old names
 (``plugin``/``onnx``) is read with the new ones. :func:`foreign_reason` tells a folder m2export wrote
-(``export --force`` may replace it) from any other.
+(``export --force`` may replace it) from any other. Version 1 folders (separate decode.onnx graphs, weights
+stored in every graph) are refused with a re-export hint.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
 from m2export.models.config import Mamba2Config
 from m2export.names import canonical
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 ROLES = ("prefill", "decode")
 #: what ``m2export check`` writes into OUTDIR: report JSON, report markdown, error histogram, data-loader script,
 #: saved inputs and reference outputs (m2export/check/repro.py)
@@ -43,10 +46,18 @@ _OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.c
                     GENAI_CONFIG_FILE, *TOKENIZER_FILES)
 
 
+def _has_role(entry_role: str, role: str) -> bool:
+    """A graph/engine entry's role is "prefill", "decode" or both joined by "+" (one graph serving both)."""
+    return role in entry_role.split("+")
+
+
 @dataclass
 class GraphEntry:
-    """One ONNX graph: ``role`` prefill|decode, ``ssm_impl`` (the flavour) ssmscan|std, ``file`` relative to OUTDIR,
-    ``inputs``/``outputs``: name -> {"dtype": str, "shape": [int | symbol]}."""
+    """One ONNX graph: ``role`` "prefill+decode" (one graph serves both), ``ssm_impl`` (the flavour) ssmscan|std|native,
+    ``file`` relative to OUTDIR, ``external_data``: the weight files it references (``model.onnx.data``, shared),
+    ``inputs``/``outputs``: name -> {"dtype": str, "shape": [int | symbol]}; ``states``: per-layer state
+    pairs {"layer", "kind", "past", "present"} (the JSON form of
+    :class:`~m2export.exporter.configs.GraphIO`, read back with :meth:`io`)."""
 
     role: str
     ssm_impl: str
@@ -54,11 +65,23 @@ class GraphEntry:
     inputs: dict[str, dict[str, Any]]
     outputs: dict[str, dict[str, Any]]
     external_data: list[str] = field(default_factory=list)
+    states: list[dict[str, Any]] = field(default_factory=list)
+
+    def io(self):
+        """This graph's :class:`~m2export.exporter.configs.GraphIO`."""
+        from m2export.exporter.configs import GraphIO
+
+        return GraphIO.from_manifest(self.inputs, self.outputs, self.states)
+
+    def serves(self, role: str) -> bool:
+        """True if this graph serves ``role`` ("prefill" or "decode")."""
+        return _has_role(self.role, role)
 
 
 @dataclass
 class EngineEntry:
-    """One TensorRT engine written by ``m2export build``."""
+    """One TensorRT engine written by ``m2export build``: ``profiles[k]`` is the optimization profile for
+    ``profile_roles[k]`` (one engine, one profile per role: the weights are in it once)."""
 
     role: str
     file: str
@@ -69,6 +92,18 @@ class EngineEntry:
     plugin_mode: str  # jit | aot
     profiles: list[dict[str, Any]]
     precision: str
+    profile_roles: list[str] = field(default_factory=lambda: ["prefill"])
+
+    def profile_index(self, role: str) -> int:
+        """Index of the optimization profile that serves ``role``."""
+        return self.profile_roles.index(role) if role in self.profile_roles else 0
+
+    def serves(self, role: str) -> bool:
+        """True if this engine has a profile for ``role`` ("prefill" or "decode")."""
+        return _has_role(self.role, role)
+
+    def profile(self, role: str) -> dict[str, Any]:
+        return self.profiles[self.profile_index(role)] if self.profiles else {}
 
 
 @dataclass
@@ -83,18 +118,27 @@ class Manifest:
     tool_versions: dict[str, str]
     engines: list[EngineEntry] = field(default_factory=list)
     manifest_version: int = MANIFEST_VERSION
+    #: tokenizer files copied from the checkpoint folder (genai.TOKENIZER_FILES that were there)
+    tokenizer: list[str] = field(default_factory=list)
 
-    def model_config(self) -> Mamba2Config:
+    def model_config(self):
+        """The model description: a :class:`Mamba2Config` (mamba_ssm / HF Mamba-2 exports) or, for a hybrid
+        family (``checkpoint_format`` nemotron_h, granitemoehybrid, bamba), the
+        :class:`~m2export.models.spec.ModelSpec` read again from the recorded config.json."""
+        from m2export.models.families import READERS
+
+        if self.checkpoint_format in READERS:
+            return READERS[self.checkpoint_format](dict(self.config), MANIFEST_FILE)
         c = dict(self.config)
         lo, hi = c["dt_limit"]
         c["dt_limit"] = (float(lo), float(hi))
         return Mamba2Config(**c)
 
     def graph(self, role: str, ssm_impl: str | None = None) -> GraphEntry:
-        """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx / decode.onnx)."""
+        """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx)."""
         ssm_impl = canonical("flavour", ssm_impl)
         for g in self.graphs:
-            if g.role == role and (ssm_impl is None or g.ssm_impl == ssm_impl):
+            if _has_role(g.role, role) and (ssm_impl is None or g.ssm_impl == ssm_impl):
                 return g
         have = [(g.role, g.ssm_impl) for g in self.graphs]
         raise ExportFolderError(f"{MANIFEST_FILE}: no {role} graph" + (f" with ssm_impl={ssm_impl}" if ssm_impl else "")
@@ -105,14 +149,20 @@ class Manifest:
         return sorted({g.ssm_impl for g in self.graphs})
 
     def engine(self, role: str) -> EngineEntry | None:
-        return next((e for e in self.engines if e.role == role), None)
+        return next((e for e in self.engines if _has_role(e.role, role)), None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        """Raises ExportFolderError for a version-1 folder (two graphs, weights twice): it must be re-exported."""
         d = dict(d)
+        if int(d.get("manifest_version", 1)) < MANIFEST_VERSION:
+            raise ExportFolderError(f"{MANIFEST_FILE}: written by an older m2export (manifest version "
+                                    f"{d.get('manifest_version', 1)}: separate prefill/decode graphs, weights stored "
+                                    "in each); this version runs one graph with the weights stored once",
+                                    hint=REEXPORT_HINT)
         d["graphs"] = [GraphEntry(**g) for g in d.get("graphs", [])]
         for g in d["graphs"]:  # manifests from before the names of m2export/names.py
             g.ssm_impl = canonical("flavour", g.ssm_impl, warn=False)

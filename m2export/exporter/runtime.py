@@ -1,7 +1,17 @@
-"""Running an export folder in ONNX Runtime: sessions, zero states, prefill, greedy generation.
+"""Running an export: sessions, feeds and the one decode loop, for every runtime.
 
-Used by the exporter's tests, ``m2export check``/``generate`` and the benchmarks. Works on the
-manifest only (graph names, dtypes and shapes come from m2export.json), never on a torch model.
+Everything that runs a model call by call goes through here: ``m2export check`` (PyTorch reference, ONNX
+Runtime, ONNX's reference evaluator, TensorRT, all as Polygraphy runners), ``m2export generate``, the tests
+and the benchmarks.
+
+* :class:`Decoder`: the graph I/O (:class:`~m2export.exporter.configs.GraphIO`) plus a prefill and a decode
+  callable ``infer(feed_dict) -> outputs`` (an activated Polygraphy runner's ``infer``, or
+  :class:`SessionInfer` over an ONNX Runtime session). It builds the zero feeds, feeds each call's
+  ``present`` outputs back as the next call's ``past`` inputs, and runs :meth:`Decoder.run_sequence`, the
+  only prefill-then-decode loop in m2export (the next token is chosen by a callback: greedy, sampled, or
+  forced to a reference's token).
+* :class:`OrtModel`, :func:`ort_generate_greedy`: an export folder in ONNX Runtime (works on the manifest
+  only, never on a torch model).
 
 bfloat16: ONNX Runtime's CPU execution provider has no bfloat16 kernels for the ops these graphs use
 (ORT 1.32: "Could not find an implementation for MatMul(13)"), so a bf16 export cannot be run on CPU;
@@ -13,13 +23,17 @@ evaluator instead: slow, for tiny models and tests.
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from m2export.errors import BackendUnavailable
-from m2export.exporter.manifest import Manifest, read_manifest
+from m2export.exporter.configs import GraphIO
+from m2export.exporter.manifest import read_manifest
 
 REFERENCE_PROVIDER = "onnx.reference"
 
@@ -36,6 +50,22 @@ def _np_dtypes() -> dict[str, Any]:
 
 
 NP_DTYPES = _np_dtypes()
+
+
+def numpy_dtype(onnx_dtype: str, *, bf16_as_float32: bool = False):
+    """numpy dtype of an ONNX dtype name (int64, float32, float16, bfloat16).
+
+    ``bf16_as_float32``: bfloat16 tensors travel as float32 (Polygraphy's runners have no numpy bfloat16;
+    the bf16 runners cast at their boundary); otherwise ml_dtypes' bfloat16 (ONNX Runtime, reference evaluator).
+    """
+    if onnx_dtype == "bfloat16" and bf16_as_float32:
+        return np.float32
+    return NP_DTYPES[onnx_dtype]
+
+
+def feed_dtype_of(onnx_dtype: str):
+    """:func:`numpy_dtype` for Polygraphy feed dicts (bf16 carried as float32)."""
+    return numpy_dtype(onnx_dtype, bf16_as_float32=True)
 
 
 class ReferenceSession:
@@ -78,61 +108,120 @@ def ort_session(path: str | os.PathLike, *, providers: Sequence[str] | None = No
     return ort.InferenceSession(str(path), sess_options=so, providers=providers)
 
 
-def zero_states(manifest: Manifest, batch: int, role: str = "prefill", ssm_impl: str | None = None) -> dict[str, Any]:
-    """Zero ``past_*`` inputs (a fresh sequence) of the graph ``role`` for ``batch`` sequences."""
-    g = manifest.graph(role, ssm_impl)
-    out = {}
-    for name, spec in g.inputs.items():
-        if name == "input_ids":
-            continue
-        shape = [batch if isinstance(d, str) else int(d) for d in spec["shape"]]
-        out[name] = np.zeros(shape, dtype=NP_DTYPES[spec["dtype"]])
-    return out
+class SessionInfer:
+    """``infer(feed_dict) -> OrderedDict`` over a session with ``run(names, feeds)`` (ORT or reference)."""
+
+    def __init__(self, session, output_names: Sequence[str]):
+        self.session, self.output_names = session, list(output_names)
+
+    def infer(self, feed_dict: Mapping[str, Any]) -> "OrderedDict[str, Any]":
+        return OrderedDict(zip(self.output_names, self.session.run(self.output_names, dict(feed_dict))))
 
 
-def _present_to_past(outputs: dict[str, Any]) -> dict[str, Any]:
-    return {k.replace("present_", "past_", 1): v for k, v in outputs.items() if k.startswith("present_")}
+@dataclass
+class Step:
+    """One call of :meth:`Decoder.run_sequence`: ``index`` 0 is the prefill, k > 0 the k-th decode step.
+    ``next_tokens`` (batch,) int64: the tokens chosen after it (None after the last call)."""
+
+    index: int
+    outputs: "OrderedDict[str, Any]"
+    seconds: float
+    next_tokens: np.ndarray | None = None
 
 
-class OrtModel:
-    """Prefill + decode sessions of one export folder and flavour (``ssm_impl`` None: the primary one)."""
+@dataclass
+class Decoder:
+    """Run one model (any runtime) call by call through its graph I/O.
+
+    Args:
+        io: the graph I/O (prefill form: ``sequence_length`` dynamic).
+        prefill: ``infer(feed_dict) -> outputs`` for prompts.
+        decode: the same for one-token steps (default: ``prefill``, one graph serving both).
+        np_dtype: ONNX dtype name -> numpy dtype of the feeds this runtime takes (default ml_dtypes'
+            bfloat16; :func:`feed_dtype_of` for Polygraphy runners).
+    """
+
+    io: GraphIO
+    prefill: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+    decode: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    np_dtype: Callable[[str], Any] = field(default=numpy_dtype)
+    last_seconds: float = field(default=0.0, init=False)
+
+    def zero_feeds(self, batch: int) -> "OrderedDict[str, Any]":
+        """Fresh-sequence ``past`` inputs for ``batch`` sequences (see :meth:`GraphIO.zero_feeds`)."""
+        return self.io.zero_feeds(batch, self.np_dtype)
+
+    def feeds(self, input_ids, past: Mapping[str, Any] | None = None) -> "OrderedDict[str, Any]":
+        """The full feed dict for ``input_ids`` (batch, seqlen) continuing ``past`` (None: a fresh sequence)."""
+        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        feed: OrderedDict[str, Any] = OrderedDict(input_ids=ids)
+        feed.update(past if past is not None else self.zero_feeds(ids.shape[0]))
+        return feed
+
+    def call(self, input_ids, past: Mapping[str, Any] | None = None, *, decode: bool = False) -> "OrderedDict[str, Any]":
+        """One call; returns own copies of the outputs (runners may reuse their buffers). The runtime's own
+        time for it (feeds built, copies made outside) is left in :attr:`last_seconds`."""
+        fn = (self.decode or self.prefill) if decode else self.prefill
+        feed = self.feeds(input_ids, past)
+        t0 = time.perf_counter()
+        out = fn(feed)
+        self.last_seconds = time.perf_counter() - t0
+        return OrderedDict((k, np.array(v, copy=True)) for k, v in out.items())
+
+    def run_sequence(self, prompt, steps: int,
+                     choose: Callable[[int, np.ndarray], np.ndarray] | None = None) -> Iterator[Step]:
+        """Prefill ``prompt`` (batch, seqlen), then ``steps`` decode steps, each fed the previous call's states.
+
+        ``choose(index, last_logits)`` returns the (batch,) tokens to feed after call ``index``, from that call's
+        last-position logits (batch, vocab_size_padded) as float32; default greedy (argmax). Yields a
+        :class:`Step` per call (``steps + 1`` in all), its ``next_tokens`` set unless it is the last.
+        """
+        choose = choose or (lambda k, logits: logits.argmax(-1))
+        step = Step(0, self.call(prompt), self.last_seconds)
+        for k in range(1, steps + 1):
+            last = np.asarray(step.outputs["logits"], dtype=np.float32)[:, -1]
+            step.next_tokens = np.asarray(choose(k - 1, last), dtype=np.int64).reshape(-1)
+            yield step
+            out = self.call(step.next_tokens[:, None], self.io.next_past(step.outputs, copy=False), decode=True)
+            step = Step(k, out, self.last_seconds)
+        yield step
+
+    def generate_greedy(self, input_ids, max_new_tokens: int, *, return_logits: bool = False):
+        """Greedy continuation: (batch, max_new_tokens) int64 new tokens (and the logits each was chosen from).
+
+        Prefill, then ``max_new_tokens - 1`` decode steps; token k is the argmax of call k's last logits.
+        """
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if max_new_tokens <= 0:
+            toks = np.zeros((ids.shape[0], 0), np.int64)
+            return (toks, np.zeros((ids.shape[0], 0, self.io.outputs[0].shape[-1]), np.float32)) \
+                if return_logits else toks
+        tokens, logits = [], []
+        for st in self.run_sequence(ids, max_new_tokens - 1):
+            last = np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1]
+            logits.append(last)
+            tokens.append(st.next_tokens if st.next_tokens is not None else last.argmax(-1))
+        toks = np.stack(tokens, axis=1).astype(np.int64)
+        return (toks, np.stack(logits, axis=1)) if return_logits else toks
+
+
+class OrtModel(Decoder):
+    """The session of one export folder and flavour (``ssm_impl`` None: the primary one), prefill and decode."""
 
     def __init__(self, outdir: str | os.PathLike, ssm_impl: str | None = None, *,
                  providers: Sequence[str] | None = None, threads: int | None = None):
         self.outdir = Path(outdir)
         self.manifest = read_manifest(self.outdir)
-        self.prefill_entry = self.manifest.graph("prefill", ssm_impl)
-        self.decode_entry = self.manifest.graph("decode", ssm_impl)
-        self.ssm_impl = self.prefill_entry.ssm_impl
-        d = self.manifest.dtype
-        self.prefill = ort_session(self.outdir / self.prefill_entry.file, providers=providers, threads=threads, dtype=d)
-        self.decode = ort_session(self.outdir / self.decode_entry.file, providers=providers, threads=threads, dtype=d)
+        self.entry = self.manifest.graph("prefill", ssm_impl)
+        self.ssm_impl = self.entry.ssm_impl
+        io = self.entry.io()
+        sess = ort_session(self.outdir / self.entry.file, providers=providers, threads=threads,
+                           dtype=self.manifest.dtype)
+        super().__init__(io, SessionInfer(sess, io.output_names()).infer)
 
     def run(self, input_ids, past: dict[str, Any] | None = None, *, decode: bool = False) -> dict[str, Any]:
         """One graph call; returns name -> numpy array for logits and every present state."""
-        ids = np.asarray(input_ids, dtype=np.int64)
-        sess, entry = (self.decode, self.decode_entry) if decode else (self.prefill, self.prefill_entry)
-        feeds = {"input_ids": ids}
-        feeds.update(past if past is not None else zero_states(self.manifest, ids.shape[0], entry.role, entry.ssm_impl))
-        names = list(entry.outputs)
-        return dict(zip(names, sess.run(names, feeds)))
-
-    def generate_greedy(self, input_ids, max_new_tokens: int, *, return_logits: bool = False):
-        """Greedy continuation: prefill, then ``max_new_tokens - 1`` decode steps (like the torch model)."""
-        ids = np.asarray(input_ids, dtype=np.int64)
-        out = self.run(ids)
-        logits = [out["logits"][:, -1]]
-        nxt = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
-        tokens = []
-        for _ in range(max_new_tokens):
-            tokens.append(nxt)
-            if len(tokens) == max_new_tokens:
-                break
-            out = self.run(nxt, _present_to_past(out), decode=True)
-            logits.append(out["logits"][:, -1])
-            nxt = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
-        toks = np.concatenate(tokens, axis=1) if tokens else np.zeros((ids.shape[0], 0), np.int64)
-        return (toks, np.stack(logits[: len(tokens)], axis=1)) if return_logits else toks
+        return self.call(input_ids, past, decode=decode)
 
 
 def ort_generate_greedy(outdir: str | os.PathLike, input_ids, max_new_tokens: int, ssm_impl: str | None = None, *,
@@ -144,8 +233,7 @@ def ort_generate_greedy(outdir: str | os.PathLike, input_ids, max_new_tokens: in
         ssm_impl: "ssmscan" | "std" | None (the primary flavour of the export).
         return_logits: also return the (batch, max_new_tokens, vocab_padded) logits each token was chosen from.
     Returns:
-        (batch, max_new_tokens) int64 numpy array of new tokens (same convention as
-        ``Mamba2LMHeadModel.generate_greedy``), or ``(tokens, logits)``.
+        (batch, max_new_tokens) int64 numpy array of new tokens, or ``(tokens, logits)``.
     Raises:
         ExportFolderError: ``outdir`` is not an export folder or lacks the flavour.
         BackendUnavailable: a bf16 export on the CPU provider.

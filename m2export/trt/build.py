@@ -1,10 +1,18 @@
 """Build TensorRT engines from an m2export output folder (``m2export build``).
 
-Pipeline per graph, with Polygraphy's TensorRT backend: :class:`~m2export.trt.loader.NetworkFromOnnxPathWithPlugin`
-(strongly typed network, SSMScan plugin in JIT or AOT mode) -> ``CreateConfig`` (one optimization profile,
-timing cache, workspace limit, builder optimization level) -> ``EngineBytesFromNetwork``. Engines are held
-in memory and written (``model.plan``, ``decode.plan``) only once every requested graph has built, then
-``m2export.json`` gains an :class:`~m2export.exporter.manifest.EngineEntry` per engine.
+Pipeline, with Polygraphy's TensorRT backend: :class:`~m2export.trt.loader.NetworkFromOnnxPathWithPlugin`
+(strongly typed network, SSMScan plugin in JIT or AOT mode) -> ``CreateConfig`` (one optimization profile
+per role: ``prefill`` over batch_size/sequence_length/past_sequence_length, ``decode`` with
+sequence_length 1; timing cache, workspace limit, builder optimization level) -> ``EngineBytesFromNetwork``.
+One graph gives one engine (``model.plan``) whose weights serve both profiles; it is written only once it
+has built, then ``m2export.json`` gains its :class:`~m2export.exporter.manifest.EngineEntry` (profiles in
+``profile_roles`` order). At run time a context per profile shares the engine
+(:func:`m2export.check.runners.trt_runners`).
+
+Decode in the one engine: the JIT plugin dispatches at run time (sequence length 1 runs the decode-step
+kernel), but an AOT plugin layer embeds one kernel for every profile, chosen from the network's shapes, and
+with the dynamic sequence_length that is the chunked scan: the AOT step kernel (chosen for a constant
+sequence length 1) is not reached from this engine. Not run anywhere (no TensorRT here).
 
 Precision comes from the ONNX graph's dtypes, never from builder flags: TensorRT 10 networks are created
 ``STRONGLY_TYPED`` (where FP16/BF16 builder flags are refused), TensorRT 11 networks are always strongly
@@ -28,29 +36,30 @@ from typing import Any, Sequence
 from m2export import backends
 from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError,
                              RuntimeLoadError)
-from m2export.exporter.configs import DECODE_FILE, MANIFEST_FILE, PREFILL_FILE
+from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ
 from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
 from m2export.names import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
 
-BATCH_SYMBOL = "batch_size"
-SEQ_SYMBOL = "sequence_length"
+BATCH_SYMBOL, SEQ_SYMBOL, PAST_SYMBOL = BATCH, SEQ, PAST_SEQ
 TIMING_CACHE_FILE = ".timing.cache"
 _ONNX_FLOAT = {1: "fp32", 10: "fp16", 16: "bf16"}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
 
 
 @dataclass(frozen=True)
 class ShapeRange:
-    """min <= opt <= max of one dynamic dimension."""
+    """min <= opt <= max of one dynamic dimension (min 0 allowed where ``allow_zero``: past_sequence_length)."""
 
     min: int
     opt: int
     max: int
+    allow_zero: bool = False
 
     def __post_init__(self):
-        if not (1 <= self.min <= self.opt <= self.max):
-            raise ParameterError(f"shape range: expected 1 <= min <= opt <= max, got min={self.min}, "
+        lo = 0 if self.allow_zero else 1
+        if not (lo <= self.min <= self.opt <= self.max):
+            raise ParameterError(f"shape range: expected {lo} <= min <= opt <= max, got min={self.min}, "
                                  f"opt={self.opt}, max={self.max}")
 
 
@@ -59,13 +68,23 @@ DEFAULT_BATCH = ShapeRange(*DEFAULT_PROFILE["batch"])
 DEFAULT_SEQ = ShapeRange(*DEFAULT_PROFILE["seq"])
 
 
+def past_range(seq: ShapeRange) -> ShapeRange:
+    """Default profile of past_sequence_length (KV caches): 0 (a fresh sequence) .. seq.max, opt seq.opt."""
+    return ShapeRange(0, seq.opt, seq.max, allow_zero=True)
+
+
 @dataclass(frozen=True)
 class BuildTarget:
-    """One graph to build: ``role`` prefill|decode, ``onnx`` path, ``plan`` path to write."""
+    """One graph to build into one engine: ``roles`` its optimization profiles (prefill, decode), ``onnx``
+    path, ``plan`` path to write."""
 
-    role: str
+    roles: tuple[str, ...]
     onnx: Path
     plan: Path
+
+    @property
+    def role(self) -> str:
+        return "+".join(self.roles)
 
 
 @dataclass
@@ -83,35 +102,28 @@ def plan_name(onnx_file: str | Path) -> str:
 
 def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode")) -> tuple[Path, Manifest | None,
                                                                                           list[BuildTarget]]:
-    """What to build for ``path``: an OUTDIR (its manifest's primary graphs of ``roles``) or one ``.onnx``.
+    """What to build for ``path``: an OUTDIR (its manifest's primary graph) or one ``.onnx``; ``roles`` are the
+    engine's optimization profiles.
 
     Raises:
-        ExportFolderError: the path does not exist, is neither an OUTDIR nor an ONNX file, or a graph is missing.
+        ExportFolderError: the path does not exist, is neither an OUTDIR nor an ONNX file, or the graph is missing.
     """
     p = Path(path)
+    roles = tuple(roles)
     if p.is_dir():
         manifest = read_manifest(p)
-        targets = []
-        for role in roles:
-            g = manifest.graph(role)
-            onnx_path = p / g.file
-            if not onnx_path.is_file():
-                raise ExportFolderError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing",
-                                        hint=REEXPORT_HINT)
-            targets.append(BuildTarget(role, onnx_path, p / plan_name(g.file)))
-        return p, manifest, targets
+        g = manifest.graph("prefill")
+        onnx_path = p / g.file
+        if not onnx_path.is_file():
+            raise ExportFolderError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing", hint=REEXPORT_HINT)
+        return p, manifest, [BuildTarget(roles, onnx_path, p / plan_name(g.file))]
     if p.is_file() and p.suffix == ".onnx":
         outdir = p.parent
         manifest = read_manifest(outdir) if (outdir / MANIFEST_FILE).is_file() else None
-        role = None
-        if manifest is not None:
-            role = next((g.role for g in manifest.graphs if g.file == p.name), None)
-        if role is None:
-            role = "decode" if p.name.startswith(Path(DECODE_FILE).stem) else "prefill"
-        return outdir, manifest, [BuildTarget(role, p, outdir / plan_name(p.name))]
+        return outdir, manifest, [BuildTarget(roles, p, outdir / plan_name(p.name))]
     if not p.exists():
         raise ExportFolderError(f"{p}: no such file or directory",
-                                hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}/{DECODE_FILE}")
+                                hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}")
     raise ExportFolderError(f"{p}: expected an m2export output folder or an .onnx file")
 
 
@@ -146,12 +158,14 @@ def onnx_precision(onnx_path: str | Path) -> str:
 
 
 def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRange,
-                  seq: ShapeRange) -> dict[str, dict[str, list[int]]]:
+                  seq: ShapeRange, past: ShapeRange | None = None) -> dict[str, dict[str, list[int]]]:
     """One optimization profile: input name -> {"min","opt","max": shape}.
 
-    ``batch_size`` takes ``batch``; ``sequence_length`` takes ``seq`` (fixed to 1 in the decode graph);
-    fixed dims stay. Any other symbolic dim is an error (the exporter names only these two).
+    ``batch_size`` takes ``batch``; ``sequence_length`` takes ``seq`` (fixed to 1 in the decode profile);
+    ``past_sequence_length`` (KV caches) takes ``past`` (default :func:`past_range` of ``seq``); fixed dims
+    stay. Any other symbolic dim is an error (the exporter names only these three).
     """
+    past = past or past_range(seq)
     prof: dict[str, dict[str, list[int]]] = {}
     for name, dims in inputs.items():
         shapes: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
@@ -162,9 +176,11 @@ def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRan
                 rng = batch
             elif d == SEQ_SYMBOL:
                 rng = ShapeRange(1, 1, 1) if role == "decode" else seq
+            elif d == PAST_SYMBOL:
+                rng = past
             else:
                 raise BuildError(f"input {name!r} has dynamic dimension {d!r}; m2export build knows only "
-                                 f"{BATCH_SYMBOL!r} and {SEQ_SYMBOL!r}",
+                                 f"{BATCH_SYMBOL!r}, {SEQ_SYMBOL!r} and {PAST_SYMBOL!r}",
                                  hint="export the graph with 'm2export export' (it names the dynamic axes)")
             for k in shapes:
                 shapes[k].append(getattr(rng, k))
@@ -235,19 +251,30 @@ def _require_plugin(plugin: str) -> None:
                                  hint="use `plugin='jit'`, or install a newer TensorRT")
 
 
-def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profile: dict, workspace: int | None,
-                       opt_level: int | None, timing_cache: Path | None) -> bytes:
-    """Serialized engine of one graph (Polygraphy's CreateConfig + EngineBytesFromNetwork)."""
+def trt_profiles(profiles: Sequence[dict]) -> list:
+    """Polygraphy ``Profile`` objects for profile dicts (input name -> {"min","opt","max": shape}), in order."""
+    from polygraphy.backend.trt import Profile
+
+    out = []
+    for profile in profiles:
+        prof = Profile()
+        for name, s in profile.items():
+            prof.add(name, min=s["min"], opt=s["opt"], max=s["max"])
+        out.append(prof)
+    return out
+
+
+def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profiles: Sequence[dict],
+                       workspace: int | None, opt_level: int | None, timing_cache: Path | None) -> bytes:
+    """Serialized engine of one graph with one optimization profile per role (Polygraphy's CreateConfig +
+    EngineBytesFromNetwork)."""
     import tensorrt as trt
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork
 
     from m2export.trt.loader import NetworkFromOnnxPathWithPlugin
 
-    prof = Profile()
-    for name, s in profile.items():
-        prof.add(name, min=s["min"], opt=s["opt"], max=s["max"])
     config = CreateConfig(
-        profiles=[prof],
+        profiles=trt_profiles(profiles),
         load_timing_cache=str(timing_cache) if timing_cache is not None and timing_cache.is_file() else None,
         builder_optimization_level=opt_level,
         memory_pool_limits={trt.MemoryPoolType.WORKSPACE: workspace} if workspace else None,
@@ -286,7 +313,7 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     """Build TensorRT engines for the graphs of ``path`` (an OUTDIR or one ``.onnx`` file).
 
     Args:
-        path: OUTDIR written by ``m2export export`` (its primary model.onnx/decode.onnx), or one .onnx.
+        path: OUTDIR written by ``m2export export`` (its primary model.onnx), or one .onnx.
         plugin: "jit" (the plugin calls the cuTile kernel from Python at run time: the runtime needs
             Python, torch, cuda.tile and ``import m2export.plugins``) or "aot" (the PTX is embedded in the
             engine: any TensorRT runtime, trtexec and C++ included, runs it without Python).
@@ -311,10 +338,10 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     if opt_level is not None and not 0 <= opt_level <= 5:
         raise ParameterError(f"`opt_level`: expected 0..5, got {opt_level}")
     outdir, manifest, targets = resolve_targets(path, roles)
-    profiles = {t.role: graph_profile(onnx_inputs(t.onnx), t.role, batch, seq) for t in targets}
+    profiles = {t.onnx: [graph_profile(onnx_inputs(t.onnx), r, batch, seq) for r in t.roles] for t in targets}
     from m2export.trt.loader import count_ssm_scan_nodes
 
-    uses_plugin = {t.role: count_ssm_scan_nodes(t.onnx) > 0 for t in targets}
+    uses_plugin = {t.onnx: count_ssm_scan_nodes(t.onnx) > 0 for t in targets}
     cache = (outdir / TIMING_CACHE_FILE if timing_cache is True
              else Path(timing_cache) if timing_cache else None)
 
@@ -329,13 +356,14 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
 
     built: list[tuple[BuildTarget, bytes, EngineEntry]] = []
     for t in targets:
-        mode = plugin if uses_plugin[t.role] else None
-        engine = build_engine_bytes(t, plugin_mode=mode, profile=profiles[t.role], workspace=workspace,
+        mode = plugin if uses_plugin[t.onnx] else None
+        engine = build_engine_bytes(t, plugin_mode=mode, profiles=profiles[t.onnx], workspace=workspace,
                                     opt_level=opt_level, timing_cache=cache)
         precision = manifest.dtype if manifest is not None else onnx_precision(t.onnx)
         built.append((t, engine, EngineEntry(
             role=t.role, file=t.plan.name, onnx_file=t.onnx.name, tensorrt_version=str(trt.__version__), gpu=gpu,
-            compute_capability=cc, plugin_mode=mode or "none", profiles=[profiles[t.role]], precision=precision)))
+            compute_capability=cc, plugin_mode=mode or "none", profiles=profiles[t.onnx], precision=precision,
+            profile_roles=list(t.roles))))
 
     result = BuildResult(outdir)
     for t, engine, entry in built:
@@ -345,18 +373,19 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
         result.engines.append(entry)
         log.info("wrote %s", t.plan)
     if manifest is not None:
-        roles_built = {e.role for e in result.engines}
-        manifest.engines = [e for e in manifest.engines if e.role not in roles_built] + result.engines
+        files_built = {e.file for e in result.engines}
+        manifest.engines = [e for e in manifest.engines if e.file not in files_built] + result.engines
         write_manifest(outdir, manifest)
         result.manifest_updated = True
     return result
 
 
 def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1, seq: int = 128) -> str:
-    """A ``trtexec --loadEngine`` command running OUTDIR's ``role`` engine at (batch, seq).
+    """A ``trtexec --loadEngine`` command running OUTDIR's engine on its ``role`` profile at (batch, seq).
 
-    Every dynamic input needs a shape (``input_ids`` and each layer's states share ``batch_size``).
-    Only AOT engines run in trtexec: a JIT engine calls back into Python, which trtexec does not have.
+    Every dynamic input needs a shape (``input_ids`` and each layer's states share ``batch_size``; KV caches
+    get past_sequence_length ``seq`` in decode, 0 in prefill). Only AOT engines run in trtexec: a JIT engine
+    calls back into Python, which trtexec does not have.
     """
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
@@ -367,12 +396,14 @@ def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1
         raise BuildError(f"{outdir / engine.file} was built with the JIT plugin: trtexec cannot run it "
                          "(the plugin calls back into Python)", hint="rebuild it with `plugin='aot'`")
     g = next(g for g in manifest.graphs if g.file == engine.onnx_file)
+    axes = {BATCH_SYMBOL: batch, SEQ_SYMBOL: 1 if role == "decode" else seq,
+            PAST_SYMBOL: seq if role == "decode" else 0}
     shapes = []
     for name, dims in onnx_inputs(outdir / g.file).items():
-        concrete = [batch if d == BATCH_SYMBOL else (1 if role == "decode" else seq) if d == SEQ_SYMBOL else d
-                    for d in dims]
+        concrete = [axes.get(d, d) for d in dims]
         shapes.append(f"{name}:{'x'.join(str(d) for d in concrete)}")
-    return f"trtexec --loadEngine={outdir / engine.file} --shapes={','.join(shapes)}"
+    profile = f" --profile={engine.profile_index(role)}" if len(engine.profile_roles) > 1 else ""
+    return f"trtexec --loadEngine={outdir / engine.file}{profile} --shapes={','.join(shapes)}"
 
 
 def load_engine(plan: str | Path, *, register_plugin: bool = True) -> Any:

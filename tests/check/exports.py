@@ -58,7 +58,8 @@ def record_engine(out: Path, profiles: list[dict], *, role: str = "prefill", fil
     (None: no file). A stand-in for tests of the manifest plumbing: no TensorRT involved."""
     from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
 
-    entry = EngineEntry(role, file, file.replace(".plan", ".onnx"), "10.9", gpu, "9.0", "jit", profiles, precision)
+    entry = EngineEntry(role, file, file.replace(".plan", ".onnx"), "10.9", gpu, "9.0", "jit", profiles, precision,
+                        profile_roles=role.split("+"))
     m = read_manifest(out)
     m.engines.append(entry)
     write_manifest(out, m)

@@ -28,7 +28,7 @@ def test_check_passes_both_flavours(passing_report, tiny_out):
     report, rep = passing_report
     assert report.passed, report.failures()
     names = [r["name"] for r in report.runners]
-    assert names == ["torch", "onnxrt:model.onnx+decode.onnx", "onnxrt:model.std.onnx+decode.std.onnx"]
+    assert names == ["torch", "onnxrt:model.onnx", "onnxrt:model.std.onnx"]
     outputs = ["logits", "present_conv_state.0", "present_ssm_state.0", "present_conv_state.1", "present_ssm_state.1"]
     # 5 default sizes, each fresh and continued, + 1 vocabulary-sweep feed; sequence: prefill + 8 decode steps
     assert report.vocab_coverage.startswith("every token id 0..255 fed at least once")
@@ -159,21 +159,27 @@ def test_histogram_png(tmp_path):
 
 def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     """Wiring only, no TensorRT anywhere: with engines in the manifest and TensorRT 'available', check adds
-    a trt runtime for model.plan + decode.plan to both sections. The stand-in runner is ONNX Runtime on the
-    matching .onnx file, renamed; it proves the plumbing, not any TensorRT result."""
+    a trt runtime for model.plan (a prefill and a decode profile) to both sections. The stand-in runner is
+    ONNX Runtime on the matching .onnx file, renamed; it proves the plumbing, not any TensorRT result."""
     import m2export.check.compare as cmp
     from m2export import backends
     from m2export.check.runners import onnxrt_runner
 
     out = copy_export(tiny_out, tmp_path / "o")
     prof = {"input_ids": {"min": [1, 1], "opt": [2, 16], "max": [2, 33]}}
-    for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
-        record_engine(out, [prof], role=role, file=f)
+    dec = {"input_ids": {"min": [1, 1], "opt": [2, 1], "max": [2, 1]}}
+    record_engine(out, [prof, dec], role="prefill+decode", file="model.plan")
     monkeypatch.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: None)
-    monkeypatch.setattr(cmp, "trt_runner", lambda p, name=None: onnxrt_runner(
-        Path(p).with_suffix(".onnx"), name=f"trt:{Path(p).name}"))
+    profiles = []
+
+    def stand_in(outdir, entry):
+        profiles.extend([entry.profile_index("prefill"), entry.profile_index("decode")])
+        return tuple(onnxrt_runner(Path(outdir) / entry.onnx_file, name=f"trt:{entry.file}:{r}") for r in
+                     ("prefill", "decode"))
+
+    monkeypatch.setattr(cmp, "trt_runners", stand_in)
     report = run_check(out, runtimes=("trt",), decode_steps=2)
-    assert [r["name"] for r in report.runners] == ["torch", "trt:model.plan+decode.plan"]
+    assert [r["name"] for r in report.runners] == ["torch", "trt:model.plan"] and profiles == [0, 1]
     assert report.shapes == [[1, 1], [2, 16], [2, 33]]  # the profile's min/opt/max
     assert {r.section for r in report.rows} == {"prefill", "sequence"} and report.passed
     assert "--runtime trt" in report.tensorrt_note  # a JIT engine needs m2export: no m2export-free command
@@ -184,8 +190,7 @@ def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):
     against the fp32 reference rounded to bf16; a tampered bf16 graph still fails."""
     report = run_check(tiny_out_bf16, report_dir=tmp_path / "rep", **QUICK)
     assert report.passed, report.failures()
-    assert [r["name"] for r in report.runners][1:] == ["onnx-reference:model.onnx+decode.onnx",
-                                                       "onnx-reference:model.std.onnx+decode.std.onnx"]
+    assert [r["name"] for r in report.runners][1:] == ["onnx-reference:model.onnx", "onnx-reference:model.std.onnx"]
     assert any(s.startswith("ONNX Runtime: skipped: bf16 export") for s in report.skipped)
     assert report.atol[""] == 0.1 and report.polygraphy_commands == []
     logits = next(r for r in report.rows if r.output == "logits" and r.section == "prefill")

@@ -11,7 +11,7 @@ from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, p
                                  token_windows)
 from m2export.check.runners import ModelFromCheckpoint, TorchRunner
 from m2export.errors import CheckpointError, M2ExportError
-from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.configs import GraphIO
 from m2export.models.checkpoint import load_checkpoint
 
 
@@ -22,9 +22,9 @@ def test_torch_runner_matches_model_and_names(tiny_ck):
     feed = next(iter(loader))
     with TorchRunner(ModelFromCheckpoint(tiny_ck), role="prefill") as r:
         meta = r.get_input_metadata(use_numpy_dtypes=False)
-        assert list(meta) == list(Mamba2OnnxConfig(cfg).inputs(decode=False))
+        assert list(meta) == GraphIO.for_model(cfg).input_names()
         out = r.infer(feed)
-    assert list(out) == list(Mamba2OnnxConfig(cfg).outputs(decode=False))
+    assert list(out) == GraphIO.for_model(cfg).output_names()
     ref = ck.model(torch.from_numpy(feed["input_ids"]))
     np.testing.assert_array_equal(out["logits"], ref.logits.detach().numpy())
     np.testing.assert_array_equal(out["present_ssm_state.1"], ref.ssm_states[1].detach().numpy())
@@ -38,7 +38,7 @@ def test_torch_runner_decode_continues_prefill(tiny_ck):
     with TorchRunner(ck, role="prefill") as pre, TorchRunner(ck, role="decode") as dec:
         a = pre.infer({**feed, "input_ids": feed["input_ids"][:, :8]})
         step = {"input_ids": feed["input_ids"][:, 8:]}
-        step.update({k.replace("present_", "past_"): v for k, v in a.items() if k != "logits"})
+        step.update(GraphIO.for_model(ck.config).next_past(a))
         b = dec.infer(step)
         full = pre.infer(feed)
     np.testing.assert_allclose(b["logits"][:, -1], full["logits"][:, -1], atol=1e-5)
@@ -93,7 +93,7 @@ def test_data_loader_continued_feeds_carry_reference_states(tiny_ck):
         assert all(np.array_equal(a[k], b[k]) for k in b)
     corpus = stdlib_corpus()
     for feed, (bs, s) in zip(feeds[1::2], shapes):
-        assert list(feed) == list(Mamba2OnnxConfig(cfg).inputs(decode=False))
+        assert list(feed) == GraphIO.for_model(cfg).input_names()
         assert feed["input_ids"].shape == (bs, s)
         for i in range(cfg.n_layer):
             assert np.all(np.abs(feed[f"past_ssm_state.{i}"]).max(axis=(1, 2, 3)) > 1e-3)

@@ -37,12 +37,16 @@ except ImportError:
     HAVE_TRT = False
 
 
-def _graph(path: Path, *, decode: bool, dtype=TensorProto.FLOAT, nodes: int = 1) -> None:
-    """A small ONNX graph with the exporter's input names and ``nodes`` SSMScan nodes (not runnable)."""
-    seq = 1 if decode else "sequence_length"
+def _graph(path: Path, *, dtype=TensorProto.FLOAT, nodes: int = 1) -> None:
+    """A small ONNX graph with the exporter's input names (a Mamba layer's states and an attention layer's KV
+    cache) and ``nodes`` SSMScan nodes (not runnable)."""
+    seq = "sequence_length"
+    kv = ["batch_size", 2, "past_sequence_length", 16]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", seq]),
               helper.make_tensor_value_info("past_conv_state.0", dtype, ["batch_size", 192, 3]),
-              helper.make_tensor_value_info("past_ssm_state.0", TensorProto.FLOAT, ["batch_size", 4, 32, 32])]
+              helper.make_tensor_value_info("past_ssm_state.0", TensorProto.FLOAT, ["batch_size", 4, 32, 32]),
+              helper.make_tensor_value_info("past_key_values.1.key", dtype, kv),
+              helper.make_tensor_value_info("past_key_values.1.value", dtype, kv)]
     outputs = [helper.make_tensor_value_info("logits", dtype, ["batch_size", seq, 256])]
     body = [helper.make_node("SSMScan", [f"i{k}" for k in range(8)], [f"y{j}", f"s{j}"], domain="m2export",
                              plugin_namespace="m2export", plugin_version="1", chunk_size=256, dt_softplus=1,
@@ -58,10 +62,10 @@ def make_outdir(tmp: Path, dtype: str = "fp32") -> Path:
     out = tmp / "out"
     out.mkdir()
     tp = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}[dtype]
-    _graph(out / "model.onnx", decode=False, dtype=tp, nodes=2)
-    _graph(out / "decode.onnx", decode=True, dtype=tp, nodes=2)
-    graphs = [GraphEntry(role=r, ssm_impl="ssmscan", file=f, inputs={}, outputs={})
-              for r, f in (("prefill", "model.onnx"), ("decode", "decode.onnx"))]
+    _graph(out / "model.onnx", dtype=tp, nodes=2)
+    _graph(out / "model.std.onnx", dtype=tp, nodes=0)
+    graphs = [GraphEntry(role="prefill+decode", ssm_impl=i, file=f, inputs={}, outputs={})
+              for i, f in (("ssmscan", "model.onnx"), ("std", "model.std.onnx"))]
     write_manifest(out, Manifest(source_checkpoint="ck", checkpoint_format="mamba_ssm", checkpoint_sha256="0",
                                  config={}, dtype=dtype, opset=18, graphs=graphs, tool_versions={}))
     return out
@@ -84,7 +88,7 @@ def test_build_without_tensorrt_exits_4_with_hint_and_writes_nothing(tmp_path, c
     assert "hint: pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12" in err
     assert "tensorrt-cu13" in err
     assert _listing(tmp_path) == before  # no plan, no timing cache, manifest untouched
-    rc = main(["build", str(out / "decode.onnx")])
+    rc = main(["build", str(out / "model.std.onnx")])
     assert rc == 4 and _listing(tmp_path) == before
 
 
@@ -129,16 +133,17 @@ def test_resolve_targets(tmp_path):
     out = make_outdir(tmp_path)
     outdir, manifest, targets = B.resolve_targets(out)
     assert outdir == out and manifest is not None
-    assert [(t.role, t.onnx.name, t.plan.name) for t in targets] == [("prefill", "model.onnx", "model.plan"),
-                                                                     ("decode", "decode.onnx", "decode.plan")]
-    _, _, (t,) = B.resolve_targets(out / "decode.onnx")
-    assert (t.role, t.plan) == ("decode", out / "decode.plan")
+    # one graph -> one engine with a prefill and a decode profile
+    assert [(t.roles, t.onnx.name, t.plan.name) for t in targets] == [(("prefill", "decode"), "model.onnx",
+                                                                       "model.plan")]
+    _, _, (t,) = B.resolve_targets(out / "model.std.onnx")
+    assert (t.role, t.plan) == ("prefill+decode", out / "model.std.plan")
     _, _, (t,) = B.resolve_targets(out, roles=("decode",))
-    assert t.role == "decode"
+    assert t.roles == ("decode",)
     (out / "model.onnx").unlink()
     with pytest.raises(ExportFolderError, match="listed in m2export.json but missing"):
         B.resolve_targets(out)
-    assert B.plan_name("decode.std.onnx") == "decode.std.plan"
+    assert B.plan_name("model.std.onnx") == "model.std.plan"
 
 
 def test_graph_profiles(tmp_path):
@@ -147,11 +152,14 @@ def test_graph_profiles(tmp_path):
     pre = B.graph_profile(B.onnx_inputs(out / "model.onnx"), "prefill", batch, seq)
     assert pre["input_ids"] == {"min": [1, 1], "opt": [2, 64], "max": [8, 512]}
     assert pre["past_ssm_state.0"] == {"min": [1, 4, 32, 32], "opt": [2, 4, 32, 32], "max": [8, 4, 32, 32]}
-    dec = B.graph_profile(B.onnx_inputs(out / "decode.onnx"), "decode", batch, seq)
+    # KV caches: past_sequence_length 0 (a fresh sequence) .. seq.max in both profiles
+    assert pre["past_key_values.1.key"] == {"min": [1, 2, 0, 16], "opt": [2, 2, 64, 16], "max": [8, 2, 512, 16]}
+    dec = B.graph_profile(B.onnx_inputs(out / "model.onnx"), "decode", batch, seq)
     assert dec["input_ids"] == {"min": [1, 1], "opt": [2, 1], "max": [8, 1]}
-    # a decode graph that left sequence_length symbolic still gets 1
-    assert B.graph_profile({"input_ids": ["batch_size", "sequence_length"]}, "decode", batch, seq)["input_ids"][
-        "max"] == [8, 1]
+    assert dec["past_key_values.1.value"]["max"] == [8, 2, 512, 16]
+    past = B.ShapeRange(0, 100, 300, allow_zero=True)
+    assert B.graph_profile(B.onnx_inputs(out / "model.onnx"), "decode", batch, seq, past)[
+        "past_key_values.1.key"]["opt"] == [2, 2, 100, 16]
     with pytest.raises(BuildError, match="dynamic dimension 'n'"):
         B.graph_profile({"x": ["batch_size", "n"]}, "prefill", batch, seq)
     with pytest.raises(ParameterError, match="min <= opt <= max"):
@@ -189,13 +197,21 @@ def test_trtexec_command_for_aot_engines_only(tmp_path):
 
     out = make_outdir(tmp_path)
     m = read_manifest(out)
-    entry = dict(tensorrt_version="10.13.0", gpu="H200", compute_capability="9.0", profiles=[], precision="fp32")
-    m.engines = [EngineEntry(role="prefill", file="model.plan", onnx_file="model.onnx", plugin_mode="aot", **entry),
-                 EngineEntry(role="decode", file="decode.plan", onnx_file="decode.onnx", plugin_mode="jit", **entry)]
+    entry = dict(tensorrt_version="10.13.0", gpu="H200", compute_capability="9.0", profiles=[{}, {}],
+                 precision="fp32", profile_roles=["prefill", "decode"])
+    m.engines = [EngineEntry(role="prefill+decode", file="model.plan", onnx_file="model.onnx", plugin_mode="aot",
+                             **entry)]
     write_manifest(out, m)
     cmd = B.trtexec_command(out, "prefill", batch=2, seq=64)
-    assert cmd == (f"trtexec --loadEngine={out / 'model.plan'} --shapes=input_ids:2x64,past_conv_state.0:2x192x3,"
-                   "past_ssm_state.0:2x4x32x32")
+    assert cmd == (f"trtexec --loadEngine={out / 'model.plan'} --profile=0 --shapes=input_ids:2x64,"
+                   "past_conv_state.0:2x192x3,past_ssm_state.0:2x4x32x32,past_key_values.1.key:2x2x0x16,"
+                   "past_key_values.1.value:2x2x0x16")
+    cmd = B.trtexec_command(out, "decode", batch=2, seq=64)
+    assert cmd == (f"trtexec --loadEngine={out / 'model.plan'} --profile=1 --shapes=input_ids:2x1,"
+                   "past_conv_state.0:2x192x3,past_ssm_state.0:2x4x32x32,past_key_values.1.key:2x2x64x16,"
+                   "past_key_values.1.value:2x2x64x16")
+    m.engines[0].plugin_mode = "jit"
+    write_manifest(out, m)
     with pytest.raises(BuildError, match="trtexec cannot run it"):
         B.trtexec_command(out, "decode")
 
@@ -276,21 +292,23 @@ def tiny_exports(tmp_path_factory):
 def test_build_run_and_compare_with_pytorch(tiny_exports, plugin, dtype):
     from polygraphy.comparator import Comparator
 
-    from m2export.check.data import zero_states
-    from m2export.check.runners import ModelFromCheckpoint, TorchRunner, trt_runner
+    from m2export.check.runners import ModelFromCheckpoint, TorchRunner, trt_runners
+    from m2export.exporter.runtime import feed_dtype_of
 
     ck, outs = tiny_exports
     out = outs[dtype]
     res = B.build_engines(out, plugin=plugin, batch=B.ShapeRange(1, 2, 4), seq=B.ShapeRange(1, 64, 256))
     m = read_manifest(out)
-    assert {e.role: e.plugin_mode for e in m.engines} == {"prefill": plugin, "decode": plugin}
+    assert [(e.role, e.file, e.profile_roles, e.plugin_mode) for e in m.engines] == [
+        ("prefill+decode", "model.plan", ["prefill", "decode"], plugin)]
+    pre_runner, dec_runner = trt_runners(out, m.engines[0])
     assert all((out / e.file).is_file() for e in res.engines) and (out / B.TIMING_CACHE_FILE).is_file()
     assert {e.precision for e in m.engines} == {dtype}
     cfg = m.model_config()
     rng = np.random.default_rng(0)
-    feed = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 37)).astype(np.int64), **zero_states(cfg, 2, dtype)}
+    feed = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 37)).astype(np.int64), **m.graph("prefill").io().zero_feeds(2, feed_dtype_of)}
     model = ModelFromCheckpoint(ck)
-    results = Comparator.run([TorchRunner(model, role="prefill", dtype=dtype), trt_runner(out / "model.plan")],
+    results = Comparator.run([TorchRunner(model, role="prefill", dtype=dtype), pre_runner],
                              data_loader=[feed])
     (_, (ref,)), (_, (got,)) = results.items()
     for name in ref:
@@ -298,8 +316,8 @@ def test_build_run_and_compare_with_pytorch(tiny_exports, plugin, dtype):
         scale = max(1.0, np.abs(ref[name].astype(np.float64)).max())
         assert err <= TOL[dtype] * scale, f"prefill {name}: max-abs {err:.3e}"
     step = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 1)).astype(np.int64),
-            **{k.replace("present", "past"): v for k, v in ref.items() if k != "logits"}}
-    results = Comparator.run([TorchRunner(model, role="decode", dtype=dtype), trt_runner(out / "decode.plan")],
+            **m.graph("prefill").io().next_past(ref)}
+    results = Comparator.run([TorchRunner(model, role="decode", dtype=dtype), dec_runner],
                              data_loader=[step])
     (_, (ref,)), (_, (got,)) = results.items()
     for name in ref:
@@ -339,7 +357,8 @@ def test_build_json_records_engines(tiny_exports):
     out = outs["fp32"]
     B.build_engines(out, plugin="jit", batch=B.ShapeRange(1, 1, 2), seq=B.ShapeRange(1, 16, 64))
     data = json.loads((out / "m2export.json").read_text())
-    e = {x["role"]: x for x in data["engines"]}
-    assert e["decode"]["profiles"][0]["input_ids"]["max"] == [2, 1]
-    assert e["prefill"]["profiles"][0]["input_ids"]["max"] == [2, 64]
-    assert e["prefill"]["tensorrt_version"] and e["prefill"]["gpu"] and e["prefill"]["compute_capability"]
+    (e,) = data["engines"]
+    assert e["profile_roles"] == ["prefill", "decode"] and e["file"] == "model.plan"
+    assert e["profiles"][1]["input_ids"]["max"] == [2, 1]
+    assert e["profiles"][0]["input_ids"]["max"] == [2, 64]
+    assert e["tensorrt_version"] and e["gpu"] and e["compute_capability"]

@@ -83,8 +83,8 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
         d = copy_export(tiny_out, tmp_path / "o")
         args.append(str(d))
         if case == "missing_graph":
-            (d / "decode.std.onnx").unlink()
-            msg = "decode.std.onnx: std decode graph listed in m2export.json is missing"
+            (d / "model.std.onnx").unlink()
+            msg = "model.std.onnx: std graph listed in m2export.json is missing"
         elif case == "bad_tol":
             args += ["--atol", "logitz:1"]
             msg = "--atol 'logitz:1': no output named 'logitz'"

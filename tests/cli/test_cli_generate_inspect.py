@@ -68,8 +68,7 @@ def test_generate_trt_engine_listed_without_tensorrt(tiny_out, tmp_path, capsys)
     if tensorrt_available():
         pytest.skip("TensorRT is installed here: the exit-4 path needs it absent")
     d = copy_export(tiny_out, tmp_path / "o")
-    for role, f in (("prefill", "model.plan"), ("decode", "decode.plan")):
-        record_engine(d, [], role=role, file=f, payload=b"x")
+    record_engine(d, [], role="prefill+decode", file="model.plan", payload=b"x")
     assert main(["generate", str(d), "--prompt", "x", "--runtime", "trt"]) == 4
     assert capsys.readouterr().err.startswith("error: TensorRT is not installed")
 
@@ -112,15 +111,16 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert main(["inspect", str(tiny_out)]) == 0
     out = capsys.readouterr().out
     assert "m2export output folder, dtype fp32, opset 18" in out
-    assert "model.std.onnx   prefill  ssm_impl=std" in out and "0 SSMScan" in out
+    assert "model.std.onnx   prefill+decode ssm_impl=std" in out and "0 SSMScan" in out
+    assert "model.onnx.data  weights" in out and "stored once for model.onnx, model.std.onnx" in out
     assert "2 x chunk_size=16, dt_max=inf, dt_min=0.0, dt_softplus=1" in out
     assert "past_ssm_state.0         float32  [batch_size, 8, 16, 16]" in out
     assert "engines: none" in out
 
-    assert main(["inspect", str(tiny_out / "decode.onnx"), "--json"]) == 0
+    assert main(["inspect", str(tiny_out / "model.onnx"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["opsets"] == {"ai.onnx": 18, "m2export": 1}
-    assert info["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch_size", 1]}
+    assert info["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch_size", "sequence_length"]}
     assert [n["attributes"]["dt_softplus"] for n in info["ssm_scan_nodes"]] == [1, 1]
     assert info["functions"][0]["name"] == "SSMScan"
 

@@ -18,7 +18,7 @@ import torch
 
 from m2export.contract import SSMScanAttrs
 from m2export.exporter import OrtModel, ort_generate_greedy
-from m2export.exporter.configs import Mamba2OnnxConfig
+from m2export.exporter.configs import GraphIO
 from m2export.exporter.manifest import read_manifest
 from m2export.models.checkpoint import load_checkpoint
 from tests.helpers import assert_close, assert_cumsum_trt_safe
@@ -56,8 +56,8 @@ def test_plugin_graph_structure(export_fp32_both, tiny_g2):
     cfg = m.model_config()
     want_attrs = {**SSMScanAttrs(chunk_size=cfg.chunk_size, dt_min=cfg.dt_limit[0], dt_max=cfg.dt_limit[1])
                   .onnx_attributes(), "plugin_namespace": "m2export", "plugin_version": "1"}
-    for role in ("prefill", "decode"):
-        g = m.graph(role, "ssmscan")
+    for g in [m.graph("prefill", "ssmscan")]:
+        assert m.graph("decode", "ssmscan") is g  # one graph serves both
         model = onnx.load(export_fp32_both / g.file)
         scans = [n for n in model.graph.node if n.op_type == "SSMScan"]
         assert len(scans) == cfg.n_layer
@@ -73,8 +73,8 @@ def test_plugin_graph_structure(export_fp32_both, tiny_g2):
 
 def test_onnx_graph_structure(export_fp32_both):
     m = read_manifest(export_fp32_both)
-    for role in ("prefill", "decode"):
-        model = onnx.load(export_fp32_both / m.graph(role, "std").file)
+    for g in [m.graph("prefill", "std")]:
+        model = onnx.load(export_fp32_both / g.file)
         assert not model.functions
         assert {o.domain for o in model.opset_import} == {""}
         assert not [n for n in model.graph.node if n.domain not in ("", "ai.onnx")]
@@ -116,24 +116,27 @@ def test_native_flavour_rejects_bf16(tiny_g2, tmp_path):
 def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
     m = read_manifest(export_fp32_both)
     cfg = m.model_config()
-    oc = Mamba2OnnxConfig(cfg)
     assert {(g.role, g.ssm_impl, g.file) for g in m.graphs} == {
-        ("prefill", "ssmscan", "model.onnx"), ("decode", "ssmscan", "decode.onnx"),
-        ("prefill", "std", "model.std.onnx"), ("decode", "std", "decode.std.onnx"),
-        ("prefill", "native", "model.native.onnx"), ("decode", "native", "decode.native.onnx")}
-    assert m.dtype == "fp32" and m.opset == Mamba2OnnxConfig.DEFAULT_OPSET
+        ("prefill+decode", "ssmscan", "model.onnx"), ("prefill+decode", "std", "model.std.onnx"),
+        ("prefill+decode", "native", "model.native.onnx")}
+    assert m.dtype == "fp32" and m.opset == GraphIO.DEFAULT_OPSET
     assert m.checkpoint_sha256 == load_checkpoint(tiny_g2).sha256
     assert {"torch", "onnx", "onnxscript", "onnxruntime", "m2export"} <= set(m.tool_versions)
     for g in m.graphs:
-        decode = g.role == "decode"
+        io = GraphIO.for_model(cfg, "fp32")
+        assert g.io() == io  # the manifest records the one description
         model = onnx.load(export_fp32_both / g.file)
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                 for v in list(model.graph.input) + list(model.graph.output)}
-        expected = {**oc.inputs(decode), **oc.outputs(decode)}
-        assert [v.name for v in model.graph.input] == list(oc.inputs(decode))
-        assert [v.name for v in model.graph.output] == list(oc.outputs(decode))
-        assert dims == {k: list(v) for k, v in expected.items()}
-        assert set(g.inputs) == set(oc.inputs(decode)) and g.inputs["past_ssm_state.0"]["dtype"] == "float32"
+        assert [v.name for v in model.graph.input] == io.input_names()
+        assert [v.name for v in model.graph.output] == io.output_names()
+        assert dims == {t.name: list(t.shape) for t in (*io.inputs, *io.outputs)}
+        elem = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                for v in list(model.graph.input) + list(model.graph.output)}
+        assert elem == {t.name: t.dtype for t in (*io.inputs, *io.outputs)}
+        assert g.inputs["past_ssm_state.0"]["dtype"] == "float32" and g.inputs["past_conv_state.0"]["dtype"] == "float32"
+        assert [(st.layer, st.kind) for st in io.states] == [(i, k) for i in range(cfg.n_layer)
+                                                             for k in ("conv_state", "ssm_state")]
 
 
 # ------------------------------------------------------------------ ORT vs PyTorch, fp32
@@ -168,12 +171,9 @@ def test_chunked_prefill_and_decode_continue_states(export_fp32_both, tiny_g2, i
     with torch.no_grad():
         ref = _model(tiny_g2)(ids)
     a = om.run(ids[:, :10].numpy())
-    past = {k.replace("present_", "past_"): v for k, v in a.items() if k.startswith("present_")}
-    b = om.run(ids[:, 10:19].numpy(), past)
-    past = {k.replace("present_", "past_"): v for k, v in b.items() if k.startswith("present_")}
-    c = om.run(ids[:, 19:20].numpy(), past, decode=True)
-    past = {k.replace("present_", "past_"): v for k, v in c.items() if k.startswith("present_")}
-    d = om.run(ids[:, 20:21].numpy(), past, decode=True)
+    b = om.run(ids[:, 10:19].numpy(), om.io.next_past(a))
+    c = om.run(ids[:, 19:20].numpy(), om.io.next_past(b), decode=True)
+    d = om.run(ids[:, 20:21].numpy(), om.io.next_past(c), decode=True)
     got = np.concatenate([a["logits"], b["logits"], c["logits"], d["logits"]], axis=1)
     assert_close(f"{impl} chunked logits", ref.logits, torch.from_numpy(got), rel=FP32_REL)
     assert_close(f"{impl} final ssm_state.1", ref.ssm_states[1], torch.from_numpy(d["present_ssm_state.1"]),
@@ -262,7 +262,7 @@ def test_failed_export_leaves_nothing(tiny_g2, tmp_path, monkeypatch):
         raise RuntimeError("boom in torch.export")
 
     monkeypatch.setattr(ex, "_trace", failing_trace)
-    with pytest.raises(ExportError, match="export of the prefill graph failed: RuntimeError: boom in torch.export"):
+    with pytest.raises(ExportError, match="torch.onnx export of the graph failed: RuntimeError: boom in torch.export"):
         ex.export_model(tiny_g2, out, force=True, force_foreign=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
 
@@ -327,23 +327,57 @@ def test_cli_errors(tiny_g2, tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
-def test_external_data(tiny_g2, tmp_path, monkeypatch):
-    """Above the 2 GB threshold weights go to <file>.data (threshold lowered here); checker and ORT accept it."""
+def test_weights_stored_once(export_fp32_both, tiny_g2):
+    """Both flavours reference one model.onnx.data holding every parameter once; the graphs hold no weights."""
+    m = read_manifest(export_fp32_both)
+    n_params = sum(p.numel() for p in _model(tiny_g2).parameters())
+    data = export_fp32_both / "model.onnx.data"
+    assert sorted(p.name for p in export_fp32_both.iterdir() if p.name.endswith((".onnx", ".data"))) == [
+        "model.onnx", "model.onnx.data", "model.std.onnx"]
+    # fp32: 4 bytes a parameter (the tied embedding once), plus 64-byte alignment; small tensors (norm
+    # weights, A_log, ...) stay inline
+    assert _model(tiny_g2).cfg.tie_embeddings
+    assert 4 * (n_params - 2000) <= data.stat().st_size <= 4 * n_params + 64 * 64
+    spans = {}
+    for g in m.graphs:
+        assert g.external_data == ["model.onnx.data"]
+        proto = onnx.load(export_fp32_both / g.file, load_external_data=False)
+        ext = {t.name: {e.key: e.value for e in t.external_data} for t in proto.graph.initializer
+               if t.data_location == onnx.TensorProto.EXTERNAL}
+        assert {v["location"] for v in ext.values()} == {"model.onnx.data"}
+        spans[g.file] = {(v["offset"], v["length"]) for v in ext.values()}
+        inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        assert all(len(t.raw_data) < 1024 for t in inline), [t.name for t in inline if len(t.raw_data) >= 1024]
+    assert spans["model.onnx"] == spans["model.std.onnx"]  # the same bytes, not a copy
+
+
+def test_opset_20_export_runs(tiny_g2, tmp_path):
+    """A non-default opset: recorded in the manifest and the graph; ORT == PyTorch."""
     import m2export.exporter.export as ex
 
-    monkeypatch.setattr(ex, "EXTERNAL_DATA_THRESHOLD", 0)
-    out = tmp_path / "ext"
+    out = tmp_path / "op20"
     m = ex.export_model(tiny_g2, out, ssm_impl="std", opset=20)
-    assert m.opset == 20
-    for g in m.graphs:
-        assert g.external_data == [g.file + ".data"]
-        proto = onnx.load(out / g.file, load_external_data=False)
-        ext = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-        assert sum(np.prod(t.dims) for t in ext) >= sum(p.numel() for p in _model(tiny_g2).parameters()) - 1000
+    assert m.opset == 20 and {(o.domain, o.version) for o in onnx.load(out / "model.onnx").opset_import} == {("", 20)}
     ids = _ids(2, 11, seed=1)
     with torch.no_grad():
         ref = _model(tiny_g2)(ids)
-    _compare("external data", ref, OrtModel(out).run(ids.numpy()), FP32_REL)
+    _compare("opset 20", ref, OrtModel(out).run(ids.numpy()), FP32_REL)
+
+
+def test_old_two_graph_export_refused(export_fp32_both, tmp_path):
+    """A version-1 folder (decode.onnx beside model.onnx, weights in each) is refused with a re-export hint."""
+    import json
+
+    from m2export.errors import ExportFolderError
+
+    d = tmp_path / "old"
+    d.mkdir()
+    j = json.loads((export_fp32_both / "m2export.json").read_text())
+    j["manifest_version"] = 1
+    (d / "m2export.json").write_text(json.dumps(j))
+    with pytest.raises(ExportFolderError, match="older m2export") as e:
+        read_manifest(d)
+    assert "re-export" in e.value.hint
 
 
 def test_progress_bar_steps(capsys):
