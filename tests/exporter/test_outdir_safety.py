@@ -58,9 +58,10 @@ def is_complete_export(d: Path, ssm_impl: str) -> bool:
 
     m = read_manifest(d)
     files = {g.file for g in m.graphs}
-    if sorted(files | {"m2export.json", GENAI_CONFIG_FILE}) != sorted(p.name for p in d.iterdir()):
+    data = {x for g in m.graphs for x in g.external_data}  # the weights, once (model.onnx.data)
+    if sorted(files | data | {"m2export.json", GENAI_CONFIG_FILE}) != sorted(p.name for p in d.iterdir()):
         return False
-    if ssm_impl == "both" and len(files) != 4:
+    if ssm_impl == "both" and len(files) != 2:
         return False
     for f in files:
         onnx.load(str(d / f))
