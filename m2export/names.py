@@ -36,7 +36,7 @@ FLAVOURS = {
 REFERENCE_RUNTIME = "torch"  # what check compares every other runtime with
 BOTH = "both"
 ALL = "all"
-#: the flavours each group name exports, primary (model.onnx / decode.onnx) first
+#: the flavours each group name exports, primary (model.onnx) first
 GROUPS = {BOTH: ("ssmscan", "std"), ALL: ("ssmscan", "std", "native")}
 PLUGIN_MODES = {
     "jit": "the plugin runs the cuTile kernel from Python at inference time",

@@ -188,8 +188,8 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
         if not isinstance(prof, dict) and g is not None:
             prof = trt_profile(manifest, g)
         if isinstance(prof, dict):
-            trt.append(q(["trtexec", f"--loadEngine={plan_rel}", f"--profile={e.profile_index('prefill')}",
-                          f"--shapes={trtexec_shapes(prof, 'opt')}"]))
+            sel = [f"--profile={e.profile_index('prefill')}"] if len(e.profile_roles) > 1 else []
+            trt.append(q(["trtexec", f"--loadEngine={plan_rel}", *sel, f"--shapes={trtexec_shapes(prof, 'opt')}"]))
     return {"onnxrt": onnxrt, "tensorrt": trt}
 
 

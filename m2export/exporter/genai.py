@@ -26,6 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from m2export.models.spec import ModelSpec
+
 GENAI_CONFIG_FILE = "genai_config.json"
 #: genai's model type used for Mamba-2 and its attention hybrids (see the module docstring)
 GENAI_MODEL_TYPE = "granitemoehybrid"
@@ -82,12 +84,20 @@ def genai_config(manifest, graph, *, checkpoint_config: dict[str, Any] | None = 
         if group:
             groups.append({"kind": group, "layer_ids": sorted(ins[kind][1])})
 
+    spec = cfg if isinstance(cfg, ModelSpec) else cfg.to_spec()
+    vocab = spec.vocab_size  # the embedding's (padded) row count = the logits' width
+    at = next((spec.layers[i].attention_in(spec.shared_blocks) for i in spec.attention_layers), None)
+    mb = spec.layers[spec.mamba_layers[0]].mamba if spec.mamba_layers else None
+
     def token(name):
         v = ck.get(name)
         v = v[0] if isinstance(v, list) and v else v
-        return int(v) if isinstance(v, int) and 0 <= v < cfg.vocab_size_padded else 0
+        return int(v) if isinstance(v, int) and 0 <= v < vocab else 0
 
-    attn_heads = int(ck.get("num_attention_heads") or cfg.nheads)
+    # attention geometry from the attention layers when the model has them, else the Mamba heads
+    attn_heads = at.num_heads if at is not None else mb.nheads
+    kv_heads = at.num_kv_heads if at is not None else attn_heads
+    head_size = at.head_dim if at is not None else mb.headdim
     return {
         "model": {
             "bos_token_id": token("bos_token_id"),
@@ -95,19 +105,19 @@ def genai_config(manifest, graph, *, checkpoint_config: dict[str, Any] | None = 
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": graph.file,
-                "head_size": int(ck.get("head_dim") or cfg.headdim),
-                "hidden_size": cfg.d_model,
+                "head_size": head_size,
+                "hidden_size": spec.d_model,
                 "inputs": inputs,
                 "outputs": outputs,
                 "num_attention_heads": attn_heads,
-                "num_hidden_layers": cfg.n_layer,
-                "num_key_value_heads": int(ck.get("num_key_value_heads") or attn_heads),
+                "num_hidden_layers": spec.n_layer,
+                "num_key_value_heads": kv_heads,
                 "state_groups": groups,
             },
             "eos_token_id": token("eos_token_id"),
             "pad_token_id": token("pad_token_id"),
             "type": GENAI_MODEL_TYPE,
-            "vocab_size": cfg.vocab_size_padded,
+            "vocab_size": vocab,
         },
         "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
                    "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,

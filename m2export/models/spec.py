@@ -400,6 +400,12 @@ class ModelSpec:
     def n_layer(self) -> int:
         return len(self.layers)
 
+    @property
+    def vocab_size_padded(self) -> int:
+        """The logits' width: ``vocab_size`` (already the embedding's padded row count; the name matches
+        :attr:`m2export.models.config.Mamba2Config.vocab_size_padded` so check and generate read either)."""
+        return self.vocab_size
+
     def layer_states(self, i: int) -> tuple[StateSpec, ...]:
         return self.layers[i].state_specs(i, self.shared_blocks)
 

@@ -71,12 +71,25 @@ def test_greedy_never_agrees_on_nan():
     assert "non-finite logits (runtime and reference)" in g["mismatches"][0]["where"]
 
 
-def test_generate_refuses_non_finite_logits(tiny_out, tmp_path):
+def test_generate_refuses_non_finite_logits(tiny_out, tmp_path, monkeypatch):
+    from m2export.generate import open_runtime
+
     out = copy_export(tiny_out, tmp_path / "out")
-    scale_initializer(out / "decode.onnx", _embedding_name(out / "decode.onnx"), float("nan"))
+    # one graph serves prefill and decode: make only its decode steps (sequence_length 1) return NaN logits
+    s = open_runtime(out, "onnxrt")
+    runner_cls, orig = type(s.prefill), type(s.prefill).infer
+
+    def infer(self, feed, *args, **kwargs):
+        outs = orig(self, feed, *args, **kwargs)
+        if feed["input_ids"].shape[1] == 1:
+            outs = dict(outs, logits=np.full_like(np.asarray(outs["logits"]), np.nan))
+        return outs
+
+    monkeypatch.setattr(runner_cls, "infer", infer)
     with pytest.raises(M2ExportError, match=r"non-finite logits \(NaN/inf\) after decode step 1") as e:
-        generate(out, list(b"def "), runtime="onnxrt", max_new_tokens=4)
+        generate(out, list(b"def "), runtime="onnxrt", max_new_tokens=4, session=s)
     assert "onnxrt" in str(e.value)
+    monkeypatch.setattr(runner_cls, "infer", orig)
     scale_initializer(out / "model.onnx", _embedding_name(out / "model.onnx"), float("nan"))
     with pytest.raises(M2ExportError, match=r"non-finite logits \(NaN/inf\) after the prefill"):
         generate(out, list(b"def "), runtime="onnxrt", max_new_tokens=4)

@@ -328,12 +328,12 @@ def test_cli_errors(tiny_g2, tmp_path, capsys):
 
 
 def test_weights_stored_once(export_fp32_both, tiny_g2):
-    """Both flavours reference one model.onnx.data holding every parameter once; the graphs hold no weights."""
+    """Every flavour references one model.onnx.data holding every parameter once; the graphs hold no weights."""
     m = read_manifest(export_fp32_both)
     n_params = sum(p.numel() for p in _model(tiny_g2).parameters())
     data = export_fp32_both / "model.onnx.data"
     assert sorted(p.name for p in export_fp32_both.iterdir() if p.name.endswith((".onnx", ".data"))) == [
-        "model.onnx", "model.onnx.data", "model.std.onnx"]
+        "model.native.onnx", "model.onnx", "model.onnx.data", "model.std.onnx"]
     # fp32: 4 bytes a parameter (the tied embedding once), plus 64-byte alignment; small tensors (norm
     # weights, A_log, ...) stay inline
     assert _model(tiny_g2).cfg.tie_embeddings
@@ -348,7 +348,7 @@ def test_weights_stored_once(export_fp32_both, tiny_g2):
         spans[g.file] = {(v["offset"], v["length"]) for v in ext.values()}
         inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert all(len(t.raw_data) < 1024 for t in inline), [t.name for t in inline if len(t.raw_data) >= 1024]
-    assert spans["model.onnx"] == spans["model.std.onnx"]  # the same bytes, not a copy
+    assert spans["model.onnx"] == spans["model.std.onnx"] == spans["model.native.onnx"]  # the same bytes, not a copy
 
 
 def test_opset_20_export_runs(tiny_g2, tmp_path):

@@ -114,10 +114,11 @@ def test_plugins_import_without_tensorrt_says_why():
         pass
     import m2export.plugins as plugins
 
-    assert plugins.registered() is None
-    assert "TensorRT is not installed" in plugins.unavailable_reason()
+    # register() first: the recorded reason is the last attempt's (an earlier test may have left another)
     with pytest.raises(BackendUnavailable, match="TensorRT is not installed") as e:
         plugins.register()
+    assert plugins.registered() is None
+    assert "TensorRT is not installed" in plugins.unavailable_reason()
     assert "pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu12" in e.value.hint
     assert "tensorrt-cu13" in e.value.hint
 
