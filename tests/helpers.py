@@ -116,6 +116,14 @@ def assert_cumsum_trt_safe(nodes, initializers=()) -> None:
     ICumulativeLayer bugs need CumSums on different axes (TensorRT#4551) or differing reverse (#4513)."""
     import onnx
 
+    def walk(ns):  # the nodes, and those of If/Loop branches (the chunked SSD is the else branch of If(L == 1))
+        for n in ns:
+            yield n
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(a.g.node)
+
+    nodes = list(walk(nodes))
     values = {t.name: onnx.numpy_helper.to_array(t) for t in initializers}
     values.update({n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
                    if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})

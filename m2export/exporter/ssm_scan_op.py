@@ -35,6 +35,11 @@ Design of the body (every step in float32, Cast islands at entry/exit for fp16/b
    is a masked sum (one MatMul with a 0/1 tensor, no difference of long cumulative sums, so no
    cancellation on long sequences), then one masked ``exp`` and one MatMul over chunks: no Loop/Scan.
 7. ``y = intra + exp(cs) ∘ (C · state_in) + D x``, cast back to the dtype of ``x``.
+
+Steps 2-7 run only for ``seqlen > 1``: the body is ``If(seqlen == 1)`` one step of the recurrence itself
+(``h = exp(delta A) h0 + (delta x) Bᵀ``, ``y = h C + D x``; a decode token), else the chunked SSD. One
+graph serves prefill and decode, and the step costs a fraction of the chunked body at one token
+(benchmarks/bench_ort_scan_body.py). The native flavour adds LinearAttention for 2..8 tokens.
 """
 
 from __future__ import annotations
@@ -207,12 +212,62 @@ def _chunk_len(b: _Body, L: str) -> str:
 
 
 def _build_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    """The chunked SSD in standard ops (steps 1-7 of the module docstring)."""
+    """The SSMScan body in standard ops: ``If(seqlen == 1)`` one recurrence step (:func:`_step_scan`, a decode
+    token), else the chunked SSD (steps 2-7 of the module docstring). Step 1 (delta) is shared."""
     b = _Body()
     e = _entry(b)
-    y, _ = _chunked_scan(b, e, _chunk_len(b, e["L"]), final_out=contract.OUTPUT_NAMES[1])
+    Q = _chunk_len(b, e["L"])
+    one_token = b.op("Equal", e["L"], b.const([1]))
+    y, final = _if(b, one_token, ("step", lambda bb: _step_scan(bb, e)), ("chunked", lambda bb: _chunked_scan(bb, e, Q)))
+    return _finish(b, y, final)
+
+
+def _if(b: _Body, cond: str, then: tuple, other: tuple) -> tuple[str, str]:
+    """Append ``If(cond, then, other)`` to ``b``; returns its outputs (y float32, final_state). ``then``/``other``
+    are (name, build): ``build(body)`` appends a branch to a fresh body and returns its (y, final_state)."""
+    branches = []
+    for name, build in (then, other):
+        bb = _Body(prefix=f"{b._prefix}{name}_")  # unique names across nested branches
+        y, s = build(bb)
+        branches.append(helper.make_graph(bb.nodes, f"ssm_scan_{b._prefix}{name}", [], [
+            helper.make_tensor_value_info(y, TensorProto.FLOAT, None),
+            helper.make_tensor_value_info(s, TensorProto.FLOAT, None)]))
+    return b.op("If", cond, outputs=2, then_branch=branches[0], else_branch=branches[1])
+
+
+def _finish(b: _Body, y: str, final: str) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The body's outputs: y cast back to the dtype of x, final_state (float32)."""
     b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.OUTPUT_NAMES[0]]))
+    b.nodes.append(helper.make_node("Identity", [final], [contract.OUTPUT_NAMES[1]]))
     return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
+
+
+def _step_scan(b: _Body, e: dict[str, str]) -> tuple[str, str]:
+    """One token (seqlen 1) of the recurrence, appended to ``b``: ``h1 = exp(delta*A) h0 + (delta x) B^T``,
+    ``y = h1 C + D x`` (the SSD definition itself; no chunking, no segment sums: one decay per token).
+
+    At one token it is ~4.5x cheaper in ONNX Runtime than the chunked body (one 130m-shaped layer, CPU,
+    best of 30: 0.41 vs 1.82 ms; benchmarks/RESULTS.md). Returns (y float32 (b, 1, h, p), final_state (b, h, p, n)).
+    """
+    bsz, h, p, g, n, hpg = (e[k] for k in ("bsz", "h", "p", "g", "n", "hpg"))
+    one = b.const([1])
+    d = b.op("Reshape", e["delta"], b.op("Concat", bsz, h, axis=0))  # (b, h)
+    decay = b.op("Exp", b.op("Mul", d, e["Af"]))  # (b, h); delta >= 0, A < 0: in (0, 1]
+    x1 = b.op("Reshape", e["xf"], b.op("Concat", bsz, h, p, axis=0))  # (b, h, p)
+    xd = b.op("Mul", x1, b.op("Unsqueeze", d, b.const([-1])))  # delta x
+
+    def heads(t):  # (b, 1, g, n) -> (b, h, n), head h reading group h // hpg
+        t4 = b.op("Reshape", t, b.op("Concat", bsz, g, one, n, axis=0))
+        return b.op("Reshape", b.op("Expand", t4, b.op("Concat", bsz, g, hpg, n, axis=0)),
+                    b.op("Concat", bsz, h, n, axis=0))
+
+    Bh, Ch = heads(e["Bf"]), heads(e["Cf"])
+    upd = b.op("Mul", b.op("Unsqueeze", xd, b.const([-1])), b.op("Unsqueeze", Bh, b.const([2])))  # (b, h, p, n)
+    h1 = b.op("Add", b.op("Mul", e["h0f"], b.op("Unsqueeze", decay, b.const([2, 3]))), upd)
+    y = b.op("MatMul", h1, b.op("Unsqueeze", Ch, b.const([-1])))  # (b, h, p, 1)
+    y = b.op("Add", b.op("Reshape", y, b.op("Concat", bsz, one, h, p, axis=0)),
+             b.op("Mul", e["xf"], b.op("Unsqueeze", e["Df"], one)))
+    return y, h1
 
 
 def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = None) -> tuple[str, str]:
@@ -351,27 +406,22 @@ def _recurrent_scan(b: _Body, e: dict[str, str], nheads: int) -> tuple[str, str]
 
 
 def _build_native_body(nheads: int) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    """The native flavour's body: ``If(seqlen <= NATIVE_RECURRENT_MAX_LEN)`` LinearAttention, else the chunked SSD.
+    """The native flavour's body: ``If(seqlen == 1)`` one recurrence step (faster than LinearAttention for one
+    token: benchmarks/RESULTS.md, bench_ort_scan_body.py), ``elif seqlen <= NATIVE_RECURRENT_MAX_LEN``
+    LinearAttention, else the chunked SSD.
 
-    Step 1 (delta) and the chunk length are computed once, outside the branches (so no branch holds an
-    attribute reference); each branch returns y (float32) and final_state.
+    Step 1 (delta), the chunk length and both conditions are computed once, outside the branches (so no
+    branch holds an attribute reference); each branch returns y (float32) and final_state.
     """
     b = _Body()
     e = _entry(b)
     Q = _chunk_len(b, e["L"])
-    branches = {}
-    for name, build in (("recurrent", lambda bb: _recurrent_scan(bb, e, nheads)),
-                        ("chunked", lambda bb: _chunked_scan(bb, e, Q))):
-        bb = _Body(prefix=f"{name}_")
-        y, s = build(bb)
-        branches[name] = helper.make_graph(bb.nodes, f"ssm_scan_{name}", [], [
-            helper.make_tensor_value_info(y, TensorProto.FLOAT, None),
-            helper.make_tensor_value_info(s, TensorProto.FLOAT, None)])
+    one_token = b.op("Equal", e["L"], b.const([1]))
     short = b.op("LessOrEqual", e["L"], b.const([NATIVE_RECURRENT_MAX_LEN]))
-    y, final = b.op("If", short, outputs=2, then_branch=branches["recurrent"], else_branch=branches["chunked"])
-    b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.OUTPUT_NAMES[0]]))
-    b.nodes.append(helper.make_node("Identity", [final], [contract.OUTPUT_NAMES[1]]))
-    return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
+    longer = ("longer", lambda bb: _if(bb, short, ("recurrent", lambda b2: _recurrent_scan(b2, e, nheads)),
+                                       ("chunked", lambda b2: _chunked_scan(b2, e, Q))))
+    y, final = _if(b, one_token, ("step", lambda bb: _step_scan(bb, e)), longer)
+    return _finish(b, y, final)
 
 
 def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None) -> onnx.FunctionProto:

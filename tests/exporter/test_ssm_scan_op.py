@@ -24,6 +24,8 @@ CHUNK = 8
 # (batch, seqlen, nheads, headdim, ngroups, d_state)
 CASES = {
     "L1": (1, 1, 4, 8, 1, 16),
+    "L1_B3_G2": (3, 1, 8, 8, 2, 16),  # the If(seqlen == 1) step branch with batch and groups
+    "L2": (2, 2, 4, 8, 2, 16),  # the shortest sequence through the chunked branch
     "L_lt_chunk": (1, 5, 4, 8, 1, 16),
     "L_eq_chunk": (1, CHUNK, 4, 8, 1, 16),
     "L_k_chunk_plus_1": (1, 3 * CHUNK + 1, 4, 8, 1, 16),
@@ -116,11 +118,12 @@ def test_no_softplus_and_large_dt(inline):
     assert_close("large dt final_state", ref.final_state, torch.from_numpy(outs[3]), rel=FP32_REL)
 
 
+@pytest.mark.parametrize("seqlen", [1, 512])
 @pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
-def test_large_decay_sums(inline):
+def test_large_decay_sums(inline, seqlen):
     """dt*A summing to -4,000 per 256 tokens (issue 16): segment sums from their own terms, 5e-6 of float64
-    (the old body's cs_i - cs_j gave 1e-4)."""
-    p = SSMScanProblem(2, 512, 8, 16, 2, 16)
+    (the old body's cs_i - cs_j gave 1e-4); seqlen 1 takes the step branch."""
+    p = SSMScanProblem(2, seqlen, 8, 16, 2, 16)
     sess = _session(ssm_scan_node_model([SSMScanAttrs(chunk_size=256), SSMScanAttrs(chunk_size=100)], inline=inline))
     inp = large_decay_inputs(p, seed=5)
     outs = sess.run(None, _feeds(inp))
@@ -128,6 +131,21 @@ def test_large_decay_sums(inline):
     for k in range(2):
         assert_close(f"node{k} y", ref.y, torch.from_numpy(outs[2 * k]), rel=5e-6)
         assert_close(f"node{k} final_state", ref.final_state, torch.from_numpy(outs[2 * k + 1]), rel=5e-6)
+
+
+def test_body_branches_on_one_token():
+    """The standard body is If(seqlen == 1): a one-token step (no CumSum, no chunk reshapes) else the chunked SSD."""
+    from m2export.exporter.ssm_scan_op import ssm_scan_function_proto
+
+    fn = ssm_scan_function_proto()
+    ifs = [n for n in fn.node if n.op_type == "If"]
+    assert len(ifs) == 1
+    branches = {a.name: a.g for a in ifs[0].attribute}
+    step_ops = {n.op_type for n in branches["then_branch"].node}
+    chunk_ops = {n.op_type for n in branches["else_branch"].node}
+    assert "CumSum" not in step_ops and "CumSum" in chunk_ops and "Exp" in step_ops
+    cond = next(n for n in fn.node if n.output[0] == ifs[0].input[0])
+    assert cond.op_type == "Equal"
 
 
 def _native_session(nheads: int, dtype: str = "float32"):
