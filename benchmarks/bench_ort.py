@@ -26,7 +26,6 @@ best-of-N; the median shows the noise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -40,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import publish, utc_now  # noqa: E402 (benchmarks/_report.py, beside this script)
 
 
 def _log(msg: str) -> None:
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
                       f"{acc[k][1]:.2e}"]
             rows.append(f"| {name} | {k} | " + " | ".join(cells) + " |")
         lines += rows
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = utc_now()
     head = (f"## bench_ort.py — {now} — CPU {os.cpu_count()} cores ({platform.machine()}, shared), "
             f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, {args.threads} threads, "
             f"best / median of {args.reps} interleaved runs\n\n"
@@ -289,9 +290,7 @@ def main(argv=None) -> int:
             + " | decode ms/token | ORT kernels prefill L=512 / decode | logits rel-L2 vs transformers fp64 "
               "| vs m2export fp64 (mamba_ssm semantics) |\n|" + "---|" * (8 + len(args.seqlens)) + "\n")
     table = head + "\n".join(lines) + "\n"
-    print(table)
-    with open(args.results, "a") as f:
-        f.write("\n" + table)
+    publish(table, args.results)
     return 0
 
 

@@ -17,7 +17,6 @@ Prints a markdown table and appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import statistics
 import sys
@@ -28,6 +27,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import publish, utc_now  # noqa: E402 (benchmarks/_report.py, beside this script)
 
 
 def _chunked_only_function(opset: int):
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         print(f"L={L}: " + "; ".join(f"{k} {min(v):.3f} ms" for k, v in times.items()), file=sys.stderr)
 
     names = list(sess)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = utc_now()
     head = (f"### bench_ort_scan_body.py — {now} — CPU ({platform.machine()}), onnxruntime {onnxruntime.__version__}, "
             f"torch {torch.__version__}, {args.threads} intra-op threads; one SSMScan node, batch {args.batch}, "
             f"{args.nheads} heads x headdim {args.headdim}, d_state {args.d_state}, {args.ngroups} group(s), chunk "
@@ -121,9 +122,7 @@ def main(argv=None) -> int:
     for L, t, e in rows:
         lines.append(f"| {L} | " + " | ".join(f"{t[k][0]:.3f} / {t[k][1]:.3f} (err {e[k]:.1e})" for k in names) + " |")
     table = "\n".join(lines) + "\n"
-    print(table)
-    with open(args.results, "a") as f:
-        f.write("\n" + table)
+    publish(table, args.results)
     return 0
 
 

@@ -22,7 +22,6 @@ benchmarks/RESULTS.md:
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import publish, utc_now  # noqa: E402 (benchmarks/_report.py, beside this script)
 
 
 def _log(msg: str) -> None:
@@ -162,15 +163,13 @@ def main(argv=None) -> int:
     bench_synthetic(rows)
     if not args.no_hf:
         bench_hf(rows, work)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = utc_now()
     head = (f"## bench_scan_numerics.py{' (' + args.label + ')' if args.label else ''} — {now} — CPU "
             f"({platform.machine()}), torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
             f"transformers {transformers.__version__}; fp32, batch 1 (synthetic: batch 2)\n\n"
             "| case | run | rel-L2 vs float64 (split: vs the unsplit run) |\n|---|---|---|\n")
     table = head + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
-    print(table)
-    with open(args.results, "a") as f:
-        f.write("\n" + table)
+    publish(table, args.results)
     return 0
 
 
