@@ -121,34 +121,51 @@ HYBRID_PRESETS: dict[str, HybridPreset] = {
                     "mamba_n_groups", "mamba_chunk_size", "rope_parameters", "rms_norm_eps")),
     # TII Falcon-H1-7B: fields of its config.json quoted in a public sizing test; the rest unverified
     "falcon-h1-7b": HybridPreset("falcon_h1", {
-        **_FALCON_ARCH, "vocab_size": 128000, "hidden_size": 3072, "num_hidden_layers": 44, "num_attention_heads": 12,
-        "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 14336, "mamba_d_ssm": 3072,
+        **_FALCON_ARCH, "vocab_size": 130048, "hidden_size": 3072, "num_hidden_layers": 44, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 12288, "mamba_d_ssm": 3072,
         "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4,
-        "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_rms_norm": False, "mamba_norm_before_gate": True,
+        "mamba_expand": 2, "mamba_chunk_size": 128, "mamba_rms_norm": False, "mamba_norm_before_gate": True,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False},
         sources=("Falcon-H1-7B-Instruct config.json fields quoted in a public context-sizing test found by the search "
                  "tool (44 layers, 12/2 heads, head_dim 128, hidden 3072, mamba_d_head 128, mamba_d_ssm 3072, "
                  "d_state 256, 1 group, 24 Mamba heads, d_conv 4, expand 2)",
+                 "the same fields plus intermediate_size 12288, vocab_size 130048, mamba_chunk_size 128 and "
+                 "tie_word_embeddings false in a public model-matrix test found by the search tool (FALCON_H1_7B_HF; "
+                 "no citable repository path in the stored index)",
+                 "check: the model built from it has 7,585,513,568 parameters; the context-sizing test gives its "
+                 "mlx 4-bit weights as 4,268,832,515 bytes = 4.50 bits per parameter, the 4-bit format's size "
+                 "with its group scales (transformers' intermediate 14336 and vocab 128000 would give 8.40B)",
                  f"{_TF} FalconH1Config defaults for the rest"),
-        unverified=("vocab_size", "intermediate_size", "mamba_chunk_size", "mamba_rms_norm", "mamba_norm_before_gate",
-                    "rope_parameters", "every muP multiplier (1.0 used)", "tie_word_embeddings")),
-    # Zyphra Zamba2-2.7B: 54 layers (45 mamba + 9 hybrid), hidden 2560, 32 heads, d_state 64 from its config.json
-    # as quoted in public test fixtures; the rest transformers' Zamba2Config defaults (checkpoint Zyphra/Zamba2-2.7B)
+        unverified=("mamba_rms_norm", "mamba_norm_before_gate", "rope_parameters", "every muP multiplier (1.0 used)")),
+    # Zyphra Zamba2-2.7B: the config.json of Zyphra's own standalone implementation (pre-transformers key names)
+    # and that code's MambaConfig defaults, renamed to Zamba2Config's keys
     "zamba2-2.7b": HybridPreset("zamba2", {
         **_ZAMBA2_ARCH, "vocab_size": 32000, "hidden_size": 2560, "num_hidden_layers": 54,
         "layers_block_type": (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"]
                               + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2),
         "num_attention_heads": 32, "num_key_value_heads": 32, "mamba_d_state": 64, "mamba_d_conv": 4,
-        "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 8, "chunk_size": 256, "intermediate_size": 10240,
-        "num_mem_blocks": 1, "use_shared_attention_adapter": False, "adapter_rank": 128, "use_mem_rope": False,
-        "tie_word_embeddings": True},
-        sources=("Zyphra/Zamba2-2.7B config.json fields quoted in public test fixtures found by the search tool "
-                 "(54 layers: 45 mamba + 9 hybrid, hidden 2560, 32 heads, mamba_d_state 64)",
-                 f"{_TF} Zamba2Config defaults (auto_docstring checkpoint Zyphra/Zamba2-2.7B): the layer pattern "
-                 "(45 + 9, as quoted) and every other field"),
-        unverified=("n_mamba_heads (transformers' 8 gives Mamba head dim 640)", "num_mem_blocks",
-                    "use_shared_attention_adapter", "adapter_rank", "use_mem_rope", "intermediate_size (4 * hidden)",
-                    "vocab_size", "chunk_size", "mamba_ngroups")),
+        "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 80, "chunk_size": 256, "intermediate_size": 10240,
+        "num_mem_blocks": 2, "use_shared_attention_adapter": False, "adapter_rank": 128, "use_mem_rope": False,
+        "add_bias_linear": False, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
+        sources=("Zyphra/Zamba2@89a404b0ae47:config.json (the README: 'the standalone Pytorch implementation of "
+                 "Zamba2-2.7B'): num_layers 54 with layer_mapping 'g' (hybrid) at 6, 12, ..., 42, 47, 51, hidden 2560, "
+                 "state_size 64, conv_dimension 4, expansion_factor 2, add_bias_linear false, use_shared_block_lora "
+                 "true, lora_rank 128 (= adapter_rank), 32 heads, padded_vocab_size 32000, num_mem_blocks 2 (its "
+                 "README: 'two shared attention blocks ... interleaved in an ABAB pattern')",
+                 "Zyphra/Zamba2@38ceb858dbb7:mamba_config.py defaults for the fields that config.json leaves out: "
+                 "mamba_headdim 64 (so n_mamba_heads = 2 * 2560 / 64 = 80), mamba_ngroups 1, ffn_hidden_size "
+                 "4 * hidden = 10240, use_mem_rope false, use_shared_attention_lora false, layernorm_epsilon 1e-5 "
+                 "(its mamba_model.py from_pretrained reads mamba_headdim, ffn_hidden_size and gated_linear_unit from "
+                 "the hub config.json, which was not found: those three stay unverified)",
+                 "a public survey of the Zamba2 report (arXiv 2411.15242): Zamba2-2.7B has no positional embeddings",
+                 "Zyphra/Zamba2-2.7B config.json fields quoted in public test fixtures found by the search tool "
+                 "(54 layers: 45 mamba + 9 hybrid, hidden 2560, 32 heads, mamba_d_state 64): the same",
+                 "check: the model built from it (m2export and transformers 5.24 alike) has 2,662,214,560 "
+                 "parameters (the '2.7B')"),
+        unverified=("n_mamba_heads (80 from Zyphra's code default head dim 64, which Zamba2-7B's config also has)",
+                    "intermediate_size (4 * hidden, the code default, as Zamba2-7B's 14336 = 4 * 3584)",
+                    "mamba_ngroups (the code default 1; Zamba2-7B has 2)", "hidden_act / gating (gelu, gated)",
+                    "chunk_size (transformers' 256)", "tie_word_embeddings (transformers' true)")),
     # TII Falcon-H1-0.5B: its config.json as quoted (whole) in Megatron-Bridge's bridge test
     "falcon-h1-0.5b": HybridPreset("falcon_h1", {
         **_FALCON_ARCH, "vocab_size": 32784, "hidden_size": 1024, "num_hidden_layers": 36,

@@ -50,9 +50,10 @@ def test_published_shapes():
 
 
 @pytest.mark.parametrize("name,params", [("falcon-h1-0.5b", 521_411_104), ("granite-4.0-h-1b", 1_461_538_368),
-                                         ("zamba2-7b", 7_356_749_648)])
+                                         ("zamba2-7b", 7_356_749_648), ("falcon-h1-7b", 7_585_513_568),
+                                         ("zamba2-2.7b", 2_662_214_560)])
 def test_part2_presets_match_transformers_parameter_count(name, params):
-    """The three presets found in public config copies: m2export's model and transformers' (built from the same
+    """Presets found in public config copies: m2export's model and transformers' (built from the same
     config.json on the meta device) have the same parameter total, the one the sources cite."""
     import transformers
 
@@ -69,7 +70,9 @@ def test_part2_presets_match_transformers_parameter_count(name, params):
                 at.rope.theta) == (24, 64, 1536, 128, 8, 2, 64, 1e11)
     elif name == "granite-4.0-h-1b":
         assert spec.attention_layers == (5, 15, 25, 35) and spec.layers[0].mamba.nheads == 48
-    else:
+    elif name == "zamba2-2.7b":
+        assert (len(spec.shared_blocks), spec.layers[0].mamba.nheads, spec.layers[0].mamba.headdim) == (2, 80, 64)
+    elif name == "zamba2-7b":
         assert (spec.n_layer, len(spec.shared_blocks), spec.layers[0].mamba.nheads, spec.layers[0].mamba.ngroups) \
             == (81, 2, 112, 2)
         assert spec.attention_layers == (6,) + tuple(range(11, 78, 6))  # 13 hybrid layers
