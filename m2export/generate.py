@@ -157,8 +157,13 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
     if not (src / engine.file).is_file():
         raise ExportFolderError(f"{src / engine.file}: engine listed in {MANIFEST_FILE} is missing",
                                 hint="rebuild with 'm2export build OUTDIR'")
-    pre, dec = runners.trt_runners(src, engine)
-    return _Session("trt", f"trt ({engine.file}, profiles {'+'.join(engine.profile_roles)})", pre, dec, cfg, m.dtype,
+    dec_e = m.engine("decode")
+    if dec_e is not None and dec_e.file != engine.file and not (src / dec_e.file).is_file():
+        raise ExportFolderError(f"{src / dec_e.file}: engine listed in {MANIFEST_FILE} is missing",
+                                hint="rebuild with 'm2export build OUTDIR --role decode'")
+    pre, dec = runners.trt_runners(src, engine, dec_e)
+    files = engine.file + (f" + {dec_e.file}" if dec_e is not None and dec_e.file != engine.file else "")
+    return _Session("trt", f"trt ({files}, profiles {'+'.join(engine.profile_roles)})", pre, dec, cfg, m.dtype,
                     tok)
 
 

@@ -324,8 +324,10 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
             skipped.append("TensorRT: skipped: no engine with a prefill profile (model.plan)")
         else:
             flavour = next((g.ssm_impl for g in manifest.graphs if g.file == pre_e.onnx_file), None)
-            pre, dec = trt_runners(outdir, pre_e)
-            out.append(_Runtime(f"trt:{pre_e.file}",
+            dec_e = manifest.engine("decode")
+            pre, dec = trt_runners(outdir, pre_e, dec_e)
+            files = pre_e.file + (f"+{dec_e.file}" if dec_e is not None and dec_e.file != pre_e.file else "")
+            out.append(_Runtime(f"trt:{files}",
                                 f"TensorRT {pre_e.tensorrt_version}, {pre_e.precision}, plugin {pre_e.plugin_mode}, "
                                 f"profiles {'+'.join(pre_e.profile_roles)}", pre, dec,
                                 label="trt" + (f"/{flavour}" if flavour else "")))

@@ -261,15 +261,18 @@ def trt_runner(engine_path: str | Path, *, name: str | None = None, profile: int
     return TrtRunner(engine or EngineOnce(p), name=name or f"trt:{p.name}", optimization_profile=profile)
 
 
-def trt_runners(outdir: Path, entry) -> tuple[object, object | None]:
-    """(prefill runner, decode runner or None) of one engine entry of m2export.json: one shared engine, the
+def trt_runners(outdir: Path, entry, decode_entry=None) -> tuple[object, object | None]:
+    """(prefill runner, decode runner or None) of an engine entry of m2export.json: one shared engine, the
     runners on its "prefill" and "decode" optimization profiles (decode None: the engine has no decode
-    profile, and its prefill profile serves decode steps too)."""
+    profile, and its prefill profile serves decode steps too). ``decode_entry``: a separate decode-only
+    engine (``model.decode.plan``, seqlen the constant 1) whose runner serves the decode steps instead."""
     shared = EngineOnce(outdir / entry.file)
     pre = trt_runner(outdir / entry.file, name=f"trt:{entry.file}:prefill", profile=entry.profile_index("prefill"),
                      engine=shared)
     dec = None
-    if "decode" in entry.profile_roles:
+    if decode_entry is not None and decode_entry.file != entry.file:
+        dec = trt_runner(outdir / decode_entry.file, name=f"trt:{decode_entry.file}:decode", profile=0)
+    elif "decode" in entry.profile_roles:
         dec = trt_runner(outdir / entry.file, name=f"trt:{entry.file}:decode", profile=entry.profile_index("decode"),
                          engine=shared)
     return pre, dec

@@ -34,7 +34,9 @@ def add_arguments(p):
     p.add_argument("--plugin", choices=["jit", "aot"], default="jit", help="SSMScan plugin mode (default: jit)")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
                    help="optimization profiles of the one engine (default: both: a prefill and a decode profile "
-                        "sharing the weights)")
+                        "sharing the weights, model.plan); decode: a decode-only engine model.decode.plan with "
+                        "sequence_length the constant 1 (with --plugin aot it embeds the decode-step kernel), used "
+                        "for decode steps beside model.plan")
     p.add_argument("--skip-if-unavailable", action="store_true",
                    help="without TensorRT or a GPU, say so and exit 0 instead of exit 4 (scripts that run anywhere)")
     g = p.add_argument_group("Optimization profile")

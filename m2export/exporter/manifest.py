@@ -149,7 +149,10 @@ class Manifest:
         return sorted({g.ssm_impl for g in self.graphs})
 
     def engine(self, role: str) -> EngineEntry | None:
-        return next((e for e in self.engines if _has_role(e.role, role)), None)
+        """The engine serving ``role``: one built for that role alone (e.g. ``model.decode.plan``) first,
+        else one with a profile for it (``model.plan``, prefill + decode), else None."""
+        own = [e for e in self.engines if e.role == role]
+        return own[0] if own else next((e for e in self.engines if _has_role(e.role, role)), None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str) + "\n"

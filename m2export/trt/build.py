@@ -94,10 +94,23 @@ class BuildResult:
     manifest_updated: bool = False
 
 
-def plan_name(onnx_file: str | Path) -> str:
-    """model.onnx -> model.plan, decode.std.onnx -> decode.std.plan."""
+def plan_name(onnx_file: str | Path, roles: Sequence[str] = ("prefill", "decode")) -> str:
+    """model.onnx -> model.plan, model.std.onnx -> model.std.plan; a decode-only engine (``roles`` ("decode",))
+    gets its own file, model.decode.plan, beside the prefill (+ decode) engine."""
     name = Path(onnx_file).name
-    return (name[:-5] if name.endswith(".onnx") else name) + ".plan"
+    stem = name[:-5] if name.endswith(".onnx") else name
+    return stem + (".decode" if tuple(roles) == ("decode",) else "") + ".plan"
+
+
+def pinned_input_shapes(inputs: dict[str, list[int | str]], roles: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Network input shapes to fix at build time: for a decode-only engine, every input with a
+    ``sequence_length`` axis gets it as the constant 1 (other symbolic axes -1: still dynamic), so shape
+    inference hands the SSMScan plugin a constant seqlen 1 and the AOT plugin embeds the decode-step kernel
+    instead of the chunked scan. Empty for engines with a prefill profile (their seqlen is dynamic)."""
+    if tuple(roles) != ("decode",):
+        return {}
+    return {name: tuple(1 if d == SEQ_SYMBOL else d if isinstance(d, int) and d > 0 else -1 for d in dims)
+            for name, dims in inputs.items() if SEQ_SYMBOL in dims}
 
 
 def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode")) -> tuple[Path, Manifest | None,
@@ -116,11 +129,11 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
         onnx_path = p / g.file
         if not onnx_path.is_file():
             raise ExportFolderError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing", hint=REEXPORT_HINT)
-        return p, manifest, [BuildTarget(roles, onnx_path, p / plan_name(g.file))]
+        return p, manifest, [BuildTarget(roles, onnx_path, p / plan_name(g.file, roles))]
     if p.is_file() and p.suffix == ".onnx":
         outdir = p.parent
         manifest = read_manifest(outdir) if (outdir / MANIFEST_FILE).is_file() else None
-        return outdir, manifest, [BuildTarget(roles, p, outdir / plan_name(p.name))]
+        return outdir, manifest, [BuildTarget(roles, p, outdir / plan_name(p.name, roles))]
     if not p.exists():
         raise ExportFolderError(f"{p}: no such file or directory",
                                 hint=f"pass an OUTDIR written by 'm2export export' or its {PREFILL_FILE}")
@@ -283,7 +296,8 @@ def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profiles
 
     from m2export.plugins.ssm_scan_trt import take_plugin_errors
 
-    network = NetworkFromOnnxPathWithPlugin(target.onnx, plugin_mode=plugin_mode)
+    network = NetworkFromOnnxPathWithPlugin(target.onnx, plugin_mode=plugin_mode,
+                                            input_shapes=pinned_input_shapes(onnx_inputs(target.onnx), target.roles))
     t0 = time.perf_counter()
     take_plugin_errors()
     try:

@@ -70,17 +70,29 @@ def format_parser_errors(parser, onnx_path: str | Path) -> str:
     return f"TensorRT cannot parse {onnx_path}: " + "; ".join(lines or ["unknown parser error"])
 
 
+def pin_input_shapes(network, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Set the shapes of the named network inputs (-1: dynamic), e.g. ``input_ids`` to (-1, 1) for a
+    decode-only engine. Raises BuildError naming an input the network does not have."""
+    have = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+    for name, shape in shapes.items():
+        if name not in have:
+            raise BuildError(f"cannot fix the shape of input {name!r}: the network's inputs are {sorted(have)}")
+        have[name].shape = tuple(shape)
+
+
 class NetworkFromOnnxPathWithPlugin(BaseLoader):
     """Parse ``path`` into a strongly typed network with the SSMScan plugin in ``plugin_mode``.
 
     ``plugin_mode`` None: the graph must have no SSMScan node (the ``std`` flavour, ``.std.onnx``).
+    ``input_shapes``: input name -> shape to fix after parsing (:func:`pin_input_shapes`).
     """
 
-    def __init__(self, path: str | Path, *, plugin_mode: str | None):
+    def __init__(self, path: str | Path, *, plugin_mode: str | None, input_shapes: dict | None = None):
         if plugin_mode is not None and plugin_mode not in PLUGIN_MODES:
             raise ValueError(f"plugin_mode: expected one of {PLUGIN_MODES} or None, got {plugin_mode!r}")
         self.path = Path(path)
         self.plugin_mode = plugin_mode
+        self.input_shapes = dict(input_shapes or {})
 
     def call_impl(self):
         import tensorrt as trt
@@ -101,6 +113,7 @@ class NetworkFromOnnxPathWithPlugin(BaseLoader):
                 hint = ("the SSMScan plugin is not registered: " + (plugins.unavailable_reason() or "?")
                         + "; or build the std flavour (export both flavours (`ssm_impl='both'`), then build *.std.onnx)")
             raise BuildError(msg, hint=hint)
+        pin_input_shapes(network, self.input_shapes)
         plugin_layers = sum(1 for i in range(network.num_layers)
                             if network.get_layer(i).type == trt.LayerType.PLUGIN_V3)
         if expected and plugin_layers < expected:

@@ -52,13 +52,14 @@ def copy_export(src: Path, dst: Path) -> Path:
 
 
 def record_engine(out: Path, profiles: list[dict], *, role: str = "prefill", file: str = "model.plan", gpu: str = "H200",
-                  precision: str = "fp32", payload: bytes | None = b"stand-in"):
+                  precision: str = "fp32", payload: bytes | None = b"stand-in", onnx_file: str | None = None):
     """List an engine for ``file`` in out/m2export.json as ``m2export build`` records one (TensorRT
     10.9, sm 9.0, jit plugin, its optimisation ``profiles``) and write ``payload`` as the engine file
-    (None: no file). A stand-in for tests of the manifest plumbing: no TensorRT involved."""
+    (None: no file); ``onnx_file`` default: ``file`` with .onnx. A stand-in for tests of the manifest plumbing:
+    no TensorRT involved."""
     from m2export.exporter.manifest import EngineEntry, read_manifest, write_manifest
 
-    entry = EngineEntry(role, file, file.replace(".plan", ".onnx"), "10.9", gpu, "9.0", "jit", profiles, precision,
+    entry = EngineEntry(role, file, onnx_file or file.replace(".plan", ".onnx"), "10.9", gpu, "9.0", "jit", profiles, precision,
                         profile_roles=role.split("+"))
     m = read_manifest(out)
     m.engines.append(entry)
@@ -103,14 +104,23 @@ def scale_initializer(onnx_path: Path, name: str, factor: float) -> None:
 
 def zero_graph_input(onnx_path: Path, input_name: str, op_type: str) -> int:
     """Make the graph ignore input ``input_name``: its ``op_type`` consumers read ``Sub(x, x)`` (zeros of the
-    same shape and dtype) instead. Returns how many node inputs were rewired."""
+    same shape and dtype) instead, in the main graph and in If branches (which read outer values by name: the
+    SSMScan body's chunked scan is the else branch of If(seqlen == 1)). Returns how many node inputs were rewired."""
     import onnx
     from onnx import helper
 
     m = onnx.load(str(onnx_path))
     zeros = f"{input_name}__zeroed"
     n = 0
-    for node in m.graph.node:
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(a.g.node)
+
+    for node in walk(m.graph.node):
         if node.op_type == op_type:
             for k, x in enumerate(node.input):
                 if x == input_name:

@@ -172,7 +172,7 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     monkeypatch.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: None)
     profiles = []
 
-    def stand_in(outdir, entry):
+    def stand_in(outdir, entry, decode_entry=None):
         profiles.extend([entry.profile_index("prefill"), entry.profile_index("decode")])
         return tuple(onnxrt_runner(Path(outdir) / entry.onnx_file, name=f"trt:{entry.file}:{r}") for r in
                      ("prefill", "decode"))
@@ -183,6 +183,32 @@ def test_engine_wiring_with_stand_in_runner(tiny_out, tmp_path, monkeypatch):
     assert report.shapes == [[1, 1], [2, 16], [2, 33]]  # the profile's min/opt/max
     assert {r.section for r in report.rows} == {"prefill", "sequence"} and report.passed
     assert "--runtime trt" in report.tensorrt_note  # a JIT engine needs m2export: no m2export-free command
+
+
+def test_engine_wiring_with_a_decode_only_engine(tiny_out, tmp_path, monkeypatch):
+    """With model.plan and a decode-only model.decode.plan (m2export build --role decode), check runs prefill
+    on the first and the decode steps on the second. Stand-in runners as above: plumbing only."""
+    import m2export.check.compare as cmp
+    from m2export import backends
+    from m2export.check.runners import onnxrt_runner
+
+    out = copy_export(tiny_out, tmp_path / "o")
+    prof = {"input_ids": {"min": [1, 1], "opt": [2, 16], "max": [2, 33]}}
+    dec = {"input_ids": {"min": [1, 1], "opt": [2, 1], "max": [2, 1]}}
+    record_engine(out, [prof, dec], role="prefill+decode", file="model.plan")
+    record_engine(out, [dec], role="decode", file="model.decode.plan", onnx_file="model.onnx")
+    monkeypatch.setattr(backends, "tensorrt_unavailable_reason", lambda **kw: None)
+    seen = []
+
+    def stand_in(outdir, entry, decode_entry=None):
+        seen.append((entry.file, decode_entry.file if decode_entry is not None else None))
+        return (onnxrt_runner(Path(outdir) / entry.onnx_file, name=f"trt:{entry.file}:prefill"),
+                onnxrt_runner(Path(outdir) / decode_entry.onnx_file, name=f"trt:{decode_entry.file}:decode"))
+
+    monkeypatch.setattr(cmp, "trt_runners", stand_in)
+    report = run_check(out, runtimes=("trt",), decode_steps=2)
+    assert seen == [("model.plan", "model.decode.plan")]
+    assert [r["name"] for r in report.runners] == ["torch", "trt:model.plan+model.decode.plan"] and report.passed
 
 
 def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):

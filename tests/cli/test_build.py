@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from m2export.cli.main import main
 from m2export.errors import BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError
-from m2export.exporter.manifest import GraphEntry, Manifest, read_manifest, write_manifest
+from m2export.exporter.manifest import EngineEntry, GraphEntry, Manifest, read_manifest, write_manifest
 from m2export.trt import build as B
 from m2export.trt.loader import count_ssm_scan_nodes, format_parser_errors, network_flags
 
@@ -139,11 +139,58 @@ def test_resolve_targets(tmp_path):
     _, _, (t,) = B.resolve_targets(out / "model.std.onnx")
     assert (t.role, t.plan) == ("prefill+decode", out / "model.std.plan")
     _, _, (t,) = B.resolve_targets(out, roles=("decode",))
-    assert t.roles == ("decode",)
+    assert t.roles == ("decode",) and t.plan.name == "model.decode.plan"  # beside model.plan, not over it
+    _, _, (t,) = B.resolve_targets(out, roles=("prefill",))
+    assert t.plan.name == "model.plan"
     (out / "model.onnx").unlink()
     with pytest.raises(ExportFolderError, match="listed in m2export.json but missing"):
         B.resolve_targets(out)
     assert B.plan_name("model.std.onnx") == "model.std.plan"
+
+
+def test_decode_only_engine_pins_sequence_length():
+    """A decode-only engine fixes sequence_length to 1 in the network (so the AOT plugin sees a constant seqlen
+    and embeds the decode-step kernel); batch and past_sequence_length stay dynamic; other engines pin nothing."""
+    from m2export.trt.loader import pin_input_shapes
+
+    inputs = {"input_ids": ["batch_size", "sequence_length"], "past_ssm_state.0": ["batch_size", 4, 8, 16],
+              "past_key_values.1.key": ["batch_size", 2, "past_sequence_length", 8]}
+    assert B.pinned_input_shapes(inputs, ("decode",)) == {"input_ids": (-1, 1)}
+    assert B.pinned_input_shapes(inputs, ("prefill", "decode")) == {} == B.pinned_input_shapes(inputs, ("prefill",))
+
+    class Tensor:
+        def __init__(self, name):
+            self.name, self.shape = name, (-1, -1)
+
+    class Network:  # the two members of tensorrt.INetworkDefinition that pin_input_shapes uses
+        def __init__(self, names):
+            self._t = [Tensor(n) for n in names]
+            self.num_inputs = len(self._t)
+
+        def get_input(self, i):
+            return self._t[i]
+
+    net = Network(list(inputs))
+    pin_input_shapes(net, {"input_ids": (-1, 1)})
+    assert [t.shape for t in net._t] == [(-1, 1), (-1, -1), (-1, -1)]
+    with pytest.raises(BuildError, match="cannot fix the shape of input 'ids'"):
+        pin_input_shapes(net, {"ids": (-1, 1)})
+
+
+def test_manifest_prefers_the_decode_only_engine(tmp_path):
+    """With model.plan (prefill + decode profiles) and model.decode.plan, decode steps use the latter."""
+    out = make_outdir(tmp_path)
+    m = read_manifest(out)
+    both = EngineEntry(role="prefill+decode", file="model.plan", onnx_file="model.onnx", tensorrt_version="10.9",
+                       gpu="H200", compute_capability="9.0", plugin_mode="aot", profiles=[{}, {}], precision="fp32",
+                       profile_roles=["prefill", "decode"])
+    dec = EngineEntry(role="decode", file="model.decode.plan", onnx_file="model.onnx", tensorrt_version="10.9",
+                      gpu="H200", compute_capability="9.0", plugin_mode="aot", profiles=[{}], precision="fp32",
+                      profile_roles=["decode"])
+    m.engines = [both, dec]
+    assert m.engine("prefill") is both and m.engine("decode") is dec
+    m.engines = [both]
+    assert m.engine("decode") is both
 
 
 def test_graph_profiles(tmp_path):
