@@ -161,6 +161,38 @@ def test_very_negative_decay(dtype):
     _run_and_check(p, seed=9, A_range=(16.0, 16.0), dt_override=lambda d: torch.full_like(d, 5.0), no_bias=True)
 
 
+#: issue 16: fp32 segment sums accurate to the segment's own terms (the bound of the chunked reference,
+#: tests/kernels/test_ssd_reference.py); the kernels' old exp2(cs2_i - cs2_j) missed it
+LARGE_DECAY_BOUND = 5e-6
+LARGE_DECAY_PLANS = [("auto", {}), ("chunk64", dict(chunk=64)), ("split", dict(nseg=3)),
+                     ("split_inline", dict(nseg=3, dt_pre=False)), ("fused", None)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan,kw", LARGE_DECAY_PLANS, ids=[c[0] for c in LARGE_DECAY_PLANS])
+def test_large_decay_sums_fp32(plan, kw):
+    """dt*A summing to -4,000 every 64 tokens between small steps (large_decay_inputs): every plan's fp32
+    result within 5e-6 of the float64 oracle (y and final_state rel-L2), NaN-poisoned outputs."""
+    from m2export.contract import validate
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+    from m2export.kernels.ssd.plan import aot_config, choose_config
+    from tests.helpers import large_decay_inputs
+
+    p = SSMScanProblem(2, 3 * 64 + 1 + 128, 8, 64, 2, 64, dtype="float32")
+    inp = large_decay_inputs(p, seed=stable_seed("large_decay", plan), per=64)
+    ref = ssm_scan_recurrent(**inp)
+    cfg = aot_config(p) if kw is None else choose_config(p, **kw)
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
+    dev = [inp[k].cuda() for k in names]
+    y, fs = nan_outputs(p)
+    ssm_scan_cutile(*dev, problem=validate(*dev), dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                    final_state_out=fs, config=cfg)
+    torch.cuda.synchronize()
+    assert_close(f"y ({cfg})", ref.y, y.cpu(), rel=LARGE_DECAY_BOUND)
+    assert_close(f"final_state ({cfg})", ref.final_state, fs.cpu(), rel=LARGE_DECAY_BOUND)
+
+
 @pytest.mark.gpu
 @gpu
 def test_optional_inputs_absent():

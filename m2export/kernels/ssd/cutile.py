@@ -11,12 +11,20 @@ two chosen here, independent of the contract's ``chunk_size``). Per chunk, all i
 registers/shared memory:
 
     delta  = clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 on padded tokens  # (Q,)    fp32
-    cs     = cumsum(delta * A)  (kept as cs2 = cs * log2(e))                   # (Q,)    fp32, <= 0
-    w      = delta * exp(cs_last - cs)                                         # (Q,)    fp32
+    hi, lo = cumsum(delta * A * log2(e)) in double-float (hi + lo; lo its residual) # (Q,)    fp32, hi <= 0
+    r, dl  = exp2(lo), delta * exp2(-lo)                                        # (Q,)    fp32
+    w      = delta * exp2((hi_last - hi) + (lo_last - lo))                      # (Q,)    fp32
     CB     = C @ B^T                                                           # (Q, Q)  tensor cores, fp32 acc
-    M      = CB * exp2(where(i >= j, cs2_i - cs2_j, -inf))                     # (Q, Q)  masked before exp
-    y      = M @ (x * delta) + exp(cs)_i * (C @ state^T) + D * x               # (Q, P)
-    state  = exp(cs_last) * state + B^T @ (x * w)                              # (N, P)  fp32
+    M      = CB * exp2(where(i >= j, hi_i - hi_j, -inf))                       # (Q, Q)  masked before exp
+    y      = r_i * (M @ (x * dl)) + exp2(hi)_i * r_i * (C @ state^T) + D * x    # (Q, P)
+    state  = exp2(hi_last) * state + B^T @ (x * w)                             # (N, P)  fp32
+
+Segment sums (issue 16): the decay of tokens j < i is exp2(hi_i - hi_j + lo_i - lo_j); hi_i - hi_j is
+rounded relative to the segment and the residuals lo (the part of the cumulative sum that fp32 cannot
+hold: ~ulp(|cs|), i.e. ~2.4e-4 at |cs| = 4,000) enter as a row factor r_i and a column factor on
+x_j, so every decay exponent is accurate to the fp32 rounding of the segment's own terms, not of the
+running sum (the old exp2(cs2_i - cs2_j) was 1.4e-4 rel-L2 from float64 on sums of -4,000 per 64
+tokens, tests/kernels/test_ssd.py::test_large_decay_sums_fp32, where the bound is 5e-6).
 
 Every per-token scaling lands on the narrow operand x (Q, P) or on output rows, so B and C
 (Q, N) go from shared memory to the tensor cores untouched. Padded tokens (past ``seqlen``) get
@@ -25,8 +33,8 @@ bounds-checked). ``C @ B^T`` never leaves the chip.
 
 Launch plans (all share the tile helpers):
 
-* JIT (``ssm_scan``, the TensorRT JIT plugin): :func:`ssd_dt_kernel` computes delta, cs2, w and
-  exp(cs) for every token into a small fp32 scratch (the scan loop then reads them with TMA
+* JIT (``ssm_scan``, the TensorRT JIT plugin): :func:`ssd_dt_kernel` computes dl, hi, r, w and
+  exp2(hi) for every token into a small fp32 scratch (the scan loop then reads them with TMA
   instead of strided loads of dt on its critical path); then, when :func:`choose_config` splits
   the sequence into ``nseg`` > 1 segments, :func:`ssd_segment_state_kernel` computes each
   segment's zero-start state and log2-decay; :func:`ssd_scan_kernel` (grid (batch*nheads, nseg,
@@ -134,28 +142,73 @@ def _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T: ConstBool, SPLIT_
     return ct.mma(x_w.transpose(), B_c, state * ecs_last)
 
 
+def _ct_two_sum(a, b):
+    """(s, e) with s = fl(a + b) and s + e == a + b exactly (Knuth's TwoSum; no FMA, no reassociation)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _ct_df_add(h1, l1, h2, l2):
+    """Double-float sum (h1 + l1) + (h2 + l2), renormalised so that |l| <= ulp(h) / 2 (the combine of
+    :func:`_ct_df_cumsum`)."""
+    s, e = _ct_two_sum(h1, h2)
+    e = e + (l1 + l2)
+    h = s + e
+    return h, e - (h - s)
+
+
+def _ct_df_cumsum(v, AXIS: ConstInt):
+    """Inclusive cumsum of the fp32 tile ``v`` along AXIS in double-float: (hi, lo), hi = fl32 of the sum
+    (up to the last bit), lo its residual (|lo| <= ulp(hi) / 2); hi + lo is the exact prefix sum to ~2**-44
+    relative. A ct.scan of :func:`_ct_df_add` (fp32 only; an fp64 cumsum gave the same sm_90 build of the
+    fused kernel: see benchmarks/NOTES_ssd.md, issue 16)."""
+    return ct.scan((v, ct.zeros(v.shape, dtype=ct.float32)), AXIS, _ct_df_add, (0.0, 0.0))
+
+
+def _ct_decay_terms(delta, hi, lo, hi_last, lo_last):
+    """Decay coefficients of one chunk, all fp32, in log2 units, from the step sizes ``delta`` (fp32)
+    and the double-float inclusive cumsum (hi, lo) of delta * A * log2(e) along the tokens
+    (:func:`_ct_df_cumsum`), with (hi_last, lo_last) its last token's (broadcastable). Returns
+    (dl, hi, r, w, ecs):
+
+    * hi (<= 0): the intra-chunk exponent of tokens (i, j) is fl(hi_i - hi_j) + lo_i - lo_j;
+    * r = exp2(lo), a factor on output row i, and dl = delta * exp2(-lo), the step size scaling x_j:
+      together exp2(lo_i - lo_j);
+    * w = delta * exp2((hi_last - hi) + (lo_last - lo)) (the decay to the chunk end);
+    * ecs = exp2(hi) (the decay from the chunk start; its own terms).
+
+    Why (issue 16): in fp32, cs_i - cs_j carries the rounding of cs itself (thousands when dt is large:
+    an absolute error of ~ulp(|cs|) in every exponent). fl(hi_i - hi_j) is rounded relative to the
+    segment, and lo_i - lo_j restores what rounding cs to fp32 lost, so every segment sum is accurate
+    to the fp32 rounding of its own terms.
+    """
+    w = delta * ct.exp2((hi_last - hi) + (lo_last - lo))  # exponent <= 0
+    return delta * ct.exp2(-lo), hi, ct.exp2(lo), w, ct.exp2(hi)
+
+
 def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt,
                      DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
-    """Per-token coefficients of chunk c, all (CHUNK,) fp32: delta, cs2 = cumsum(delta*A)*log2(e)
-    (<= 0, non-increasing), w = delta * exp(cs_last - cs), ecs = exp(cs); and ecs_last = exp(cs_last) (1,).
+    """Per-token coefficients of chunk c, all (CHUNK,) fp32 (see :func:`_ct_decay_terms`): dl, hi, r,
+    w, ecs; and the chunk's total log2-decay hi_last (1,) and ecs_last = exp2(cs_last) (1,).
 
-    DT_PRE: read them from ``coef`` (written by :func:`ssd_dt_kernel`; rows delta, cs2, w, ecs);
+    DT_PRE: read them from ``coef`` (written by :func:`ssd_dt_kernel`; rows dl, hi, r, w, ecs);
     otherwise compute them here from dt (the single-launch plan).
     """
     if DT_PRE:
-        delta = ct.load(coef, index=(0, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        cs2 = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        w = ct.load(coef, index=(2, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        ecs = ct.load(coef, index=(3, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        ecs_last = ct.extract(ecs, index=(CHUNK - 1,), shape=(1,))
+        dl = ct.load(coef, index=(0, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        hi = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        r = ct.load(coef, index=(2, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        w = ct.load(coef, index=(3, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        ecs = ct.load(coef, index=(4, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
     else:
         delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
-        cs2 = ct.cumsum(delta * (a_h * _LOG2E), 0)  # (Q,) fp32 inclusive, log2 units
-        cs2_last = ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
-        w = delta * ct.exp2(cs2_last - cs2)  # exponent <= 0
-        ecs = ct.exp2(cs2)
-        ecs_last = ct.exp2(cs2_last)
-    return delta, cs2, w, ecs, ecs_last
+        hi, lo = _ct_df_cumsum(delta * (a_h * _LOG2E), 0)  # (Q,) inclusive
+        dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1,), shape=(1,)),
+                                            ct.extract(lo, index=(CHUNK - 1,), shape=(1,)))
+    hi_last = ct.extract(hi, index=(CHUNK - 1,), shape=(1,))
+    ecs_last = ct.extract(ecs, index=(CHUNK - 1,), shape=(1,))
+    return dl, hi, r, w, ecs, hi_last, ecs_last
 
 
 def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
@@ -172,17 +225,19 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_
     idx = ct.arange(CHUNK, dtype=ct.int32)
     causal = idx[:, None] >= idx[None, :]
     for c in range(c_begin, c_end):
-        delta, cs2, w, ecs, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
-                                                        CHUNK, DT_SOFTPLUS, DT_PRE)
+        dl, hi, r, w, ecs, _hi_last, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max,
+                                                                 seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
         C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
         xf = x_c.astype(ct.float32)
-        # intra-chunk: ((C B^T) * exp(cs_i - cs_j) [i >= j]) @ (delta * x); masked before exp
+        # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
+        # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
-        seg = ct.where(causal, cs2[:, None] - cs2[None, :], -math.inf)
+        seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
         m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
-        acc = ct.mma(m, (xf * delta[:, None]).astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
+        acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
+        acc = acc * r[:, None]
         if HAS_D:
             acc = acc + d_h * xf
         # inter-chunk: exp(cs_i) * (C @ state^T)_i
@@ -247,10 +302,10 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     """Step-size pre-pass of the two-kernel plans. Grid: (batch, nchunks, cdiv(nheads, BLOCK_H)).
 
     Block (b, c, hb) turns dt[b, chunk c, heads hb*BLOCK_H...] into the per-token coefficients the
-    scan kernels read (fp32, ``coef`` is (4, batch, nheads, nchunks*CHUNK)): row 0 delta =
-    clamp(softplus(dt + dt_bias), dt_min, dt_max) (0 past seqlen), row 1 cs2 = log2(e) * cumsum
-    within the chunk of delta*A (<= 0), row 2 w = delta*exp(cs_last - cs), row 3 exp(cs). Padded tokens have
-    delta = 0, so cs stays flat there: they neither decay nor add.
+    scan kernels read (fp32, ``coef`` is (5, batch, nheads, nchunks*CHUNK)), the rows of
+    :func:`_ct_decay_terms`: dl, hi, r, w, ecs, from delta = clamp(softplus(dt + dt_bias), dt_min,
+    dt_max) (0 past seqlen) and the within-chunk cumsum of delta*A*log2(e) (fp64). Padded tokens
+    have delta = 0, so cs stays flat there: they neither decay nor add.
     """
     b = ct.bid(0)
     c = ct.bid(1)
@@ -264,14 +319,15 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     v = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where(t[:, None] < seqlen, v, 0.0)
-    cs = ct.cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
-    cs_last = ct.extract(cs, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
-    w = delta * ct.exp2(cs_last - cs)
+    hi, lo = _ct_df_cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
+    dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)),
+                                        ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)))
     shape = (1, 1, CHUNK, BLOCK_H)
-    ct.store(coef, index=(0, b, c, hb), tile=delta.reshape(shape), order=(0, 1, 3, 2))
-    ct.store(coef, index=(1, b, c, hb), tile=cs.reshape(shape), order=(0, 1, 3, 2))
-    ct.store(coef, index=(2, b, c, hb), tile=w.reshape(shape), order=(0, 1, 3, 2))
-    ct.store(coef, index=(3, b, c, hb), tile=ct.exp2(cs).reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(0, b, c, hb), tile=dl.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(1, b, c, hb), tile=hi.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(2, b, c, hb), tile=r.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(3, b, c, hb), tile=w.reshape(shape), order=(0, 1, 3, 2))
+    ct.store(coef, index=(4, b, c, hb), tile=ecs.reshape(shape), order=(0, 1, 3, 2))
 
 
 @ct.kernel
@@ -326,13 +382,13 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     later = ct.full((1,), 0.0, dtype=ct.float32)  # log2-decay of the chunks after c in this segment (<= 0)
     for i in range(c_end - c_begin):
         c = c_end - 1 - i
-        _delta, cs2, w, _ecs, _ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen,
-                                                           CHUNK, DT_SOFTPLUS, DT_PRE)
+        _dl, _hi, _r, w, _ecs, hi_last, _ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min,
+                                                                     dt_max, seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
         x_w = (x_c.astype(ct.float32) * (w * ct.exp2(later))[:, None]).astype(x.dtype)
         state = ct.mma(x_w.transpose(), B_c, state)
-        later = later + ct.extract(cs2, index=(CHUNK - 1,), shape=(1,))
+        later = later + hi_last
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, False)
     ct.store(seg_logdecay, index=(b, h, s), tile=later.reshape((1, 1, 1)))
 
@@ -464,8 +520,8 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     if cfg.nseg == 1 and not cfg.dt_pre:
         return ScanPlan((fused_launch(p, cfg, has_D=has_D, has_init=has_init, **kw),), (), cfg)
     launches, scratch = [], []
-    if cfg.dt_pre:  # fp32 per-token coefficients (4 x the size of dt in fp32)
-        scratch.append(("coef", (4, p.batch, p.nheads, nchunks * cfg.chunk)))
+    if cfg.dt_pre:  # fp32 per-token coefficients (5 x the size of dt in fp32)
+        scratch.append(("coef", (5, p.batch, p.nheads, nchunks * cfg.chunk)))
         launches.append(_dt_launch(p, cfg, nchunks, **kw))
     # the state each segment alone leaves, and its total log-decay (tiny next to x); a single pass
     # never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
