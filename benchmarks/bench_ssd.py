@@ -1,10 +1,17 @@
-"""Benchmark of the SSMScan forward (prefill): cuTile vs mamba_ssm's Triton kernel vs the PyTorch reference.
+"""Benchmark of the SSMScan forward (prefill): cuTile vs mamba_ssm's Triton kernel vs TileGym's cuTile kernel.
 
-Shapes (issue 6; bf16, d_state 128, headdim 64, no initial state, D and dt_bias present, softplus):
-    a) batch 8, seqlen 2048,  nheads 24,  ngroups 1
-    b) batch 4, seqlen 8192,  nheads 80,  ngroups 1
-    c) batch 2, seqlen 8192,  nheads 128, ngroups 8
-    d) batch 1, seqlen 65536, nheads 80,  ngroups 1
+Shapes (B, L, H, P, G, N; bf16 unless named; D and dt_bias present, softplus, no initial state):
+    a) 8, 2048, 24, 64, 1, 128            issue 6's four shapes
+    b) 4, 8192, 80, 64, 1, 128
+    c) 2, 8192, 128, 64, 8, 128
+    d) 1, 65536, 80, 64, 1, 128
+    nemotron_h_8b)     1, 8192, 128, 64, 8, 128    (chunk_size 128: mamba_ssm runs at 128)
+    nemotron_nano_9b)  1, 8192, 128, 80, 8, 128    (head dim 80: TileGym needs P % 64 == 0, not run)
+    nemotron3_30b)     8, 2048, 64, 64, 8, 128
+    granite4_small)    4, 4096, 128, 64, 1, 128
+    falcon_h1_7b)      2, 8192, 24, 128, 1, 256
+    nemotron3_30b_fp16) the 30B shape in fp16
+    c_odd)             c with L = 8000 (not a multiple of the chunk: TileGym needs L % 64 == 0, not run)
 
 Per implementation and shape: median ms of eager calls and of CUDA-graph replays
 (triton.testing.do_bench, return_mode="median", after warm-up), then
@@ -24,9 +31,14 @@ Per implementation and shape: median ms of eager calls and of CUDA-graph replays
              dense matmul rate on random data, /work/.library/device/KINDS.md)
     TFLOP/s = FLOPs / t,  GB/s = bytes / t,  % of floor = floor / t * 100  (t: graph-replay median)
 
-mamba_ssm: ``mamba_chunk_scan_combined(..., chunk_size=256, dt_softplus=True, return_final_states=True)``
-imported from a git-ignored copy of state-spaces/mamba's ``mamba_ssm/ops/triton`` under
-``.devcarry/mamba_ssm_triton`` (never committed); skipped with a note when it is not there.
+mamba_ssm: ``mamba_chunk_scan_combined(..., chunk_size=256 (128 where the model uses it), dt_softplus=True,
+return_final_states=True)`` imported from a git-ignored copy of state-spaces/mamba's ``mamba_ssm/ops/triton``
+under ANCHORS/mamba_ssm_triton. TileGym: ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, A, B, C, D, dt,
+init_state, chunk_size=64)`` from a git-ignored copy of NVIDIA/TileGym's module under ANCHORS/tilegym (with a
+stand-in ``tilegym.backend.register_impl``); it takes dt already softplus'd (done once, outside the timing)
+and a zero initial state, needs L % 64 == 0 and P % 64 == 0, and runs with TILEGYM_DISABLE_AUTOTUNE=1 (its
+first config of each search space) unless --tilegym-autotune. ANCHORS: --anchors, default ROOT/.devcarry.
+Neither is ever committed; a missing one is skipped with a note.
 
 Run on the device (see benchmarks/NOTES_ssd.md):
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd.py --results $OUT/results.md
@@ -53,7 +65,16 @@ SHAPES = {  # name: (batch, seqlen, nheads, headdim, ngroups, d_state)
     "b": (4, 8192, 80, 64, 1, 128),
     "c": (2, 8192, 128, 64, 8, 128),
     "d": (1, 65536, 80, 64, 1, 128),
+    "nemotron_h_8b": (1, 8192, 128, 64, 8, 128),
+    "nemotron_nano_9b": (1, 8192, 128, 80, 8, 128),
+    "nemotron3_30b": (8, 2048, 64, 64, 8, 128),
+    "granite4_small": (4, 4096, 128, 64, 1, 128),
+    "falcon_h1_7b": (2, 8192, 24, 128, 1, 256),
+    "nemotron3_30b_fp16": (8, 2048, 64, 64, 8, 128),
+    "c_odd": (2, 8000, 128, 64, 8, 128),
 }
+SHAPE_DTYPE = {"nemotron3_30b_fp16": torch.float16}  # others bf16
+SHAPE_MAMBA_CHUNK = {"nemotron_h_8b": 128}  # others 256 (mamba_ssm's default)
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOP_PER_S = 790e12
 FLOP_CHUNK = 256
@@ -90,12 +111,15 @@ def make_inputs(dims, seed=0, device="cuda", dtype=torch.bfloat16):
     )
 
 
+ANCHORS = ROOT / ".devcarry"  # --anchors
+
+
 def load_mamba_triton(module: str, name: str):
     """(``name`` from ``mamba_ssm.ops.triton.<module>``, "") out of the git-ignored copy of state-spaces/mamba's
-    ``mamba_ssm/ops/triton`` under ``.devcarry/mamba_ssm_triton`` (never committed), or (None, why not)."""
+    ``mamba_ssm/ops/triton`` under ANCHORS/mamba_ssm_triton (never committed), or (None, why not)."""
     import importlib
 
-    path = ROOT / ".devcarry" / "mamba_ssm_triton"
+    path = ANCHORS / "mamba_ssm_triton"
     if not path.is_dir():
         return None, f"no {path}"
     sys.path.insert(0, str(path))
@@ -107,6 +131,21 @@ def load_mamba_triton(module: str, name: str):
 
 def load_mamba():
     return load_mamba_triton("ssd_combined", "mamba_chunk_scan_combined")
+
+
+def load_tilegym(autotune: bool):
+    """(TileGym's ``mamba2_chunk_forward``, "") from the git-ignored copy under ANCHORS/tilegym, or (None, why not)."""
+    import importlib
+    import os
+
+    if not (ANCHORS / "tilegym").is_dir():
+        return None, f"no {ANCHORS / 'tilegym'}"
+    os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if autotune else "1"
+    sys.path.insert(0, str(ANCHORS))
+    try:
+        return importlib.import_module("tilegym.ops.cutile.mamba2").mamba2_chunk_forward, ""
+    except Exception as e:  # report, don't hide
+        return None, f"import failed: {e!r}"
 
 
 def append_results(text: str, path: str) -> None:
@@ -144,7 +183,7 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults) or comma list of
     chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy]]]]]]
-    (nseg 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
+    (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
     state_t/split_upd/dt_pre 0 or 1, empty: choose_config's default)."""
     from m2export.kernels.ssd.plan import choose_config
 
@@ -170,11 +209,13 @@ def warm_up_parallel(args) -> None:
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(sh, v) for sh in args.shapes.split(",") for v in args.variants.split(",")]
+    jobs = [(sh, v, i == 0) for sh in args.shapes.split(",") for i, v in enumerate(args.variants.split(","))]
 
     def one(job):
-        sh, v = job
-        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference",
+        sh, v, first = job  # TileGym's kernels compile once per shape (the first variant's job)
+        tg = ["--anchors", args.anchors] + (["--tilegym-autotune"] if args.tilegym_autotune else []) \
+            if first and not args.no_tilegym else ["--no-tilegym"]
+        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference", *tg,
                             "--results", "", "--shapes", sh, "--variants", v], capture_output=True, text=True)
         return f"  warm-up {sh} {v}: rc {r.returncode} {r.stdout.strip().splitlines()[-1:] if r.returncode else ''}" \
             + (r.stderr[-400:] if r.returncode else "")
@@ -185,10 +226,14 @@ def warm_up_parallel(args) -> None:
 
 
 def main(argv=None):
+    global ANCHORS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="a,b,c,d")
     ap.add_argument("--variants", default="auto", help="cuTile configs: auto, or chunk:block_p:nseg,...")
     ap.add_argument("--no-mamba", action="store_true")
+    ap.add_argument("--no-tilegym", action="store_true")
+    ap.add_argument("--tilegym-autotune", action="store_true", help="let TileGym search its configs (slow)")
+    ap.add_argument("--anchors", default=str(ANCHORS), help="folder holding mamba_ssm_triton/ and tilegym/")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--eager-only", action="store_true", help="skip CUDA-graph timing (config sweeps)")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition time, ms")
@@ -198,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"),
                     help="markdown file the table is appended to ('' for none)")
     args = ap.parse_args(argv)
+    ANCHORS = Path(args.anchors)
 
     from m2export.kernels.ssd.cutile import ssm_scan_cutile
     from m2export.contract import validate
@@ -209,18 +255,20 @@ def main(argv=None):
     if args.jobs > 1 and not args.warmup_only:
         warm_up_parallel(args)
     mamba, why_no_mamba = (None, "--no-mamba") if args.no_mamba else load_mamba()
+    tilegym, why_no_tilegym = (None, "--no-tilegym") if args.no_tilegym else load_tilegym(args.tilegym_autotune)
     variants, choose_config = cutile_variants(args.variants)
     dev = torch.cuda.get_device_name()
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev} ({sm} SMs), torch {torch.__version__}, "
-            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16, headdim 64, d_state 128, "
-            f"no initial state; ms = median (do_bench)")
+            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16 unless named, no initial state; "
+            f"ms = median (do_bench); TileGym autotune {'on' if args.tilegym_autotune else 'off'}")
     print(head, flush=True)
     rows = []
     for name in args.shapes.split(","):
         dims = SHAPES[name]
         b, l, h, p, g, n = dims
-        inp = make_inputs(dims, seed=zlib.crc32(name.encode()) % 1000)
+        dtype = SHAPE_DTYPE.get(name, torch.bfloat16)
+        inp = make_inputs(dims, seed=zlib.crc32(name.encode()) % 1000, dtype=dtype)
         prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"])
         impls = []
         for label, v in variants:
@@ -230,7 +278,9 @@ def main(argv=None):
                 q, bp, ns, occ, st, su, pre, ww, so = v
                 kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
                           worker_warps=ww, seg_occupancy=so)
-                if ns.startswith("a"):  # about this many blocks per SM
+                if ns == "":  # the cost model's segment count for this chunk and tile
+                    cfg = choose_config(prob, **kw)
+                elif ns.startswith("a"):  # about this many blocks per SM
                     base = b * h * (p // (bp or choose_config(prob, sm_count=sm).block_p))
                     cfg = choose_config(prob, nseg=min(64, max(1, -(-(int(ns[1:] or 8) * sm) // base))), **kw)
                 else:
@@ -244,10 +294,22 @@ def main(argv=None):
                                        final_state_out=fs, config=cfg)
             impls.append((f"{label} s{cfg.nseg}", run_ct))
         if mamba is not None:
-            def run_mamba():
-                return mamba(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=256, D=inp["D"],
+            mq = SHAPE_MAMBA_CHUNK.get(name, 256)
+
+            def run_mamba(mq=mq):
+                return mamba(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=mq, D=inp["D"],
                              dt_bias=inp["dt_bias"], dt_softplus=True, return_final_states=True)
-            impls.append(("mamba_ssm triton (chunk 256)", run_mamba))
+            impls.append((f"mamba_ssm triton (chunk {mq})", run_mamba))
+        if tilegym is not None and l % 64 == 0 and p % 64 == 0:
+            # dt softplus'd once here, outside the timing (TileGym takes the step size itself)
+            dt_sp = torch.nn.functional.softplus(inp["dt"].float() + inp["dt_bias"]).to(dtype)
+            h0 = torch.zeros(b, h, p, n, dtype=torch.float32, device="cuda")
+
+            def run_tilegym(dt_sp=dt_sp, h0=h0):
+                return tilegym(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt_sp, h0, chunk_size=64)
+            impls.append(("TileGym cuTile (chunk 64)", run_tilegym))
+        elif tilegym is not None:
+            print(f"  {name}: TileGym not run (needs L % 64 == 0 and P % 64 == 0; L {l}, P {p})", flush=True)
         if not args.no_reference:
             def run_ref():
                 return ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
@@ -289,16 +351,25 @@ def main(argv=None):
         ref_out = None
         torch.cuda.empty_cache()
 
+    anchors = {}
+    for r in rows:
+        if r["impl"].startswith(("mamba_ssm", "TileGym")) and not math.isnan(r["graph"]):
+            anchors[r["shape"]] = min(anchors.get(r["shape"], math.inf), r["graph"])
     lines = [f"### SSMScan forward, {head}", "",
-             "| shape | implementation | eager ms | graph ms | TFLOP/s | GB/s | % of floor | rel-err y vs torch ref |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | implementation | eager ms | graph ms | TFLOP/s | GB/s | % of floor | / fastest anchor "
+             "| rel-err y vs torch ref |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, l, h, p, g, n = SHAPES[r["shape"]]
-        lines.append(f"| {r['shape']} (B{b} L{l} H{h} G{g}) | {r['impl']} | {r['eager']:.3f} | {r['graph']:.3f} | "
-                     f"{r['tflops']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['err_y']:.1e} |")
+        dtn = str(SHAPE_DTYPE.get(r["shape"], torch.bfloat16)).replace("torch.", "")
+        ratio = r["graph"] / anchors[r["shape"]] if r["shape"] in anchors else math.nan
+        lines.append(f"| {r['shape']} (B{b} L{l} H{h} P{p} G{g} N{n} {dtn}) | {r['impl']} | {r['eager']:.3f} | "
+                     f"{r['graph']:.3f} | {r['tflops']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {ratio:.2f} | "
+                     f"{r['err_y']:.1e} |")
     floors = ", ".join(f"{k}: {floor_s(SHAPES[k]) * 1e3:.3f} ms" for k in args.shapes.split(","))
-    lines += ["", f"Floor max(bytes/4.3 TB/s, FLOPs/790 TFLOP/s): {floors}."
-              + ("" if mamba is not None else f" mamba_ssm not run: {why_no_mamba}."), ""]
+    notes = [f"mamba_ssm not run: {why_no_mamba}." if mamba is None else "",
+             f"TileGym not run: {why_no_tilegym}." if tilegym is None else ""]
+    lines += ["", f"Floor max(bytes/4.3 TB/s, FLOPs/790 TFLOP/s): {floors}. " + " ".join(n for n in notes if n), ""]
     append_results("\n".join(lines), args.results)
 
 

@@ -16,25 +16,36 @@ from m2export.errors import BackendUnavailable, ContractError
 BACKENDS = ("cutile", "torch")
 INSTALL_HINT = 'install the GPU extra (pip install m2export[gpu]) on a CUDA machine, or pass backend="torch"'
 SUPPORTED_DIMS = (32, 64, 128, 256)
-"""headdim and d_state the cuTile kernels compile for (powers of two: tiles must be). Anything else
-(e.g. Nemotron-Nano's headdim 80) is refused by :func:`check_supported` before any launch or export."""
+"""d_state the cuTile kernels compile for (a power of two: the B/C tiles span it)."""
+HEADDIM_MULTIPLE, HEADDIM_MAX = 16, 256
+"""headdim the cuTile kernels serve: any multiple of 16 up to 256 (e.g. Nemotron-Nano's 80), covered by
+power-of-two tiles without padding copies (m2export.kernels.ssd.plan.headdim_pieces)."""
+SUPPORTED_TEXT = {"headdim": f"multiples of {HEADDIM_MULTIPLE} up to {HEADDIM_MAX}", "d_state": str(SUPPORTED_DIMS)}
+"""How error messages name the supported sizes (the prefill, decode-step and TensorRT build checks)."""
+
+
+def is_supported(name: str, value: int) -> bool:
+    """Whether the cuTile kernels serve ``headdim`` / ``d_state`` = ``value`` (see :data:`SUPPORTED_TEXT`)."""
+    if name == "headdim":
+        return 0 < value <= HEADDIM_MAX and value % HEADDIM_MULTIPLE == 0
+    return value in SUPPORTED_DIMS
 
 
 # ----------------------------------------------------------------------------- checks
 def check_supported(problem, kernel: str = "SSD", *, hint: str = 'use backend="torch" for other sizes') -> None:
-    """Raise ContractError (one line, naming the field) unless headdim and d_state are in :data:`SUPPORTED_DIMS`."""
+    """Raise ContractError (one line, naming the field) unless headdim and d_state are served (:func:`is_supported`)."""
     for name in ("headdim", "d_state"):
         v = getattr(problem, name)
-        if v not in SUPPORTED_DIMS:
-            raise ContractError(f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_DIMS}, got {v}",
-                                hint=hint)
+        if not is_supported(name, v):
+            raise ContractError(
+                f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_TEXT[name]}, got {v}", hint=hint)
 
 
 def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
     """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here.
 
     Raises:
-        ContractError: unknown backend, or headdim/d_state outside :data:`SUPPORTED_DIMS`.
+        ContractError: unknown backend, or headdim/d_state not served (:func:`is_supported`).
         BackendUnavailable: no CUDA device, no cuda.tile, or a tensor not on CUDA.
     """
     if backend != "cutile":

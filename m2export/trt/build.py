@@ -218,14 +218,15 @@ def check_kernel_support(manifest: Manifest | None) -> None:
     """
     if manifest is None or not manifest.config:
         return
-    from m2export.kernels.ssd import SUPPORTED_DIMS
+    from m2export.kernels._host import SUPPORTED_TEXT, is_supported
 
     cfg = manifest.config
     for name in ("headdim", "d_state"):
         v = cfg.get(name)
-        if v is not None and int(v) not in SUPPORTED_DIMS:
+        if v is not None and not is_supported(name, int(v)):
             raise BackendUnavailable(
-                f"the SSMScan plugin's cuTile kernel supports {name} in {SUPPORTED_DIMS}; this model has {name}={v}",
+                f"the SSMScan plugin's cuTile kernel supports {name} in {SUPPORTED_TEXT[name]}; this model has "
+                f"{name}={v}",
                 hint="build the std flavour (standard ops, no plugin): m2export export ... --ssm-impl both, then "
                      "m2export build OUTDIR/model.std.onnx (and decode.std.onnx)")
 

@@ -129,6 +129,83 @@ def test_dims(headdim, d_state):
     _run_and_check(SSMScanProblem(2, 200, 4, headdim, 2, d_state, dtype="bfloat16"), seed=headdim + d_state)
 
 
+#: issue 15: head dims that are not powers of two (80: Nemotron-Nano-9B-v2; 96; 48), d_state 256 (Falcon-H1,
+#: Nemotron-H 47B/56B, Bamba) and the kernel's chunk 128 (Nemotron-H's chunk_size), each at the standard's lengths
+#: (1 = the decode-step kernel, < chunk, = chunk, 3 chunks + 1), batch 2, ngroups 2, initial state
+NEW_DIM_CASES = [(80, 128, 64), (80, 256, 64), (96, 128, 128), (48, 64, 64), (128, 256, 128), (112, 64, 64)]
+
+
+def _kernel_chunk_cases():
+    for hd, n, q in NEW_DIM_CASES:
+        for length in (1, 37, q, 3 * q + 1):
+            yield hd, n, q, length
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", ["auto", "aot"])
+@pytest.mark.parametrize("headdim,d_state,chunk,seqlen", list(_kernel_chunk_cases()),
+                         ids=[f"P{a}_N{b}_Q{c}_L{d}" for a, b, c, d in _kernel_chunk_cases()])
+def test_new_dims(headdim, d_state, chunk, seqlen, plan):
+    """auto: choose_config at this chunk (headdim split into power-of-two pieces, one launch each: 80 -> 64 +
+    16); aot: the TensorRT AOT plugin's single launch (aot_spec, its grid; the last tile masked: 80 -> 2 x 64),
+    launched here with ct.launch. bf16, vs the float64 oracle, NaN-poisoned outputs."""
+    from dataclasses import replace
+
+    from m2export.contract import SSMScanAttrs
+    from m2export.kernels.ssd.cutile import aot_spec
+    from m2export.kernels.ssd.plan import aot_config, choose_config
+
+    p = SSMScanProblem(2, seqlen, 8, headdim, 2, d_state, dtype="bfloat16")
+    if plan == "auto":
+        # L = 1: ssm_scan routes it to the decode-step kernel (its own tiles dividing headdim)
+        _run_and_check(p, seed=stable_seed(headdim, d_state, chunk, seqlen), config=None if seqlen == 1 else
+                       choose_config(p, chunk=chunk))
+        return
+    import cuda.tile as ct
+
+    spec = aot_spec(p, SSMScanAttrs(), config=replace(aot_config(p), chunk=chunk))
+    inp = make_inputs(p, seed=stable_seed(headdim, d_state, chunk, seqlen, "aot"))
+    ref = ssm_scan_recurrent(**inp)
+    dev = {k: v.cuda() for k, v in inp.items()}
+    dev["y"], dev["final_state"] = nan_outputs(p)
+    ct.launch(torch.cuda.current_stream(), spec.grid(p.batch, p.nheads, p.headdim), spec.kernel, spec.bind(dev))
+    torch.cuda.synchronize()
+    d = p.dtype
+    assert_close("y", ref.y, dev["y"].cpu(), rel=Y_REL[d], atol=MAXABS[d] * ref.y.abs().max().item())
+    assert_close("final_state", ref.final_state, dev["final_state"].cpu(), rel=STATE_REL[d],
+                 atol=MAXABS[d] * ref.final_state.abs().max().item())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_new_dims_dtypes_split_large_decay(dtype):
+    """Head dim 80, d_state 256 in fp32/fp16: split plan (3 segments) and large dt*A (A = -16, dt ~ 5)."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 3 * 64 + 1, 8, 80, 2, 256, dtype=dtype)
+    _run_and_check(p, seed=stable_seed("nd", dtype), config=choose_config(p, nseg=3))
+    _run_and_check(p, seed=stable_seed("nd-decay", dtype), A_range=(16.0, 16.0), no_bias=True,
+                   dt_override=lambda d: torch.full_like(d, 5.0))
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_size_attribute_128():
+    """The contract's chunk_size (an evaluation-order attribute; Nemotron-H uses 128) does not change the
+    cuTile result: 64, 128 and 256 all match the oracle."""
+    p = SSMScanProblem(1, 300, 4, 80, 1, 128, dtype="bfloat16")
+    inp = make_inputs(p, seed=77)
+    ref = ssm_scan_recurrent(**inp)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    for cs in (64, 128, 256):
+        res = ssm_scan(**dev, chunk_size=cs)
+        assert_close(f"y (chunk_size {cs})", ref.y, res.y.cpu(), rel=Y_REL["bfloat16"])
+        assert_close(f"final_state (chunk_size {cs})", ref.final_state, res.final_state.cpu(),
+                     rel=STATE_REL["bfloat16"])
+
+
 @pytest.mark.gpu
 @gpu
 def test_dims_fp32():
@@ -293,8 +370,8 @@ def _cpu_inputs(headdim=64, d_state=64):
     return make_inputs(SSMScanProblem(1, 8, 2, headdim, 1, d_state), seed=0)
 
 
-@pytest.mark.parametrize("headdim,d_state,bad", [(48, 64, "headdim"), (64, 96, "d_state"), (512, 64, "headdim"),
-                                                 (80, 128, "headdim")])  # 80: Nemotron-Nano-9B/12B-v2
+@pytest.mark.parametrize("headdim,d_state,bad", [(40, 64, "headdim"), (64, 96, "d_state"), (512, 64, "headdim"),
+                                                 (272, 128, "headdim"), (8, 64, "headdim")])
 def test_unsupported_dims_rejected(headdim, d_state, bad):
     """Refused before any launch with a one-line ContractError naming the field (also for decode: seqlen 1)."""
     for seqlen in (8, 1):

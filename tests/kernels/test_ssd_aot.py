@@ -64,8 +64,20 @@ def test_unsupported_dims():
 
     with pytest.raises(ContractError, match="d_state"):
         aot_spec(SSMScanProblem(1, 1, 2, 64, 1, 48), SSMScanAttrs())
-    with pytest.raises(ContractError, match="headdim: .*got 80"):  # Nemotron-Nano's head dim: refused, one line
-        step_spec(SSMScanProblem(1, 1, 2, 80, 1, 128), SSMScanAttrs())
+    with pytest.raises(ContractError, match="headdim: .*multiples of 16.*got 40"):  # one line, naming the field
+        step_spec(SSMScanProblem(1, 1, 2, 40, 1, 128), SSMScanAttrs())
+
+
+def test_headdim_80_specs():
+    """Nemotron-Nano's head dim 80: the prefill spec covers it with cdiv(80, 64) = 2 tiles (the last masked), the
+    decode-step spec with 5 exact 16-row tiles (a power of two dividing 80)."""
+    from m2export.kernels.ssd.cutile import aot_spec
+    from m2export.kernels.ssd_step.cutile import aot_spec as step_spec
+
+    spec = aot_spec(SSMScanProblem(2, 100, 8, 80, 2, 128, "bfloat16"), SSMScanAttrs())
+    assert spec.config.block_p == 64 and spec.grid(3, 8, 80) == (24, 1, 2) and len(spec.flat_args()) == 73
+    step = step_spec(SSMScanProblem(2, 1, 8, 80, 2, 128, "bfloat16"), SSMScanAttrs())
+    assert step.config == 16 and step.grid(3, 8, 80) == (24, 5, 1)
 
 
 @needs_tileiras

@@ -49,16 +49,46 @@ def test_short_sequences_stay_single_pass():
     assert cfg.nseg == 1  # two chunks: a second launch costs more than it saves
 
 
-def test_fp32_uses_chunk_32():
-    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
+def test_fp32_and_d_state_256_use_chunk_32():
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 128, dtype="float32")).chunk == 32
     assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
-    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16")).chunk == 64
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 128, dtype="float16")).chunk == 64
+    # d_state 256 at chunk 64 needs 255 registers and 161 KB of shared memory (one block per SM): chunk 32
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16")).chunk == 32
+    assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16")).chunk == 32
 
 
-@pytest.mark.parametrize("headdim,d_state,block_p", [(64, 128, 64), (128, 256, 32), (32, 32, 32), (256, 64, 128)])
+@pytest.mark.parametrize("headdim,d_state,block_p", [(64, 128, 64), (128, 256, 32), (32, 32, 32), (256, 64, 128),
+                                                     (80, 128, 64), (96, 256, 32), (48, 64, 32), (16, 128, 16)])
 def test_block_p_bounds_the_state_tile(headdim, d_state, block_p):
     cfg = choose_config(SSMScanProblem(1, 100, 4, headdim, 1, d_state, dtype="bfloat16"))
-    assert cfg.block_p == block_p and headdim % cfg.block_p == 0
+    assert cfg.block_p == block_p and cfg.block_p <= headdim and cfg.block_p * d_state <= max(8192, 16 * d_state)
+
+
+@pytest.mark.parametrize("headdim,block_p,want", [
+    (64, 64, [(64, 0, 1)]), (128, 64, [(64, 0, 2)]), (80, 64, [(64, 0, 1), (16, 4, 1)]),
+    (96, 64, [(64, 0, 1), (32, 2, 1)]), (112, 64, [(64, 0, 1), (32, 2, 1), (16, 6, 1)]),
+    (240, 128, [(128, 0, 1), (64, 2, 1), (32, 6, 1), (16, 14, 1)]), (48, 32, [(32, 0, 1), (16, 2, 1)]),
+    (80, 32, [(32, 0, 2), (16, 4, 1)]), (16, 16, [(16, 0, 1)])])
+def test_headdim_pieces_cover_every_row_once(headdim, block_p, want):
+    pieces = plan.headdim_pieces(headdim, block_p)
+    assert [tuple(pc) for pc in pieces] == want
+    rows = [r for pc in pieces for t in range(pc.tiles) for r in range((pc.tile0 + t) * pc.width,
+                                                                       (pc.tile0 + t + 1) * pc.width)]
+    assert rows == list(range(headdim))
+
+
+@pytest.mark.parametrize("headdim,block_p", [(40, 64), (0, 64), (64, 48), (64, 8)])
+def test_headdim_pieces_refuse_what_they_cannot_cover(headdim, block_p):
+    with pytest.raises(ValueError, match="headdim_pieces"):
+        plan.headdim_pieces(headdim, block_p)
+
+
+def test_split_headdim_counts_every_tile_in_the_plan_model():
+    # 80 = 64 + 16: two blocks per (batch, head), like headdim 128; the segment count follows
+    p80 = SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="bfloat16")
+    p128 = SSMScanProblem(1, 8192, 128, 128, 8, 128, dtype="bfloat16")
+    assert choose_config(p80).nseg == choose_config(p128).nseg
 
 
 def test_overrides_win():

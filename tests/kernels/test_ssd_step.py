@@ -69,7 +69,10 @@ def _check(p: SSMScanProblem, *, seed: int, in_place=False, dt_limit=(0.0, math.
 CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64)),
          ("B3_H16_G4", (3, 1, 16, 32, 4, 32)), ("B2_H16_G8", (2, 1, 16, 128, 8, 128)),
          ("B2_H4_P256_N64", (2, 1, 4, 256, 1, 64)), ("B2_H4_P32_N256", (2, 1, 4, 32, 2, 256)),
-         ("B48_H8_tile64_occ2", (48, 1, 8, 64, 1, 128))]  # enough blocks for the 64-row tile at 2 blocks/SM
+         ("B48_H8_tile64_occ2", (48, 1, 8, 64, 1, 128)),  # enough blocks for the 64-row tile at 2 blocks/SM
+         # head dims that are not powers of two (issue 15): 16/32-row tiles dividing them
+         ("B3_H8_P80_N128", (3, 1, 8, 80, 2, 128)), ("B2_H4_P96_N256", (2, 1, 4, 96, 1, 256)),
+         ("B2_H4_P48_N64", (2, 1, 4, 48, 2, 64)), ("B64_H8_P80_N256", (64, 1, 8, 80, 8, 256))]
 
 
 @pytest.mark.gpu
@@ -103,7 +106,7 @@ def test_step_very_negative_decay():
 # ----------------------------------------------------------------------------- CPU: validation
 def test_step_bad_headdim():
     _, step = _step_inputs(SSMScanProblem(1, 1, 2, 24, 1, 32), 0)
-    with pytest.raises(ContractError, match="headdim: .*got 24"):
+    with pytest.raises(ContractError, match="headdim: .*multiples of 16.*got 24"):
         ssm_step(**step, backend="cutile")
 
 

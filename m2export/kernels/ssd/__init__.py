@@ -56,7 +56,8 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
 
     Raises:
         ContractError: an argument breaks the SSMScan contract (m2export/contract.py), or for
-            backend="cutile" headdim/d_state is outside {32, 64, 128, 256}, or out= does not fit.
+            backend="cutile" headdim is not a multiple of 16 up to 256 or d_state not in {32, 64, 128, 256},
+            or out= does not fit.
         BackendUnavailable: the backend cannot run here (no CUDA, no cuda.tile, CPU tensors); the
             hint says how to install it (pip install m2export[gpu]) or to pass backend="torch".
 

@@ -70,7 +70,7 @@ from m2export.kernels import launch as L
 from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
-from m2export.kernels.ssd.plan import ScanConfig, aot_config, choose_config
+from m2export.kernels.ssd.plan import HeaddimPiece, ScanConfig, aot_config, choose_config, headdim_pieces
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -80,13 +80,14 @@ _LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
 
 
 # ----------------------------------------------------------------------------- tile helpers
-def _ct_block_coords(x, heads_per_group):
+def _ct_block_coords(x, heads_per_group, P_TILE0: ConstInt):
     """(b, h, g, pt, seqlen) of a block on a (batch*nheads, *, headdim tiles) grid: batch, head,
-    its group (contiguous heads per group), headdim tile; x is (batch, seqlen, nheads, headdim)."""
+    its group (contiguous heads per group), headdim tile (P_TILE0 + its index on the grid's axis 2,
+    in units of the block's tile width); x is (batch, seqlen, nheads, headdim)."""
     bh = ct.bid(0)
     nheads = x.shape[2]
     h = bh % nheads
-    return bh // nheads, h, h // heads_per_group, ct.bid(2), x.shape[1]
+    return bh // nheads, h, h // heads_per_group, ct.bid(2) + P_TILE0, x.shape[1]
 
 
 def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt):
@@ -258,11 +259,12 @@ def _ct_zero_state(BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
 
 
 def _ct_load_state(arr, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
-    """Rows [pt*BLOCK_P, ...) of arr[b, h] ((headdim, d_state) fp32) in the on-chip layout."""
+    """Rows [pt*BLOCK_P, ...) of arr[b, h] ((headdim, d_state) fp32) in the on-chip layout; rows past
+    headdim (a masked last tile) read 0."""
     if STATE_T:
-        return ct.load(arr, index=(b, h, 0, pt), shape=(1, 1, D_STATE, BLOCK_P), order=(0, 1, 3, 2)
-                       ).reshape((D_STATE, BLOCK_P)).astype(ct.float32)
-    return ct.load(arr, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE)
+        return ct.load(arr, index=(b, h, 0, pt), shape=(1, 1, D_STATE, BLOCK_P), order=(0, 1, 3, 2),
+                       padding_mode=_ZERO).reshape((D_STATE, BLOCK_P)).astype(ct.float32)
+    return ct.load(arr, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE), padding_mode=_ZERO
                    ).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
 
 
@@ -335,15 +337,17 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
                      CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                      HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                     STATE_T: ConstBool, SPLIT_UPD: ConstBool):
-    """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim // BLOCK_P).
+                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, P_TILE0: ConstInt):
+    """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim tiles).
 
-    Block (bh, 0, pt) owns batch bh // nheads, head bh % nheads, headdim rows
-    [pt*BLOCK_P, (pt+1)*BLOCK_P): it walks all chunks of the sequence with its (BLOCK_P, D_STATE)
-    fp32 state on chip, writes those rows of y for every token and of final_state at the end.
+    Block (bh, 0, t) owns batch bh // nheads, head bh % nheads, headdim rows [pt*BLOCK_P,
+    (pt+1)*BLOCK_P) with pt = P_TILE0 + t: it walks all chunks of the sequence with its (BLOCK_P,
+    D_STATE) fp32 state on chip, writes those rows of y for every token and of final_state at the
+    end. Rows past headdim (a masked last tile: headdim not a multiple of BLOCK_P) read 0 and are
+    never stored; headdim rows are independent, so they cannot reach the others.
     Absent optional inputs (HAS_* False) are never read: pass any array there.
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
@@ -357,7 +361,8 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
 def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay,
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
-                             HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
+                             HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool,
+                             P_TILE0: ConstInt):
     """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
@@ -372,7 +377,7 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     chain. The state is held as (headdim, d_state) (x_w^T @ B_c): measured faster here than the
     (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6).
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     a_h, _, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
     nchunks = ct.cdiv(seqlen, CHUNK)
@@ -398,14 +403,14 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
                     dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                    STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool):
+                    STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim // BLOCK_P).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
     0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
     over segment s's chunks, writing y; the last segment's block writes final_state.
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     nseg = ct.num_blocks(1)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
@@ -426,11 +431,14 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
 
 # ----------------------------------------------------------------------------- launch descriptions
 def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                 has_D: bool = True, has_dt_bias: bool = True, has_init: bool = True, grid=None) -> Launch:
-    """:func:`ssd_fused_kernel` for ``p`` (grid ``(batch*nheads, 1, headdim // block_p)``; ``grid`` overrides it,
-    e.g. a function of (batch, nheads, headdim) for the AOT plugin). Absent inputs read a stand-in array."""
+                 has_D: bool = True, has_dt_bias: bool = True, has_init: bool = True, grid=None,
+                 piece: HeaddimPiece | None = None) -> Launch:
+    """:func:`ssd_fused_kernel` for ``p`` over one headdim ``piece`` (default: cdiv(headdim, block_p) tiles of
+    cfg.block_p from row 0, the last one masked when block_p does not divide headdim); grid ``(batch*nheads, 1,
+    tiles)``; ``grid`` overrides it, e.g. a function of (batch, nheads, headdim) for the AOT plugin. Absent inputs
+    read a stand-in array."""
     dtn = p.dtype
-    bp = cfg.block_p
+    piece = piece or HeaddimPiece(cfg.block_p, 0, -(-p.headdim // cfg.block_p))
     args = (
         L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("A", "float32", 1), L.array("B", dtn, 4),
         L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
@@ -439,13 +447,14 @@ def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_li
         L.array("y", dtn, 4), L.array("final_state", "float32", 4),
         L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
         L.scalar("heads_per_group", "int32", p.heads_per_group),
-        L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", bp), L.constant("D_STATE", p.d_state),
+        L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
         L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
         L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
         L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
+        L.constant("P_TILE0", piece.tile0),
     )
     if grid is None:
-        grid = (p.batch * p.nheads, 1, p.headdim // bp)
+        grid = (p.batch * p.nheads, 1, piece.tiles)
     return Launch(hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps), args, grid, cfg)
 
 
@@ -459,7 +468,8 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
     return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
-def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus, dt_limit, has_dt_bias) -> Launch:
+def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, *, dt_softplus, dt_limit,
+                    has_dt_bias) -> Launch:
     dtn = p.dtype
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
@@ -467,15 +477,15 @@ def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus, dt_limit
             L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.scalar("heads_per_group", "int32", p.heads_per_group),
             L.scalar("chunks_per_seg", "int32", cfg.chunks_per_seg),
-            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", cfg.block_p), L.constant("D_STATE", p.d_state),
+            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0))
     kernel = hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps)
-    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, p.headdim // cfg.block_p), cfg)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, piece.tiles), cfg)
 
 
-def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, *, dt_softplus, dt_limit, has_D, has_dt_bias,
-                 has_init) -> Launch:
+def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPiece, *, dt_softplus, dt_limit,
+                 has_D, has_dt_bias, has_init) -> Launch:
     dtn = p.dtype
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
@@ -485,13 +495,13 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, *, dt_softplus, d
             L.array("y", dtn, 4), L.array("final_state", "float32", 4),
             L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.scalar("heads_per_group", "int32", p.heads_per_group), L.scalar("chunks_per_seg", "int32", cps),
-            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", cfg.block_p), L.constant("D_STATE", p.d_state),
+            L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
-    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, p.headdim // cfg.block_p), cfg)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
 
 @dataclass(frozen=True)
@@ -513,12 +523,14 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     for another seqlen would leave chunks unscanned: refuse, never truncate)."""
     nchunks = -(-p.seqlen // cfg.chunk)
     cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
-    if cfg.nseg < 1 or p.headdim % cfg.block_p or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
-        raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}) "
-                            f"and headdim {p.headdim}; make it with choose_config for this problem")
+    pieces = headdim_pieces(p.headdim, cfg.block_p)
+    if cfg.nseg < 1 or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
+        raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}); "
+                            "make it with choose_config for this problem")
     kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias)
     if cfg.nseg == 1 and not cfg.dt_pre:
-        return ScanPlan((fused_launch(p, cfg, has_D=has_D, has_init=has_init, **kw),), (), cfg)
+        return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, **kw) for pc in pieces),
+                        (), cfg)
     launches, scratch = [], []
     if cfg.dt_pre:  # fp32 per-token coefficients (5 x the size of dt in fp32)
         scratch.append(("coef", (5, p.batch, p.nheads, nchunks * cfg.chunk)))
@@ -529,9 +541,10 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     scratch.append(("seg_state", (p.batch, p.nheads, nsp, p.headdim, p.d_state) if nsp else
                     (1, 1, 1, p.headdim, p.d_state)))
     scratch.append(("seg_logdecay", (p.batch, p.nheads, nsp) if nsp else (1, 1, 1)))
-    if nsp:
-        launches.append(_segment_launch(p, cfg, **kw))
-    launches.append(_scan_launch(p, cfg, cps, has_D=has_D, has_init=has_init, **kw))
+    for pc in pieces:  # one pass-1 and one pass-2 launch per headdim piece (headdim_pieces)
+        if nsp:
+            launches.append(_segment_launch(p, cfg, pc, **kw))
+        launches.append(_scan_launch(p, cfg, cps, pc, has_D=has_D, has_init=has_init, **kw))
     # without the pre-pass, coef is never read (DT_PRE False): any array stands in
     return ScanPlan(tuple(launches if cfg.dt_pre else [l.with_args(coef=dict(source="A")) for l in launches]),
                     tuple(scratch), cfg)
@@ -603,7 +616,7 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True
     """
     check_supported(problem, hint='pad the model or use backend="torch"')
     cfg = config or aot_config(problem)
-    bp = cfg.block_p
+    tiles = -(-problem.headdim // cfg.block_p)  # headdim is compiled in; a last tile block_p does not fill is masked
     return fused_launch(problem, cfg, dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, has_D=has_D,
                         has_dt_bias=has_dt_bias, has_init=has_initial_state,
-                        grid=lambda batch, nheads, headdim: (batch * nheads, 1, headdim // bp))
+                        grid=lambda batch, nheads, headdim: (batch * nheads, 1, tiles))

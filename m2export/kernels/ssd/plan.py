@@ -8,6 +8,7 @@ Measurements behind the defaults and the cost model: ``benchmarks/NOTES_ssd.md``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from m2export.contract import SSMScanProblem
 
@@ -18,8 +19,9 @@ _DEFAULT_SM_COUNT = 132  # H200 SXM
 class ScanConfig:
     """Tile sizes and launch plan of one SSMScan call.
 
-    chunk: tokens per chunk (power of two); block_p: headdim rows per block (power of two, divides
-    headdim); nseg: sequence segments (1 = one pass over the sequence: ssd_fused_kernel alone, or
+    chunk: tokens per chunk (power of two); block_p: headdim rows per block of the widest tiles (power of
+    two; a headdim it does not divide is covered by :func:`headdim_pieces`, or by a masked last tile in the
+    AOT kernel); nseg: sequence segments (1 = one pass over the sequence: ssd_fused_kernel alone, or
     ssd_dt_kernel + ssd_scan_kernel when dt_pre); chunks_per_seg: chunks in each segment (the last
     may have fewer). A config is made for one seqlen: the launch refuses one that does not cover it.
     """
@@ -42,13 +44,45 @@ class ScanConfig:
 
 def _default_chunk(problem: SSMScanProblem) -> int:
     # fp32 products run as FFMA with whole operand tiles in registers (they spill: 24 KB of stack
-    # per thread at chunk 64, d_state 256); chunk 32 halves that
-    return 32 if problem.dtype == "float32" else DEFAULT_CHUNK
+    # per thread at chunk 64, d_state 256); chunk 32 halves that. d_state 256 (bf16/fp16): at chunk 64 the
+    # scan kernel needs 255 registers, an 80-byte stack and 161 KB of shared memory (one block per SM);
+    # at chunk 32, 128 registers and 114 KB (two per SM; sm_90 build on the CPU, benchmarks/NOTES_ssd.md)
+    return 32 if problem.dtype == "float32" or problem.d_state >= 256 else DEFAULT_CHUNK
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
-    # keep the fp32 state tile (block_p x d_state) at <= 8192 elements (32 KiB) per block
-    return max(16, min(headdim, 8192 // d_state))
+    # keep the fp32 state tile (block_p x d_state) at <= 8192 elements (32 KiB) per block; a power of two
+    # no wider than headdim (80 -> 64 + a 16-row piece, see headdim_pieces)
+    return max(16, min(1 << (headdim.bit_length() - 1), 8192 // d_state))
+
+
+class HeaddimPiece(NamedTuple):
+    """``tiles`` headdim tiles of ``width`` rows (a power of two) starting at tile index ``tile0`` (rows
+    tile0*width ...): the grid's third axis of one launch."""
+
+    width: int
+    tile0: int
+    tiles: int
+
+
+def headdim_pieces(headdim: int, block_p: int) -> tuple[HeaddimPiece, ...]:
+    """Cover headdim rows exactly with power-of-two tiles: full tiles of ``block_p`` rows, then the remainder
+    in descending powers of two (each starts at a multiple of its width), e.g. 80 with block_p 64 -> 64 + 16,
+    112 -> 64 + 32 + 16, 96 with block_p 32 -> 3 x 32. One launch per piece, all sharing the pre-pass and
+    scratch: no padded rows, no copies (the C @ B^T product is recomputed per tile, as for full tiles).
+    Raises ValueError unless headdim is a positive multiple of 16 and block_p a power of two >= 16.
+    """
+    if headdim <= 0 or headdim % 16 or block_p < 16 or block_p & (block_p - 1):
+        raise ValueError(f"headdim_pieces: headdim {headdim} (multiple of 16) and block_p {block_p} (power of 2 >= 16)")
+    pieces = [HeaddimPiece(block_p, 0, headdim // block_p)] if headdim >= block_p else []
+    done = headdim - headdim % block_p
+    w = block_p // 2
+    while done < headdim:
+        if headdim - done >= w:
+            pieces.append(HeaddimPiece(w, done // w, 1))
+            done += w
+        w //= 2
+    return tuple(pieces)
 
 
 # Defaults (measured on the H200: benchmarks/NOTES_ssd.md): chunk 64 (32 for fp32), step sizes by the
@@ -112,7 +146,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
     nchunks = max(1, -(-problem.seqlen // chunk))
-    base = max(1, problem.batch * problem.nheads * (problem.headdim // block_p))
+    base = max(1, problem.batch * problem.nheads * sum(pc.tiles for pc in headdim_pieces(problem.headdim, block_p)))
     if nseg is None:
         slots = (occupancy or 1) * sm_count
         cost = {n: _plan_cost(base, nchunks, n, slots) for n in range(1, min(nchunks, MAX_NSEG) + 1)}

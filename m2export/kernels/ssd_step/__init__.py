@@ -42,8 +42,8 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
         SSMScanOutput(y (batch, nheads, headdim) in x.dtype, new state (batch, nheads, headdim, d_state) fp32).
 
     Raises:
-        ContractError: bad shapes/dtypes (m2export/contract.py), headdim/d_state outside
-            {32, 64, 128, 256} for "cutile", or an unusable out=/state_out=.
+        ContractError: bad shapes/dtypes (m2export/contract.py), for "cutile" headdim not a multiple of 16
+            up to 256 or d_state not in {32, 64, 128, 256}, or an unusable out=/state_out=.
         BackendUnavailable: no CUDA / cuda.tile / CPU tensors for "cutile"; hint: pip install m2export[gpu].
     """
     attrs = SSMScanAttrs.make(dt_softplus=dt_softplus, dt_limit=dt_limit)

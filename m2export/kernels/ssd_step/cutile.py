@@ -71,9 +71,10 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
 
 
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
-    """Largest power-of-two headdim tile with <= 8192 state elements (32 KiB fp32) per block that
-    still gives >= 2 blocks per SM (why: benchmarks/NOTES_ssd.md, decode step)."""
-    bp = headdim
+    """Largest power-of-two headdim tile dividing headdim with <= 8192 state elements (32 KiB fp32) per
+    block that still gives >= 2 blocks per SM (why: benchmarks/NOTES_ssd.md, decode step). Dividing
+    headdim (80 -> 16): the step is memory-bound, so exact tiles, no masked rows."""
+    bp = headdim & -headdim  # largest power of two dividing headdim
     while bp > 8 and (bp * d_state > 8192 or batch * nheads * (headdim // bp) < 2 * sm_count):
         bp //= 2
     return bp
@@ -154,10 +155,11 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | Non
     parameters (cutile_python_v1): x (7), dt (5), A (3), B (7), C (7), D (3), dt_bias (3),
     ssm_state (9), y (7), state_out (9), dt_min, dt_max, heads_per_group: 63. Grid
     ``(batch*nheads, headdim // block_p, 1)``; the tile is the batch-independent rule (<= 8192
-    state elements) with :func:`choose_occupancy`'s hint, since batch is a runtime extent.
+    state elements, a power of two dividing headdim) with :func:`choose_occupancy`'s hint, since
+    batch is a runtime extent.
     """
     check_supported(problem, "step", hint='pad the model or use backend="torch"')
-    bp = block_p or min(problem.headdim, max(8, 8192 // problem.d_state))
+    bp = block_p or min(problem.headdim & -problem.headdim, max(8, 8192 // problem.d_state))
     spec = step_launch(problem, block_p=bp, occupancy=choose_occupancy(bp, problem.d_state),
                        dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit,
                        grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1))
