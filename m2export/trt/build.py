@@ -211,24 +211,36 @@ def parse_size(text: str) -> int:
 
 
 def check_kernel_support(manifest: Manifest | None) -> None:
-    """The cuTile SSD kernel behind the plugin compiles for headdim and d_state in its supported set.
+    """The cuTile SSD kernel behind the plugin serves every Mamba layer's headdim and d_state.
 
-    Checked before building (from the manifest's model config), so an unsupported model fails with a
-    plain message instead of an exception inside TensorRT's plugin callback.
+    Checked before building, from the manifest's model description (Mamba2Config, or the hybrid's ModelSpec:
+    each Mamba layer), so an unsupported model fails with a plain message naming the layer and the size
+    instead of an exception inside TensorRT's plugin callback (the kernels' own check,
+    :func:`m2export.kernels._host.check_supported`, decides).
     """
     if manifest is None or not manifest.config:
         return
-    from m2export.kernels._host import SUPPORTED_TEXT, is_supported
+    from m2export.contract import SSMScanProblem
+    from m2export.errors import ContractError
+    from m2export.kernels._host import check_supported
+    from m2export.models.spec import ModelSpec
 
-    cfg = manifest.config
-    for name in ("headdim", "d_state"):
-        v = cfg.get(name)
-        if v is not None and not is_supported(name, int(v)):
+    cfg = manifest.model_config()
+    spec = cfg if isinstance(cfg, ModelSpec) else cfg.to_spec()
+    seen = set()
+    for i in spec.mamba_layers:
+        m = spec.layers[i].mamba
+        key = (m.nheads, m.headdim, m.ngroups, m.d_state)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            check_supported(SSMScanProblem(1, 1, *key))
+        except ContractError as e:
             raise BackendUnavailable(
-                f"the SSMScan plugin's cuTile kernel supports {name} in {SUPPORTED_TEXT[name]}; this model has "
-                f"{name}={v}",
+                f"the SSMScan plugin's cuTile kernel cannot run Mamba layer {i}: {e.raw_message}",
                 hint="build the std flavour (standard ops, no plugin): m2export export ... --ssm-impl both, then "
-                     "m2export build OUTDIR/model.std.onnx (and decode.std.onnx)")
+                     "m2export build OUTDIR/model.std.onnx") from None
 
 
 def require_tensorrt():

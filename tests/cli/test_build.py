@@ -221,17 +221,31 @@ def test_precision_from_onnx_dtypes(tmp_path, dtype):
 
 
 def test_kernel_support_checked_before_building(tmp_path):
+    """Before any TensorRT call: every Mamba layer's headdim/d_state must be served by the cuTile kernel
+    (m2export.kernels._host.check_supported decides), for Mamba-2 configs and hybrid specs alike."""
+    from m2export.kernels._host import check_supported
+    from m2export.models.config import Mamba2Config
+    from m2export.models.presets import preset_config
+
     out = make_outdir(tmp_path)
     m = read_manifest(out)
     B.check_kernel_support(m)  # no config recorded: nothing to check
-    m.config = {"headdim": 64, "d_state": 128}
+    m.config = Mamba2Config(d_model=128, n_layer=2, vocab_size=256, headdim=64, d_state=128).to_dict()
     B.check_kernel_support(m)
-    m.config = {"headdim": 80, "d_state": 128}  # Nemotron-Nano's head dim: served (masked/split tiles)
-    B.check_kernel_support(m)
-    m.config = {"headdim": 40, "d_state": 128}
-    with pytest.raises(BackendUnavailable, match="supports headdim in multiples of 16 .* has headdim=40") as e:
+    m.config = Mamba2Config(d_model=160, n_layer=2, vocab_size=256, headdim=80, d_state=128).to_dict()
+    B.check_kernel_support(m)  # Nemotron-Nano's head dim: served (masked/split tiles)
+    m.config = Mamba2Config(d_model=144, n_layer=2, vocab_size=256, headdim=72, d_state=128).to_dict()
+    with pytest.raises(BackendUnavailable, match=r"cannot run Mamba layer 0: headdim: .*got 72") as e:
         B.check_kernel_support(m)
     assert "model.std.onnx" in e.value.hint
+    # a hybrid: the sizes come from its Mamba layers (Nemotron-H: mamba_head_dim), not from config keys
+    family, cfg = preset_config("tiny-nemotron-h")
+    m.checkpoint_format, m.config = family, dict(cfg, mamba_head_dim=72, mamba_num_heads=2)
+    with pytest.raises(BackendUnavailable, match=r"cannot run Mamba layer 2: headdim: .*got 72"):
+        B.check_kernel_support(m)
+    m.config = dict(cfg, mamba_head_dim=64, ssm_state_size=128, mamba_num_heads=2, n_groups=1)
+    check_supported(m.model_config().layers[2].mamba)  # the kernels' own check agrees
+    B.check_kernel_support(m)
 
 
 def test_parse_size():
