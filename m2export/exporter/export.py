@@ -254,7 +254,7 @@ class SharedWeights:
             if isinstance(t, ir.ExternalTensor) and Path(t.location).name == self.name:
                 continue
             data = t.tobytes()
-            key = (t.dtype, tuple(t.shape), len(data), hashlib.blake2b(data, digest_size=20).digest())
+            key = _weight_key(t, data)
             if key not in self._index:
                 pad = -self._f.tell() % self.ALIGN
                 self._f.write(b"\0" * pad)
@@ -270,10 +270,37 @@ class SharedWeights:
         self._f.close()
 
 
+def _weight_key(t, data: bytes) -> tuple:
+    """What makes two tensors one weight: dtype, shape and content (``data`` = ``t.tobytes()``)."""
+    return (t.dtype, tuple(t.shape), len(data), hashlib.blake2b(data, digest_size=20).digest())
+
+
+def _merge_equal_initializers(model) -> int:
+    """Make initializers of equal dtype, shape and content one initializer, used by all their consumers
+    (subgraphs included); returns how many were dropped. The tracer folds ``Transpose(weight)`` once per call
+    site, so a module called more than once (Zamba2's shared blocks) would otherwise hold one copy of its
+    matrices per call in the graph, and in ONNX Runtime's or TensorRT's memory, even where the file stores the
+    bytes once. Graph inputs and outputs are left alone."""
+    seen: dict[tuple, object] = {}
+    dropped = 0
+    for name, v in list(model.graph.initializers.items()):
+        t = v.const_value
+        if t is None or v.is_graph_input() or v.is_graph_output():
+            continue
+        keep = seen.setdefault(_weight_key(t, t.tobytes()), v)
+        if keep is not v:
+            v.replace_all_uses_with(keep)
+            del model.graph.initializers[name]
+            dropped += 1
+    return dropped
+
+
 def _save(model, path: Path, weights: SharedWeights) -> list[str]:
-    """Save an onnx_ir Model with its weights in the shared file. Returns the external-data files it uses."""
+    """Save an onnx_ir Model with its weights in the shared file (equal initializers merged first). Returns
+    the external-data files it uses."""
     import onnx_ir as ir
 
+    _merge_equal_initializers(model)
     used = weights.externalize(model)
     ir.save(model, path)
     return [weights.name] if used else []
