@@ -14,6 +14,8 @@ One home for the output logic of ``export`` (OUTDIR), ``save_checkpoint``/``rand
   deleted otherwise. Stale marked siblings of killed runs are cleaned (their previous folder restored when
   the kill hit the swap); parent folders created for a failed write are removed again.
 * :func:`atomic_write_text` / :func:`atomic_file` — temp file in the same folder + fsync + ``os.replace``.
+* :func:`loads_json` — the reading side of m2export's JSON files: ``json.loads`` refusing duplicate keys
+  (``json`` keeps the last one without a word, so a hand-edited ``config.json`` could mean two things).
 * Interrupts stick: inside :func:`staged_output` SIGINT/SIGTERM set a flag and raise
   :class:`~m2export.errors.Interrupted` (a BaseException, so ``except Exception`` fallbacks in third-party
   code cannot swallow it); :func:`raise_if_interrupted` re-raises after a step that caught it anyway.
@@ -158,6 +160,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     with atomic_file(path) as tmp:
         tmp.write_text(text)
     return Path(path)
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object repeats a key (:func:`loads_json`); ``key`` is the repeated key."""
+
+    def __init__(self, key: str):
+        super().__init__(f"duplicate key {key!r} (JSON would silently keep the last value)")
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(k)
+        out[k] = v
+    return out
+
+
+def loads_json(text: str | bytes):
+    """``json.loads(text)`` with every object's keys unique.
+
+    Raises:
+        ValueError: malformed JSON (``json.JSONDecodeError``), or :class:`DuplicateKeyError` naming the
+            first repeated key. Callers prefix the file name.
+    """
+    return json.loads(text, object_pairs_hook=_unique_pairs)
 
 
 def _umask() -> int:

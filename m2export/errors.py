@@ -28,6 +28,7 @@ class ExitCode(enum.IntEnum):
     BACKEND_UNAVAILABLE = 4
     INTERNAL = 70
     INTERRUPTED = 130
+    BROKEN_PIPE = 141
     TERMINATED = 143
 
     @property
@@ -44,6 +45,7 @@ _MEANINGS = {
     ExitCode.BACKEND_UNAVAILABLE: "a required backend (TensorRT, CUDA, cuTile) is unavailable",
     ExitCode.INTERNAL: "internal error (a bug: traceback printed, please report it)",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C, SIGINT; an output being written is left as it was)",
+    ExitCode.BROKEN_PIPE: "stdout closed by its reader (a pipe such as | head): the output stopped there",
     ExitCode.TERMINATED: "terminated (SIGTERM; an output being written is left as it was)",
 }
 
@@ -153,6 +155,26 @@ class BackendUnavailable(M2ExportError):
     """An explicitly requested backend (cuTile, TensorRT, ONNX Runtime, CUDA) is not usable here."""
 
     exit_code = ExitCode.BACKEND_UNAVAILABLE
+
+
+class StdoutError(M2ExportError):
+    """Writing the results to stdout failed: its reader closed the pipe (exit 141, like a tool stopped by
+    SIGPIPE) or the file behind it cannot take more (``> /dev/full``, a full disk: exit 1).
+
+    Args:
+        error: the OSError of the failed write or flush.
+    """
+
+    def __init__(self, error: OSError):
+        import errno
+
+        self.errno = error.errno
+        if error.errno == errno.EPIPE:
+            super().__init__("stdout was closed by its reader (broken pipe): the output stopped there")
+            self.exit_code = ExitCode.BROKEN_PIPE
+        else:
+            super().__init__(f"cannot write the results to stdout: {error.strerror or error}",
+                             hint="redirect stdout to a file on a device with free space")
 
 
 class InternalError(Exception):

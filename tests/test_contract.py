@@ -78,3 +78,53 @@ def test_nan_A_is_refused_by_the_reference():
 
     with pytest.raises(ContractError, match="expected A <= 0 and finite"):
         check_decay(torch.tensor([-1.0, float("nan")]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.5])
+@pytest.mark.parametrize("entry", ["ssm_scan", "ssm_scan_packed", "ssm_step"])
+def test_bad_A_is_refused_on_the_cutile_path_before_the_backend_check(entry, bad):
+    """backend="cutile" validated A nowhere (the kernel would run a NaN decay): refused by name, before the
+    BackendUnavailable a CPU-only machine gives for a good A (issue 13, item 4)."""
+    import torch
+
+    from m2export.errors import BackendUnavailable
+    from m2export.kernels.ssd import ssm_scan
+    from m2export.kernels.ssd_step import ssm_step
+    from tests.helpers import make_inputs
+
+    p = SSMScanProblem(2, 5, 4, 32, 2, 32, dtype="float32")
+    inp = make_inputs(p, seed=7)
+
+    def call(A):
+        args = dict(inp, A=A)
+        if entry == "ssm_step":
+            step = {k: (v[:, 0] if k in ("x", "dt", "B", "C") else v) for k, v in args.items()}
+            return ssm_step(*(step[k] for k in contract.INPUT_NAMES), backend="cutile")
+        if entry == "ssm_scan_packed":
+            args = {k: (v.reshape(1, 10, *v.shape[2:]) if k in ("x", "dt", "B", "C") else v) for k, v in args.items()}
+            return ssm_scan(*(args[k] for k in contract.INPUT_NAMES), backend="cutile",
+                            cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+        return ssm_scan(*(args[k] for k in contract.INPUT_NAMES), backend="cutile")
+    A = inp["A"].clone()
+    A[1] = bad
+    with pytest.raises(ContractError, match=r"A: expected A <= 0 and finite \(A = -exp\(A_log\)\), got "):
+        call(A)
+    if not torch.cuda.is_available():  # a good A gets as far as the backend check
+        with pytest.raises(BackendUnavailable):
+            call(inp["A"])
+
+
+def test_cutile_A_check_is_once_per_tensor_version():
+    """On CUDA the check (a device sync) runs once per A object and version: an in-place change is seen."""
+    import torch
+
+    from m2export.kernels._host import check_decay_once
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the once-per-version memo applies to CUDA tensors only")
+    A = -torch.rand(8, device="cuda") - 0.1
+    check_decay_once(A)
+    check_decay_once(A)
+    A[3] = float("nan")  # bumps A._version
+    with pytest.raises(ContractError, match="expected A <= 0 and finite"):
+        check_decay_once(A)

@@ -46,15 +46,8 @@ def human_bytes(n: int) -> str:
 
 
 def write_stdout(text: str) -> None:
-    """Print ``text``; a closed pipe (``m2export inspect ... | head``) ends the output quietly.
-
-    Python's documented recipe: point stdout at devnull so the interpreter's final flush does not raise.
-    """
-    import os
-
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    """Print ``text`` and flush. Under the CLI (:func:`m2export.cli.main.main`) a closed pipe
+    (``m2export inspect ... | head``) or a full device is :class:`~m2export.errors.StdoutError`: one line,
+    exit 141 or 1, stdout silenced so the interpreter's final flush cannot raise again."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

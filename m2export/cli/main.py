@@ -12,12 +12,13 @@ verb's flags (``text`` -> ``--text``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
 import time
 
-from m2export.errors import ExitCode, Interrupted, M2ExportError, exit_codes_text
+from m2export.errors import ExitCode, Interrupted, M2ExportError, StdoutError, exit_codes_text
 
 VERBS = {
     "export": "m2export.cli.export",
@@ -87,6 +88,43 @@ def _version() -> str:
         return "0+unknown"
 
 
+class _GuardedStdout:
+    """``sys.stdout`` while a verb runs: an OSError of a write or flush (a closed pipe, ``> /dev/full``)
+    becomes :class:`~m2export.errors.StdoutError` (one line, exit 141 or 1) instead of a traceback, and
+    stdout is pointed at devnull so that nothing (the interpreter's final flush included) writes there again.
+    Everything else is the wrapped stream's (``isatty``, ``fileno``, ``encoding``, ...)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guard(self, op, *a):
+        try:
+            return op(*a)
+        except OSError as e:
+            self._silence()
+            raise StdoutError(e) from None
+
+    def _silence(self) -> None:
+        import os
+
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no real fd (a test's capture)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def write(self, text: str) -> int:
+        return self._guard(self._stream.write, text)
+
+    def writelines(self, lines) -> None:
+        return self._guard(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        return self._guard(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -104,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     # -v: m2export's own debug log (export steps, timings); third-party libraries stay at INFO
     logging.getLogger("m2export").setLevel(logging.DEBUG if args.verbose and not args.quiet else level)
     t0 = time.perf_counter()
+    stdout = sys.stdout
+    sys.stdout = _GuardedStdout(stdout)
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # a failed final flush is this verb's error, not the interpreter's at exit
+        return rc
     except M2ExportError as e:
         if args.verbose:
             import traceback
@@ -127,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"internal error in 'm2export {args.verb}' after {time.perf_counter() - t0:.1f}s: this is a bug, "
               "please report it with the traceback above", file=sys.stderr)
         return ExitCode.INTERNAL
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

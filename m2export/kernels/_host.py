@@ -7,6 +7,7 @@ cache of re-hinted kernel objects and the cache of launch plans. Imports neither
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -41,17 +42,54 @@ def check_supported(problem, kernel: str = "SSD", *, hint: str = 'use backend="t
                 f"{name}: the cuTile {kernel} kernel supports {name} in {SUPPORTED_TEXT[name]}, got {v}", hint=hint)
 
 
-def require_cutile(backend: str, problem, kernel: str, tensors: dict) -> None:
-    """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here.
+def require_cutile(backend: str, problem, kernel: str, tensors: dict, stream=None) -> None:
+    """Raise unless ``backend`` is "cutile" and the cuTile ``kernel`` can run ``problem`` on ``tensors`` here
+    (``tensors["A"]`` is checked by :func:`check_decay_once` first: bad input is named before a missing GPU).
 
     Raises:
-        ContractError: unknown backend, or headdim/d_state not served (:func:`is_supported`).
+        ContractError: unknown backend, headdim/d_state not served (:func:`is_supported`), or a NaN/inf/positive A.
         BackendUnavailable: no CUDA device, no cuda.tile, or a tensor not on CUDA.
     """
     if backend != "cutile":
         raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     check_supported(problem, kernel)
+    check_decay_once(tensors["A"], stream)
     require_cuda_tile(tensors)
+
+
+_DECAY_OK: dict[int, tuple[Any, int, int]] = {}
+
+
+def check_decay_once(A: torch.Tensor, stream=None) -> None:
+    """:func:`m2export.kernels.ssd.naive.check_decay` (every A finite and <= 0) on the cuTile path, without
+    a device sync per launch.
+
+    A tensor off the GPU is checked on every call (cheap). A CUDA tensor is checked once per tensor object
+    and version (``A`` is a weight: the TensorRT plugin passes the same cached view on every enqueue; an
+    in-place change bumps the version and is checked again). Reading the verdict back is a device sync, so
+    while ``stream`` (the launch stream, see :func:`launch_stream`) or torch's current stream is being
+    captured into a CUDA graph, an A not seen before is not checked (a sync would invalidate the capture).
+
+    Raises:
+        ContractError: A holds a NaN, an inf or a positive value (named, with the first bad value).
+    """
+    from m2export.kernels.ssd.naive import check_decay
+
+    if A.device.type != "cuda":
+        check_decay(A)
+        return
+    seen = _DECAY_OK.get(id(A))
+    if seen is not None and seen[0]() is A and seen[1:] == (A._version, A.data_ptr()):
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    with torch.cuda.device(A.device), torch.cuda.stream(launch_stream(stream, A.device)):
+        if torch.cuda.is_current_stream_capturing():
+            return
+    check_decay(A)
+    if len(_DECAY_OK) >= PLAN_CACHE_SIZE:
+        _DECAY_OK.clear()
+    _DECAY_OK[id(A)] = (weakref.ref(A), A._version, A.data_ptr())
 
 
 def require_cuda_tile(tensors: dict) -> None:

@@ -21,6 +21,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,11 +105,13 @@ def _weight_map(index: Path) -> dict[str, str]:
         CheckpointError: malformed index, or a shard outside the checkpoint directory.
     """
     try:
-        wm = json.loads(index.read_text())["weight_map"]
+        wm = _paths.loads_json(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: malformed safetensors index ({type(e).__name__}: {e})") from None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names (strings)")
+    if not wm:
+        raise CheckpointError(f"{index}: 'weight_map' is empty: the index lists no tensors (and so no shard files)")
     root = index.parent.resolve()
     for shard in set(wm.values()):
         if (root / shard).resolve().parent != root:
@@ -119,8 +123,10 @@ def _read_json(f: Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{f}: missing (every checkpoint needs its config.json)")
     try:
-        cfg = json.loads(f.read_text())
-    except ValueError as e:
+        cfg = _paths.loads_json(f.read_text())
+    except _paths.DuplicateKeyError as e:
+        raise ConfigError(f"{f}: {e}") from None
+    except ValueError as e:  # UnicodeDecodeError included
         raise CheckpointError(f"{f}: malformed JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
@@ -158,6 +164,21 @@ def _config_in(d: Path) -> tuple[Mamba2Config | None, ModelSpec, str]:
     return cfg, cfg.to_spec(), fmt
 
 
+def _unpickling_reason(e: Exception) -> str:
+    """The cause in torch's weights-only UnpicklingError, without its advice (which says to re-run with
+    weights_only=False: arbitrary code execution) and ANSI codes: "Unsupported global: GLOBAL
+    __main__.Evil was not an allowed global by default"."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please use|\n\n|$)", text, re.S)
+    if m:
+        reason = m.group(1)
+    elif "weights_only" in text or not text.strip():  # another wording of the advice: show none of it
+        reason = "it needs more than tensors to unpickle"
+    else:  # the plain unpickler's own one-liner ("invalid load key, 'g'.")
+        reason = text.strip().splitlines()[0]
+    return f"not a plain state dict ({' '.join(reason.split()).rstrip('.')})"
+
+
 def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of ``files``; with a sharded index, each tensor from the shard the index names.
 
@@ -176,6 +197,12 @@ def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -
                 part = load_file(str(f))
             else:
                 part = torch.load(str(f), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's text advises weights_only=False (running the file's code)
+            raise CheckpointError(f"{f}: cannot read tensors: {_unpickling_reason(e)}; m2export reads .bin files "
+                                  "as plain tensors only (torch.load with weights_only=True) and never runs code "
+                                  "from a checkpoint",
+                                  hint="save the weights as model.safetensors with the code that wrote the file, "
+                                       "if you trust it") from None
         except Exception as e:  # safetensors/pickle raise many types on corrupt input
             raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
         if not isinstance(part, dict):

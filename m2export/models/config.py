@@ -241,7 +241,62 @@ class Mamba2Config:
         if "num_heads" in cfg and cfg["num_heads"] != conf.nheads:
             raise ConfigError(f"{source}: num_heads={cfg['num_heads']} but expand*hidden_size/head_dim = "
                               f"{conf.nheads}")
+        _check_hf_keys(cfg, conf, source)
         return conf
+
+
+#: keys of transformers 5.24's ``Mamba2Config`` that :meth:`Mamba2Config.from_hf_json` reads
+_HF_READ = frozenset({"hidden_size", "num_hidden_layers", "vocab_size", "state_size", "conv_kernel", "expand",
+                      "head_dim", "n_groups", "chunk_size", "time_step_limit", "tie_word_embeddings",
+                      "residual_in_fp32", "layer_norm_epsilon", "use_conv_bias", "use_bias", "num_heads",
+                      "hidden_act", "rms_norm", "norm_before_gate"})
+
+#: mamba_ssm (and Mamba2Config) names next to the HF key transformers reads instead, with the value
+#: m2export took for that HF key; transformers ignores the mamba_ssm name, so it must agree
+_MAMBA_SSM_TWINS = {"d_state": ("state_size", "d_state"), "d_conv": ("conv_kernel", "d_conv"),
+                    "headdim": ("head_dim", "headdim"), "ngroups": ("n_groups", "ngroups"),
+                    "nheads": ("num_heads", "nheads"), "n_layer": ("num_hidden_layers", "n_layer"),
+                    "dt_limit": ("time_step_limit", "dt_limit"), "tie_embeddings": ("tie_word_embeddings",
+                                                                                     "tie_embeddings"),
+                    "norm_epsilon": ("layer_norm_epsilon", "norm_epsilon"), "conv_bias": ("use_conv_bias",
+                                                                                           "conv_bias"),
+                    "bias": ("use_bias", "bias")}
+
+
+def _check_hf_keys(cfg: dict[str, Any], conf: "Mamba2Config", source: str) -> None:
+    """Refuse keys of an HF Mamba2 config.json that :meth:`Mamba2Config.from_hf_json` did not read.
+
+    A mamba_ssm name (``d_state``) next to, or instead of, the HF one (``state_size``) is an error
+    unless it agrees with the value used: transformers reads only the HF key, so a different value is
+    a config that means two things (the HF key's default counts when the HF key is absent). Any
+    other unknown key is refused by name (it might change the model).
+    """
+    from m2export.models.families import HARMLESS_KEYS  # families imports nothing of this module
+
+    for twin, (hf_key, attr) in _MAMBA_SSM_TWINS.items():
+        if twin not in cfg:
+            continue
+        used, v = getattr(conf, attr), cfg[twin]
+        if not _same(v, used):
+            given = f"{hf_key!r}={cfg[hf_key]!r}" if hf_key in cfg else f"{hf_key!r} (absent: its default {used!r})"
+            raise ConfigError(f"{source}: conflicting {twin!r}={v!r} and {given}; transformers reads only "
+                              f"{hf_key!r} (the mamba_ssm name {twin!r} is ignored there)",
+                              hint=f"remove {twin!r} or make it equal to {hf_key!r}")
+    unknown = sorted(set(cfg) - _HF_READ - HARMLESS_KEYS - set(_MAMBA_SSM_TWINS))
+    if unknown:
+        guessed = "" if "model_type" in cfg else " (it has no model_type: read as one because of its hidden_size)"
+        raise ConfigError(f"{source}: unsupported field(s) {unknown} for an HF Mamba2 config{guessed}: m2export "
+                          "does not know what they do to the model, so it will not guess (remove them if they are "
+                          "only metadata)")
+
+
+def _same(v: Any, used: Any) -> bool:
+    """Does JSON value ``v`` say ``used`` (a config value: int, float, bool or a tuple of numbers)?"""
+    if isinstance(used, tuple):
+        return isinstance(v, (list, tuple)) and len(v) == len(used) and all(map(_same, v, used))
+    if isinstance(used, bool) or isinstance(v, bool):
+        return v is used
+    return _is_real(v) and v == used
 
 
 def _is_real(v) -> bool:

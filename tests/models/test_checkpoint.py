@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -321,4 +322,129 @@ def test_sparse_or_meta_tensors_in_a_bin_are_refused(tmp_path, kind):
     sd[k] = sd[k].to_sparse() if kind == "sparse" else torch.empty(sd[k].shape, device="meta")
     torch.save(sd, path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=rf"'{k}' is a .*{'sparse' if kind == 'sparse' else 'meta'}"):
+        load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------ issue 13: items 4, 13
+@pytest.mark.parametrize("where", ["top", "ssm_cfg"])
+def test_duplicate_json_keys_are_refused(tmp_path, where):
+    """json keeps the last of two equal keys without a word: a config.json with "d_state" twice means two things."""
+    path = _ckpt(tmp_path)
+    text = (path / "config.json").read_text()
+    if where == "top":
+        text = text.replace('"n_layer": 2', '"n_layer": 2, "n_layer": 3', 1)
+        key = "n_layer"
+    else:
+        text = text.replace('"d_state": 16', '"d_state": 16, "d_state": 999', 1)
+        key = "d_state"
+    assert text.count(f'"{key}"') == 2
+    (path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"ck/config.json: duplicate key '{key}'"):
+        read_config(path)
+
+
+def test_duplicate_keys_in_a_shard_index_are_refused(tmp_path):
+    path, _, wm = _sharded(tmp_path)
+    k = sorted(wm)[0]
+    other = next(f for f in set(wm.values()) if f != wm[k])
+    text = json.dumps({"weight_map": wm})
+    text = text.replace(f'"{k}": "{wm[k]}"', f'"{k}": "{wm[k]}", "{k}": "{other}"', 1)
+    (path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"index.json: malformed safetensors index \(DuplicateKeyError: "
+                                              rf"duplicate key '{k}'"):
+        load_checkpoint(path)
+
+
+def _hf_ckpt(tmp_path, **fields):
+    return random_checkpoint(tmp_path / "hf", format="hf", seed=2, **{**TINY, **fields})
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"d_state": 999}, r"conflicting 'd_state'=999 and 'state_size'=16; transformers reads only 'state_size'"),
+    ({"ngroups": 1}, r"conflicting 'ngroups'=1 and 'n_groups'=2"),
+    ({"tie_embeddings": False}, r"conflicting 'tie_embeddings'=False and 'tie_word_embeddings'=True"),
+    ({"dt_limit": [0, 1]}, r"conflicting 'dt_limit'=\[0, 1\] and 'time_step_limit'=\[0.001, 0.5\]"),
+    ({"intermediate_size": 256}, r"unsupported field\(s\) \['intermediate_size'\] for an HF Mamba2 config"),
+])
+def test_hf_config_keys_that_transformers_ignores_or_m2export_does_not_know(tmp_path, extra, match):
+    """The HF reader read its keys and ignored the rest: d_state 999 next to state_size 16 exported a d_state-16
+    model without a word (issue 13, item 4)."""
+    path = _hf_ckpt(tmp_path)
+    _edit_config(path, lambda c: c.update(extra))
+    with pytest.raises(ConfigError, match=match) as e:
+        read_config(path)
+    assert "hf/config.json" in str(e.value)
+
+
+def test_hf_mamba_ssm_name_absent_hf_key_compares_with_the_default(tmp_path):
+    path = _hf_ckpt(tmp_path)
+
+    def edit(c):
+        del c["conv_kernel"]  # transformers' default: 4
+        c["d_conv"] = 3
+    _edit_config(path, edit)
+    with pytest.raises(ConfigError, match=r"conflicting 'd_conv'=3 and 'conv_kernel' \(absent: its default 4\)"):
+        read_config(path)
+    _edit_config(path, lambda c: c.update(d_conv=4, d_state=16, headdim=16))  # agreeing twins are harmless
+    assert read_config(path)[0].d_conv == 4
+
+
+def test_hf_config_of_transformers_itself_is_read():
+    """Every key transformers 5.24 writes for a Mamba2ForCausalLM is known (the strict reader refuses none)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    from m2export.models.config import Mamba2Config
+
+    c = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, vocab_size=112, state_size=16, head_dim=16,
+                                  n_groups=2, num_heads=8, chunk_size=8)
+    ours = Mamba2Config.from_hf_json(c.to_dict(), "transformers")  # every attribute, not only the non-defaults
+    assert (ours.d_model, ours.d_state, ours.ngroups, ours.nheads) == (64, 16, 2, 8)
+
+
+def test_hf_mamba1_config_without_model_type_is_not_read_as_mamba2(tmp_path):
+    """A transformers MambaConfig (Mamba-1) with model_type removed reached the Mamba-2 reader, which
+    ignored its Mamba-1 keys (issue 13, item 13)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    raw = transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100).to_dict()
+    raw.pop("model_type")
+    raw.pop("architectures", None)
+    path = _hf_ckpt(tmp_path)
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"unsupported field\(s\) \[.*'intermediate_size'.*\] for an HF Mamba2"):
+        load_checkpoint(path)
+
+
+def test_distinct_lm_head_under_tied_hf_embeddings_is_refused(tmp_path):
+    path = _hf_ckpt(tmp_path)  # tie_embeddings=True: lm_head.weight is stored, equal to the embedding
+    sd = load_file(str(path / "model.safetensors"))
+    sd["lm_head.weight"] = sd["backbone.embeddings.weight"].clone()
+    sd["lm_head.weight"][5, 1] += 1
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' differs from the embedding, but config.json ties"):
+        load_checkpoint(path)
+
+
+class _NotATensor:
+    pass
+
+
+def test_bin_with_code_never_advises_weights_only_false(tmp_path):
+    """torch's error says to re-run with weights_only=False (runs the file's code): never shown (issue 13, item 13)."""
+    path = _ckpt(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    torch.save({**sd, "extra": _NotATensor()}, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    msg = str(e.value) + (e.value.hint or "")
+    assert re.search(r"pytorch_model.bin: cannot read tensors: not a plain state dict \(Unsupported global: GLOBAL "
+                     r"\S*test_checkpoint._NotATensor was not an allowed global by default\); m2export reads", msg)
+    assert "weights_only=False" not in msg and "weights_only` set to `False" not in msg and "\x1b[" not in msg
+    assert "\n" not in str(e.value)
+
+
+def test_empty_weight_map_is_named(tmp_path):
+    """An empty index printed 'error: : missing tensor(s) ...' (no file named; issue 13, item 13)."""
+    path, _, _ = _sharded(tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match=r"ck/model.safetensors.index.json: 'weight_map' is empty"):
         load_checkpoint(path)

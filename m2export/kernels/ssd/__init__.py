@@ -80,7 +80,7 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
                                dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, final_state_out)
     require_cutile(backend, problem, "SSD", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
-                                                 initial_state=initial_state))
+                                                 initial_state=initial_state), stream)
     if problem.seqlen == 1:
         # decode: the memory-bound step kernel (one pass over the state), not the chunked pipeline
         from m2export.kernels.ssd_step.cutile import ssm_step_cutile
@@ -115,7 +115,7 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
                                       dt_limit=attrs.dt_limit)
         return into_buffers(res, out, final_state_out)
     require_cutile(backend, problem, "SSD", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
-                                                 initial_state=initial_state))
+                                                 initial_state=initial_state), stream)
     import torch
 
     from m2export.kernels._host import launch_stream

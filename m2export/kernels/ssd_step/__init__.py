@@ -56,7 +56,7 @@ def ssm_step(x, dt, A, B, C, D=None, dt_bias=None, ssm_state=None, *, dt_softplu
         res = ssm_step_ref(x, dt, A, B, C, D, dt_bias, ssm_state, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit)
         return into_buffers(res, out, state_out)
     require_cutile(backend, problem, "step", dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias,
-                                                  ssm_state=ssm_state))
+                                                  ssm_state=ssm_state), stream)
     from m2export.kernels.ssd_step.cutile import ssm_step_cutile
 
     return ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, problem=problem, dt_softplus=dt_softplus,

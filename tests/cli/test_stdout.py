@@ -1,0 +1,50 @@
+"""Results that cannot be written to stdout (issue 13, item 12): a reader that closes the pipe early
+(``| head -c1``) and a full device (``> /dev/full``) give one error line and an exit code of the table in
+m2export/errors.py, never a traceback (they were exit 70 with one: BrokenPipeError / OSError ENOSPC)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from m2export.errors import ExitCode
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "m2export.cli.main", *map(str, args)]
+
+
+def _one_error_line(err: str, expected: str) -> None:
+    assert "Traceback" not in err and "internal error" not in err and "Exception ignored" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == [f"error: {expected}"], err
+
+
+def test_generate_into_a_pipe_closed_after_one_byte(tiny_out):
+    """``m2export generate ... | head -c1``: the first write after the reader left stops the generation."""
+    p = subprocess.Popen(_cli("generate", tiny_out, "--prompt", "import os\n", "--max-new-tokens", 300),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert p.stdout.read(1) == b"i"  # the prompt is echoed first; the new tokens follow one write each
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == ExitCode.BROKEN_PIPE == 141, err
+    _one_error_line(err, "stdout was closed by its reader (broken pipe): the output stopped there")
+    assert "tokens/s" not in err  # stopped there: no speed line of a finished run
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+@pytest.mark.parametrize("verb", ["generate", "inspect"])
+def test_results_to_dev_full(tiny_out, verb):
+    extra = ["--prompt", "ab", "--max-new-tokens", 3] if verb == "generate" else []
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(_cli(verb, tiny_out, *extra), stdout=full, stderr=subprocess.PIPE, env=ENV,
+                           timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == ExitCode.USER_ERROR, err
+    _one_error_line(err, "cannot write the results to stdout: No space left on device")
+    assert "hint: redirect stdout to a file on a device with free space" in err
