@@ -66,14 +66,24 @@ def load_onnx_structure(path: str | Path):
 
 def describe_onnx(path: str | Path) -> dict[str, Any]:
     """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan nodes with attributes, local functions."""
+    from onnx import __version__ as onnx_version
     from onnx import helper
 
     p = Path(path)
     m = load_onnx_structure(p)
 
-    def io(vs):
-        return [{"name": v.name, "dtype": helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
-                 if v.type.tensor_type.elem_type else "?", "shape": _dims(v.type)} for v in vs]
+    def dtype(v, kind: str) -> str:
+        t = v.type.tensor_type.elem_type
+        if not t:
+            return "?"
+        try:
+            return helper.tensor_dtype_to_np_dtype(t).name
+        except KeyError:  # a number no TensorProto.DataType has (a damaged or hand-edited graph)
+            raise ExportFolderError(f"{p}: {kind} {v.name!r} has elem_type {t}, which is no tensor type of "
+                                    f"ONNX's TensorProto.DataType (onnx {onnx_version})", hint=REEXPORT_HINT) from None
+
+    def io(vs, kind: str):
+        return [{"name": v.name, "dtype": dtype(v, kind), "shape": _dims(v.type)} for v in vs]
 
     def attr(a):
         v = helper.get_attribute_value(a)
@@ -98,14 +108,14 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
         for d in init.dims:
             k *= d
         n_params += k
-    outputs = io(m.graph.output)
+    outputs = io(m.graph.output, "output")
     logits = next((o for o in outputs if o["name"] == "logits"), None)
     return {
         "kind": "onnx", "path": str(p), "bytes": p.stat().st_size,
         "ir_version": m.ir_version, "producer": f"{m.producer_name} {m.producer_version}".strip(),
         "opsets": {(o.domain or "ai.onnx"): o.version for o in m.opset_import},
         "dtype": logits["dtype"] if logits else None,
-        "inputs": io(m.graph.input), "outputs": outputs,
+        "inputs": io(m.graph.input, "input"), "outputs": outputs,
         "nodes": len(m.graph.node), "op_types": dict(Counter(n.op_type for n in m.graph.node).most_common()),
         "ssm_scan_nodes": scans,
         "functions": [{"domain": f.domain, "name": f.name, "nodes": len(f.node),

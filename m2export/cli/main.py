@@ -6,7 +6,9 @@ A verb whose module fails to import is listed as unavailable with the reason, so
 
 Exit codes: the table :class:`m2export.errors.ExitCode` (``--help`` prints it). Library errors name
 parameters in backquotes (:func:`m2export.errors.render`); :func:`flag_mapper` shows them as the
-verb's flags (``text`` -> ``--text``).
+verb's flags (``text`` -> ``--text``). Never a traceback for what is not a bug: results that cannot be
+written to stdout (a closed pipe, a full device: :class:`~m2export.errors.StdoutError`) and a
+MemoryError (sizes beyond the machine) are one line each too.
 """
 
 from __future__ import annotations
@@ -163,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except MemoryError as e:  # sizes beyond this machine (numpy names the array it could not allocate)
+        if args.verbose:
+            import traceback
+            traceback.print_exc()
+        print(f"error: out of memory in 'm2export {args.verb}'" + (f": {e}" if str(e) else ""), file=sys.stderr)
+        print("hint: ask for smaller sizes (batch, sequence length) or run on a machine with more memory",
+              file=sys.stderr)
+        return ExitCode.USER_ERROR
     except Exception:
         import traceback
         traceback.print_exc()
