@@ -12,6 +12,7 @@ Tokens are bytes for byte-level models (vocab_size 256, e.g. the bundled stdlib 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,13 +26,33 @@ RUNTIMES = tuple(names.RUNTIMES)  # torch, onnxrt, onnx-reference, trt (m2export
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
+def utf8_prompt(text: str) -> bytes:
+    """``text`` as UTF-8 bytes.
+
+    Raises:
+        ParameterError: ``text`` holds bytes that are not UTF-8 (a command-line argument that was not: Python
+            keeps them as lone surrogates, see ``os.fsencode``), naming the first bad byte and its offset.
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(text)  # the bytes as they were given
+        try:
+            raw.decode("utf-8")
+            where = ""
+        except UnicodeDecodeError as e:
+            where = f" (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        raise ParameterError(f"`prompt`: not UTF-8 text{where}",
+                             hint="pass UTF-8 text, or the token ids themselves as `prompt_ids`") from None
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; decoding replaces invalid UTF-8 sequences."""
 
     name = "bytes"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8_prompt(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -56,6 +77,7 @@ class FileTokenizer:
         self.name = p.name
 
     def encode(self, text: str) -> list[int]:
+        utf8_prompt(text)
         return list(self.tok.encode(text).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -141,9 +163,13 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
                                      "MatMul/Conv kernels)",
                                      hint="use `runtime='onnx-reference'` (ONNX's reference evaluator, slow), trt "
                                           "on a GPU, or export with `dtype='fp16'`")
-        f = src / m.graph("prefill", ssm_impl).file
+        entry = m.graph("prefill", ssm_impl)
+        f = src / entry.file
         if not f.is_file():
             raise ExportFolderError(f"{f}: graph listed in {MANIFEST_FILE} is missing", hint=REEXPORT_HINT)
+        from m2export.inspect import check_graph_file
+
+        check_graph_file(f, entry)  # the file is the graph the manifest describes (not a swapped flavour)
         if runtime == "onnx-reference":
             return _Session(runtime, f"onnx-reference ({f.name})", OnnxReferenceRunner(f), None, cfg, m.dtype, tok)
         return _Session("onnxrt", f"onnxrt ({f.name})", onnxrt_runner(f), None, cfg, m.dtype, tok)

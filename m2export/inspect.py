@@ -126,6 +126,42 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
     }
 
 
+def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
+    """:func:`describe_onnx` of ``path``, checked against its manifest entry (a
+    :class:`~m2export.exporter.manifest.GraphEntry`): the same input and output names and dtypes, and
+    SSMScan nodes exactly when the entry's flavour is ssmscan. None for a file that cannot be read at all:
+    the runtime that loads it names the cause (ORT's or protobuf's error, as before).
+
+    Raises:
+        ExportFolderError: the file is not the graph m2export.json lists under that name (two flavours'
+            files swapped, or another export's graph copied in), naming the file and the difference.
+        ContractError: an SSMScan node breaks the contract (from :func:`describe_onnx`).
+    """
+    from m2export.errors import ContractError, M2ExportError
+
+    p = Path(path)
+    try:
+        info = describe_onnx(p)
+    except ContractError:
+        raise
+    except M2ExportError:  # unreadable (not ONNX, truncated): left to the runtime's own message
+        return None
+    for kind in ("inputs", "outputs"):
+        got = {t["name"]: t["dtype"] for t in info[kind]}
+        want = {k: v.get("dtype") for k, v in getattr(entry, kind).items()}
+        if got != want:
+            diff = sorted(set(got) ^ set(want)) or sorted(k for k in got if got[k] != want[k])
+            raise ExportFolderError(f"{p}: its {kind} differ from those {MANIFEST_FILE} records for it "
+                                    f"(first differences: {diff[:4]}): not the graph exported under this name",
+                                    hint=REEXPORT_HINT)
+    n_scan = len(info["ssm_scan_nodes"])
+    if (n_scan > 0) != (entry.ssm_impl == "ssmscan"):
+        raise ExportFolderError(f"{p}: {MANIFEST_FILE} lists it as the {entry.ssm_impl} flavour, but it has "
+                                f"{n_scan} SSMScan node(s): a graph file of another flavour under this name?",
+                                hint=REEXPORT_HINT)
+    return info
+
+
 def _manifest_near(p: Path):
     from m2export.exporter.manifest import read_manifest
 

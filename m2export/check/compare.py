@@ -43,8 +43,8 @@ from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runners
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
-from m2export.errors import CheckpointError, ContractError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
-from m2export.exporter.configs import GraphIO
+from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
+from m2export.exporter.configs import MANIFEST_FILE, GraphIO
 from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
 from m2export.exporter.runtime import Decoder, feed_dtype_of
 
@@ -400,22 +400,21 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         raise ParameterError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
-    from m2export.inspect import describe_onnx
+    from m2export.inspect import check_graph_file
 
-    for g in manifest.graphs:  # SSMScan attributes must keep the contract (ORT would run them as they are)
-        try:
-            describe_onnx(outdir / g.file)
-        except ContractError:
-            raise
-        except M2ExportError:  # unreadable graph: the runtime that loads it reports that, as before
-            pass
+    for g in manifest.graphs:  # SSMScan attributes must keep the contract (ORT would run them as they are),
+        check_graph_file(outdir / g.file, g)  # and each file must be the graph its entry describes
     cfg = manifest.model_config()
     dtype = manifest.dtype
     report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
 
     ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
     if not ck_path.exists():
-        raise CheckpointError(f"reference checkpoint {ck_path} (from m2export.json) does not exist",
+        if checkpoint:  # the user's path, not the manifest's
+            raise CheckpointError(f"`checkpoint` {ck_path}: no such file or directory",
+                                  hint="pass the checkpoint the export was made from, or omit `checkpoint` to use "
+                                       f"the one {MANIFEST_FILE} records ({manifest.source_checkpoint})")
+        raise CheckpointError(f"reference checkpoint {ck_path} (from {MANIFEST_FILE}) does not exist",
                               hint="pass the checkpoint the export was made from (`checkpoint`)")
     reference = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
 

@@ -134,6 +134,27 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     return out
 
 
+def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int = 3) -> None:
+    """Refuse a (batch, seqlen) whose fp32 logits, held ``copies`` times (the reference's, a runtime's, the
+    comparison's), exceed this machine's physical memory: a ParameterError naming the shape instead of a
+    MemoryError (or the OOM killer) inside numpy."""
+    import os
+
+    from m2export.check.console import human_bytes
+
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare with
+        return
+    for b, s in shapes:
+        need = b * s * vocab * 4
+        if need * copies > memory:
+            raise ParameterError(f"`shapes` {b}x{s}: one input's logits alone are {human_bytes(need)} (batch x "
+                                 f"seqlen x vocabulary {vocab} x 4 bytes, held {copies} times during the "
+                                 f"comparison), more than this machine's {human_bytes(memory)} of memory",
+                                 hint="ask for smaller shapes, e.g. `shapes=1x1,2x64`")
+
+
 class TokenDataLoader:
     """Polygraphy data loader: real tokens per (batch, seqlen) in ``shapes``, fresh and (optionally) continued.
 
@@ -169,6 +190,7 @@ class TokenDataLoader:
         if dtype not in DTYPES:
             raise M2ExportError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
         self.io = GraphIO.for_model(cfg, dtype)
+        _check_shapes_fit(self.shapes, self.io.outputs[0].shape[-1])
         self.reference = reference
         self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
         if self.past_len < 1:

@@ -14,10 +14,11 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
 exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to onnxrt/trt, a bad prompt (e.g. an id
-outside the vocabulary), or --runtime trt with TensorRT usable but no engines built; 2 a bad option
+outside the vocabulary, or --prompt bytes that are not UTF-8), a damaged m2export.json, or --runtime trt with TensorRT usable but no engines built; 2 a bad option
 value; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
 engines exist: checked after SOURCE itself, before the engines (the same rule as 'm2export check'),
-or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference).
+or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference); 141 stdout
+closed by its reader (e.g. | head -c 100): generation stops there.
 
 examples:
   m2export generate out/tiny --prompt 'def parse_args(' --max-new-tokens 20

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,10 @@ class Manifest:
         if self.checkpoint_format in READERS:
             return READERS[self.checkpoint_format](dict(self.config), MANIFEST_FILE)
         c = dict(self.config)
-        lo, hi = c["dt_limit"]
-        c["dt_limit"] = (float(lo), float(hi))
-        return Mamba2Config(**c)
+        lim = c.get("dt_limit")
+        if isinstance(lim, list) and len(lim) == 2:  # written as [min, max] with "inf" for an unbounded max
+            c["dt_limit"] = tuple(math.inf if v == "inf" else v for v in lim)
+        return Mamba2Config(**c)  # every field's type and range checked there (ConfigError naming it)
 
     def graph(self, role: str, ssm_impl: str | None = None) -> GraphEntry:
         """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx)."""
@@ -177,11 +179,16 @@ class Manifest:
 REEXPORT_HINT = "re-export with 'm2export export CHECKPOINT -o OUTDIR --force'"
 
 
-def read_manifest(outdir: str | Path) -> Manifest:
+def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
     """Read OUTDIR/m2export.json.
 
+    Args:
+        consistent: also check that ``config`` describes a model and every graph entry records that model's
+            inputs/outputs in ``dtype`` (:func:`_check_consistent`); ``m2export build``, which only needs the
+            graph files and tolerates a manifest without a model config, passes False.
     Raises:
-        ExportFolderError: OUTDIR or the manifest is missing or malformed (named, with a hint to run export).
+        ExportFolderError: OUTDIR or the manifest is missing, malformed or (``consistent``) inconsistent
+            (named, with a hint to run export).
     """
     d = Path(outdir)
     if not d.is_dir():
@@ -191,10 +198,47 @@ def read_manifest(outdir: str | Path) -> Manifest:
         raise ExportFolderError(f"{f}: missing; {d} is not an m2export output folder",
                                 hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
     try:
-        return Manifest.from_dict(json.loads(f.read_text()))
+        m = Manifest.from_dict(json.loads(f.read_text()))
     except (ValueError, TypeError, KeyError) as e:
         raise ExportFolderError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
                                 hint=REEXPORT_HINT) from None
+    if consistent:
+        _check_consistent(m, f)
+    return m
+
+
+def _check_consistent(m: Manifest, f: Path) -> None:
+    """The manifest agrees with itself: ``config`` describes a model, ``dtype`` is a known label, and every
+    graph entry records the inputs/outputs (names, dtypes) of that model exported in that dtype
+    (:meth:`GraphIO.for_model`). A hand-edited or damaged m2export.json (``config: null``, no ``d_model``,
+    ``dt_limit: "abc"``, ``n_layer`` or ``dtype`` changed) is one ExportFolderError naming the field.
+    """
+    from m2export.errors import M2ExportError
+    from m2export.exporter.configs import DTYPES, GraphIO
+
+    if not isinstance(m.config, dict):
+        raise ExportFolderError(f"{f}: 'config': expected an object, got {m.config!r}", hint=REEXPORT_HINT)
+    if m.dtype not in DTYPES:
+        raise ExportFolderError(f"{f}: 'dtype': expected one of {list(DTYPES)}, got {m.dtype!r}", hint=REEXPORT_HINT)
+    try:
+        cfg = m.model_config()
+    except M2ExportError as e:
+        raise ExportFolderError(f"{f}: 'config' describes no model: {e.raw_message}", hint=REEXPORT_HINT) from None
+    except (TypeError, ValueError, KeyError) as e:  # a field missing or unknown (Mamba2Config's TypeError)
+        raise ExportFolderError(f"{f}: 'config' describes no model: {e}", hint=REEXPORT_HINT) from None
+    want = GraphIO.for_model(cfg, m.dtype)
+    for g in m.graphs:
+        for kind, expected, got in (("input", want.inputs, g.inputs), ("output", want.outputs, g.outputs)):
+            exp = {t.name: t.dtype for t in expected}
+            rec = {k: (v.get("dtype") if isinstance(v, dict) else None) for k, v in (got or {}).items()}
+            if exp != rec:
+                missing, extra = sorted(set(exp) - set(rec)), sorted(set(rec) - set(exp))
+                typed = sorted(k for k in set(exp) & set(rec) if exp[k] != rec[k])
+                what = "; ".join(x for x in (
+                    f"lacks {missing}" if missing else "", f"has unexpected {extra}" if extra else "",
+                    ", ".join(f"{k!r} is {rec[k]}, expected {exp[k]}" for k in typed)) if x)
+                raise ExportFolderError(f"{f}: graph {g.file}'s recorded {kind}s disagree with 'config' "
+                                        f"(n_layer etc.) and 'dtype' {m.dtype!r}: {what}", hint=REEXPORT_HINT)
 
 
 def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:

@@ -124,7 +124,7 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
     p = Path(path)
     roles = tuple(roles)
     if p.is_dir():
-        manifest = read_manifest(p)
+        manifest = read_manifest(p, consistent=False)
         g = manifest.graph("prefill")
         onnx_path = p / g.file
         if not onnx_path.is_file():
@@ -132,7 +132,7 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
         return p, manifest, [BuildTarget(roles, onnx_path, p / plan_name(g.file, roles))]
     if p.is_file() and p.suffix == ".onnx":
         outdir = p.parent
-        manifest = read_manifest(outdir) if (outdir / MANIFEST_FILE).is_file() else None
+        manifest = read_manifest(outdir, consistent=False) if (outdir / MANIFEST_FILE).is_file() else None
         return outdir, manifest, [BuildTarget(roles, p, outdir / plan_name(p.name, roles))]
     if not p.exists():
         raise ExportFolderError(f"{p}: no such file or directory",
@@ -415,7 +415,7 @@ def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1
     calls back into Python, which trtexec does not have.
     """
     outdir = Path(outdir)
-    manifest = read_manifest(outdir)
+    manifest = read_manifest(outdir, consistent=False)
     engine = manifest.engine(role)
     if engine is None:
         raise ExportFolderError(f"{outdir}: no {role} engine in {MANIFEST_FILE}", hint=f"run 'm2export build {outdir}'")

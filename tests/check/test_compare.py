@@ -117,8 +117,15 @@ def test_tampered_weight_fails_only_downstream_outputs(tiny_out, tmp_path):
 
 def test_missing_reference_and_engine(tiny_out, tmp_path):
     out = copy_export(tiny_out, tmp_path / "o")
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="checkpoint .*nowhere: no such file or directory"):  # the caller's
         run_check(out, checkpoint=tmp_path / "nowhere", **QUICK)
+    import json
+
+    m = json.loads((out / "m2export.json").read_text())
+    (out / "m2export.json").write_text(json.dumps({**m, "source_checkpoint": str(tmp_path / "gone")}))
+    with pytest.raises(CheckpointError, match=r"reference checkpoint .*gone \(from m2export.json\) does not exist"):
+        run_check(out, **QUICK)
+    (out / "m2export.json").write_text(json.dumps(m))
     entry = record_engine(out, [{"input_ids": {"min": [1, 1], "opt": [2, 64], "max": [4, 256]}}], payload=None)
     with pytest.raises(ExportFolderError, match="model.plan: prefill TensorRT engine listed in m2export.json is missing"):
         run_check(out, **QUICK)

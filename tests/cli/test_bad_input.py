@@ -32,3 +32,85 @@ def test_inspect_graph_with_an_unknown_elem_type(tiny_out, tmp_path, capsys, whi
     rc = main(["inspect", str(out if target == "outdir" else out / "model.onnx")])
     line = _one_error(capsys, f"model.onnx: {which} {vi.name!r} has elem_type 77, which is no tensor type of ONNX's")
     assert rc == ExitCode.USER_ERROR, line
+
+
+def _tampered_manifest(tiny_out, tmp_path, edit):
+    import json
+
+    out = copy_export(tiny_out, tmp_path / "out")
+    m = json.loads((out / "m2export.json").read_text())
+    edit(m)
+    (out / "m2export.json").write_text(json.dumps(m))
+    return out
+
+
+def _set_config(key, value):
+    def edit(m):
+        if value is KeyError:
+            del m["config"][key]
+        else:
+            m["config"][key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda m: m.update(config=None), "m2export.json: 'config': expected an object, got None"),
+    (_set_config("d_model", KeyError), "m2export.json: 'config' describes no model: Mamba2Config.__init__() "
+                                       "missing 1 required positional argument: 'd_model'"),
+    (_set_config("dt_limit", "abc"), "m2export.json: 'config' describes no model: config field 'dt_limit': "
+                                     "expected [min, max] (two numbers), got 'abc'"),
+    (_set_config("n_layer", 3), "m2export.json: graph model.onnx's recorded inputs disagree with 'config' "
+                                "(n_layer etc.) and 'dtype' 'fp32': lacks ['past_conv_state.2', 'past_ssm_state.2']"),
+    (lambda m: m.update(dtype="fp16"), "graph model.onnx's recorded inputs disagree with 'config' (n_layer etc.) "
+                                       "and 'dtype' 'fp16': 'past_conv_state.0' is float32, expected float16"),
+    (lambda m: m.update(dtype="int8"), "m2export.json: 'dtype': expected one of ['fp32', 'fp16', 'bf16'], got 'int8'"),
+], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown"])
+@pytest.mark.parametrize("verb", ["inspect", "generate", "check"])
+def test_tampered_manifest(tiny_out, tmp_path, capsys, edit, expected, verb):
+    """Each was a traceback (exit 70: TypeError, ValueError, Polygraphy's "Extra inputs") or, for inspect, a
+    description of a model the graphs are not."""
+    out = _tampered_manifest(tiny_out, tmp_path, edit)
+    extra = {"generate": ["--prompt", "ab", "--max-new-tokens", "2"], "check": ["--report-dir", str(tmp_path)],
+             "inspect": []}[verb]
+    rc = main([verb, str(out), *extra])
+    _one_error(capsys, expected)
+    assert rc == ExitCode.USER_ERROR
+
+
+@pytest.mark.parametrize("verb", ["generate", "check"])
+def test_swapped_graph_files(tiny_out, tmp_path, capsys, verb):
+    """model.onnx (ssmscan) and model.std.onnx swapped: both ran, as the flavour the other one is (exit 0)."""
+    out = copy_export(tiny_out, tmp_path / "out")
+    (out / "model.onnx").rename(out / "x")
+    (out / "model.std.onnx").rename(out / "model.onnx")
+    (out / "x").rename(out / "model.std.onnx")
+    extra = ["--prompt", "ab", "--max-new-tokens", "2"] if verb == "generate" else ["--report-dir", str(tmp_path)]
+    rc = main([verb, str(out), *extra])
+    _one_error(capsys, "model.onnx: m2export.json lists it as the ssmscan flavour, but it has 0 SSMScan node(s)")
+    assert rc == ExitCode.USER_ERROR
+
+
+def test_check_shapes_beyond_memory(tiny_out, tmp_path, capsys):
+    """--shapes 99999999999x1 was numpy's MemoryError (exit 70) after the reference was loaded."""
+    rc = main(["check", str(tiny_out), "--shapes", "1x1,99999999999x1", "--report-dir", str(tmp_path)])
+    line = _one_error(capsys, "error: --shapes 99999999999x1: one input's logits alone are 102400.0 GB (batch x "
+                              "seqlen x vocabulary 256 x 4 bytes")
+    assert "more than this machine's" in line and rc == ExitCode.USER_ERROR
+
+
+def test_check_with_a_missing_checkpoint_names_the_flag(tiny_out, tmp_path, capsys):
+    """--checkpoint /nonexistent said "(from m2export.json)" (issue 13, item 13)."""
+    missing = tmp_path / "nonexistent"
+    rc = main(["check", str(tiny_out), "--checkpoint", str(missing), "--report-dir", str(tmp_path)])
+    line = _one_error(capsys, f"error: --checkpoint {missing}: no such file or directory")
+    assert "m2export.json" not in line and rc == ExitCode.USER_ERROR
+
+
+def test_generate_with_a_prompt_that_is_not_utf8(tiny_out, capsys):
+    """A non-UTF-8 argument (Python keeps the byte 0xff as the lone surrogate U+DCFF) was UnicodeEncodeError."""
+    import os
+
+    prompt = os.fsdecode(b"a\xffb")
+    rc = main(["generate", str(tiny_out), "--prompt", prompt, "--max-new-tokens", "2"])
+    _one_error(capsys, "error: --prompt: not UTF-8 text (byte 0xff at offset 1)")
+    assert rc == ExitCode.USER_ERROR
