@@ -40,7 +40,8 @@ from m2export.check.report import command_block, greedy_line, reproduce_intro, r
 from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
 from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
 from m2export.check.repro import describe as describe_saved
-from m2export.check.runners import ModelFromCheckpoint, OnnxReferenceRunner, TorchRunner, onnxrt_runner, trt_runners
+from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, OnnxReferenceRunner,
+                                    onnxrt_runner, reference_runner, trt_runners)
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
@@ -174,8 +175,9 @@ class CheckReport:
         """How the prefill sizes were fed: fresh only, or fresh and continued after ``past_len`` tokens."""
         if not self.past_len:
             return " (zero past states)"
+        source = "m2export's PyTorch model" if self.reference == "transformers" else self.reference
         return (f", each fresh (zero past states) and continued after {self.past_len} tokens (past states "
-                f"from {self.reference})")
+                f"from {source})")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -286,8 +288,9 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
             exit 4, checked before the engines.
     """
     dtype = manifest.dtype
-    out = [_Runtime(REFERENCE, "PyTorch fp32 reference", TorchRunner(reference, role="prefill", dtype=dtype),
-                    TorchRunner(reference, role="decode", dtype=dtype))]
+    name = "transformers" if isinstance(reference, ModelFromTransformers) else REFERENCE
+    out = [_Runtime(name, REFERENCES[name], reference_runner(reference, role="prefill", dtype=dtype, name=name),
+                    reference_runner(reference, role="decode", dtype=dtype, name=name))]
     skipped: list[str] = []
     onnx_runtimes = [r for r in ("onnxrt", "onnx-reference") if r in runtimes]
     if dtype == "bf16" and "onnxrt" in onnx_runtimes:
@@ -356,8 +359,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
               rtol: list[str] | None = None, shapes: list[tuple[int, int]] | None = None, decode_steps: int = 8,
               prompt_len: int | None = None, text: str | Path | None = None, seed: int = 0,
               runtimes=RUNTIMES, require_trt: bool = False, report_dir: str | Path | None = None,
-              max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False) -> CheckReport:
-    """Compare every runtime of an export with the PyTorch reference; write the reports.
+              max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False,
+              reference: str = REFERENCE) -> CheckReport:
+    """Compare every runtime of an export with the reference (m2export's PyTorch model, or transformers'); write
+    the reports.
 
     Args:
         outdir: folder written by ``m2export export`` (m2export.json + graphs [+ engines]).
@@ -375,6 +380,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         report_dir: where the reports go (default ``outdir``).
         progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
         polygraphy_log: let Polygraphy log its per-output details (``-v``).
+        reference: "torch" (m2export's PyTorch model, fp32) or "transformers" (HF-format checkpoints only:
+            transformers' model gives the logits, one full forward per call over the tokens so far, no cache;
+            the ``present_*`` states stay compared against m2export's PyTorch model, which produces them in the
+            graphs' layout; where transformers differs from mamba_ssm the reference follows mamba_ssm and the
+            report says so: :class:`~m2export.check.runners.ModelFromTransformers`).
 
     Returns:
         CheckReport (truthy when everything passed); reports written to ``report_dir``:
@@ -394,6 +404,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                               ("max_seqlen", max_seqlen, 1), ("seed", seed, 0)):
         if value is not None and value < low:
             raise ParameterError(f"`{param}` {value}: expected an integer >= {low}")
+    if reference not in REFERENCES:
+        raise ParameterError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
     unknown = [r for r in runtimes if r not in ALL_RUNTIMES]
     if unknown:
@@ -416,7 +428,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                                        f"the one {MANIFEST_FILE} records ({manifest.source_checkpoint})")
         raise CheckpointError(f"reference checkpoint {ck_path} (from {MANIFEST_FILE}) does not exist",
                               hint="pass the checkpoint the export was made from (`checkpoint`)")
-    reference = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
+    ref_loader = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
+    if reference == "transformers":
+        ref_loader = ModelFromTransformers(ck_path, ref_loader)
 
     out_names = GraphIO.for_model(cfg, dtype).output_names()
     atol_d, rtol_d = default_tolerances(dtype)
@@ -426,13 +440,22 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
-    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=reference)
-    rts, skipped = build_runtimes(outdir, manifest, reference, runtimes=runtimes, require_trt=require_trt)
+    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader)
+    rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt)
     if len(rts) < 2:
         raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
                              hint="keep 'onnxrt' in `runtimes`")
-    scan = reference().model.mixers[0].scan_fn  # load now: a bad checkpoint fails before any runtime starts
+    loaded = ref_loader()  # load now: a bad checkpoint fails before any runtime starts
+    scan = loaded.model.mixers[0].scan_fn
     rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
+    if reference == "transformers":
+        import transformers
+
+        rts[0].detail = (f"transformers {transformers.__version__} {type(loaded.hf).__name__} fp32, {ck_path}: logits "
+                         "(one full forward over the tokens so far per call, no cache); present_* states from "
+                         f"m2export's PyTorch model (scan {scan.__module__}.{scan.__qualname__}), which transformers "
+                         "does not expose in this layout"
+                         + "".join(f"; follows mamba_ssm: {n}" for n in loaded.notes))
     comparisons = [(i, 0) for i in range(1, len(rts))]
     hist: dict[str, list[np.ndarray]] = {}
     ref_bad: set[str] = set()
@@ -471,14 +494,14 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                             hint="re-run with -v for Polygraphy's log") from None
 
     report = CheckReport(
-        outdir=str(outdir), dtype=dtype, reference=REFERENCE,
+        outdir=str(outdir), dtype=dtype, reference=rts[0].name,
         runners=[{"name": r.name, "detail": r.detail, "label": r.label or r.name} for r in rts], skipped=skipped,
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
         vocab_coverage=loader.coverage)
     try:
-        if dtype != "bf16" and write_saved(report_dir, rec, REFERENCE):  # JSON has no bf16; ORT CPU neither
+        if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
             report.polygraphy_commands, report.tensorrt_commands = cmds["onnxrt"], cmds["tensorrt"]
             report.saved, report.commands_dir = describe_saved(rec), str(report_dir)

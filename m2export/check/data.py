@@ -228,9 +228,9 @@ class TokenDataLoader:
         with contextlib.ExitStack() as stack:
             ref = None
             if self.reference is not None:
-                from m2export.check.runners import TorchRunner
+                from m2export.check.runners import reference_runner
 
-                ref = stack.enter_context(TorchRunner(self.reference, role="prefill", dtype=self.dtype,
+                ref = stack.enter_context(reference_runner(self.reference, role="prefill", dtype=self.dtype,
                                                       name="torch:past-states"))
             for batch, seqlen in self.shapes:
                 feed: OrderedDict[str, np.ndarray] = OrderedDict(

@@ -127,9 +127,15 @@ def command_block(command: str | Sequence[str], width: int = 80, indent: str = "
 
 
 # ----------------------------------------------------------------------------------------------- console
+def _reference_words(report) -> str:
+    if report.reference == "transformers":
+        return "transformers fp32 logits; states from m2export's PyTorch model"
+    return "PyTorch fp32 reference"
+
+
 def _header(report) -> list[str]:
     labels = [r for r in report.runners[1:]]
-    out = [f"m2export check {report.outdir} ({report.dtype}): {report.reference} (PyTorch fp32 reference) vs "
+    out = [f"m2export check {report.outdir} ({report.dtype}): {report.reference} ({_reference_words(report)}) vs "
            + ", ".join(r.get("label") or r["name"] for r in labels)]
     width = max((len(r.get("label") or r["name"]) for r in labels), default=0)
     for r in labels:

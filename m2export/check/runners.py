@@ -5,6 +5,12 @@
   as the exported graphs: ``input_ids`` + every ``past`` state in, ``logits`` + every ``present`` state
   out (names, dtypes and pairing from :class:`m2export.exporter.configs.GraphIO`). Polygraphy's own ``PytRunner`` predates
   ``BaseRunner``'s metadata checks, so we subclass ``BaseRunner`` and fill in only the ``*_impl``.
+* :class:`TransformersRunner` (``check --reference transformers``): transformers' own model of an HF-format
+  checkpoint (:class:`ModelFromTransformers`) gives the logits; the ``present_*`` states come from
+  m2export's PyTorch model (transformers' cache objects do not hold them in the graphs' layout, and their
+  decode path is not what an export computes). transformers is never fed a cache: every call is answered
+  with one full forward over the sequence's tokens so far (prompt + tokens fed since), found from the
+  ``past`` feeds (:class:`TokenHistory`), so no cache mapping is involved.
 * ONNX Runtime: Polygraphy's ``OnnxrtRunner`` on a ``SessionFromOnnx`` (CPU provider), one per
   graph flavour present in OUTDIR (:func:`onnxrt_runner`).
 * ONNX's reference evaluator: :class:`OnnxReferenceRunner`, for bf16 exports (no bf16 on ORT's CPU
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from polygraphy import util as pg_util
@@ -28,7 +36,7 @@ from polygraphy.backend.base import BaseLoader, BaseRunner
 from polygraphy.common import TensorMetadata
 
 from m2export import backends
-from m2export.errors import CheckpointError, RuntimeLoadError
+from m2export.errors import BackendUnavailable, CheckpointError, RuntimeLoadError
 from m2export.exporter.configs import DTYPES, GraphIO
 from m2export.exporter.manifest import REEXPORT_HINT
 from m2export.exporter.runtime import feed_dtype_of
@@ -276,3 +284,242 @@ def trt_runners(outdir: Path, entry, decode_entry=None) -> tuple[object, object 
         dec = trt_runner(outdir / entry.file, name=f"trt:{entry.file}:decode", profile=entry.profile_index("decode"),
                          engine=shared)
     return pre, dec
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+#: the values of ``m2export check --reference``: the reference every runtime is compared with
+REFERENCES = {"torch": "m2export's PyTorch model (fp32)",
+              "transformers": "transformers' model of an HF-format checkpoint (fp32) for the logits; states from "
+                              "m2export's PyTorch model"}
+
+
+class TokenHistory:
+    """Which tokens produced a set of ``past`` feeds: fingerprint of the state arrays -> (batch, n) token ids.
+
+    A runner that answers from full forwards (:class:`TransformersRunner`) records the tokens behind every set
+    of ``present`` outputs it returns; a later feed whose ``past`` arrays are byte-for-byte those outputs (the
+    decode loop feeds them back, the data loader's continued feeds are made from them) continues that
+    sequence. All-zero past states with empty KV caches are a fresh sequence. Bounded (oldest dropped).
+    """
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._map: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    @staticmethod
+    def fingerprint(arrays) -> bytes:
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=20)
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+        return h.digest()
+
+    def record(self, arrays, tokens: np.ndarray) -> None:
+        key = self.fingerprint(arrays)
+        self._map[key] = np.array(tokens, dtype=np.int64, copy=True)
+        self._map.move_to_end(key)
+        while len(self._map) > self.limit:
+            self._map.popitem(last=False)
+
+    def lookup(self, arrays, batch: int) -> np.ndarray | None:
+        """The tokens behind ``arrays``: (batch, n) (n = 0 for a fresh sequence), or None when unknown."""
+        arrays = [np.asarray(a) for a in arrays]
+        got = self._map.get(self.fingerprint(arrays))
+        if got is not None:
+            return got
+        if all(not a.any() for a in arrays):
+            return np.zeros((batch, 0), np.int64)
+        return None
+
+
+@dataclass
+class TransformersReference:
+    """What :class:`ModelFromTransformers` loads: ``hf`` (transformers' ``*ForCausalLM``, fp32, eval), ``model``
+    (m2export's PyTorch model of the same checkpoint, for the states), the :class:`TokenHistory` shared by
+    every runner over it, and ``notes``: where the transformers model was changed to follow mamba_ssm."""
+
+    hf: Any
+    model: Any
+    ck: Any
+    history: TokenHistory
+    notes: list[str]
+
+    @property
+    def spec(self):
+        return self.ck.spec
+
+
+#: transformers model types whose Mamba mixers clamp dt at ``time_step_min`` in the chunked (prefill) path
+#: (``self.time_step_limit = (config.time_step_min, inf)`` in transformers 5.24's modeling code)
+_DT_CLAMP_FAMILIES = ("nemotron_h", "zamba2")
+
+
+class ModelFromTransformers(BaseLoader):
+    """Lazy loader: ``ModelFromTransformers(path)()`` -> :class:`TransformersReference` (loaded once).
+
+    Where transformers is known to differ from the checkpoint's own code (mamba_ssm), the reference follows
+    mamba_ssm, and each change is one line of :attr:`TransformersReference.notes` (shown in the report):
+
+    * Nemotron-H, Zamba2: transformers clamps dt at ``time_step_min`` (an initialisation bound) in its chunked
+      prefill path only; the mixers' ``time_step_limit`` is set to the config's ``time_step_limit`` (default
+      (0, inf)), as mamba_ssm (and transformers' own decode step) use.
+    * Gated RMSNorm with ngroups > 1 (Mamba2, Granite 4.0-H, Bamba): mamba_ssm normalises per group of
+      d_inner / ngroups channels; transformers releases before the per-group ``MambaRMSNormGated`` normalised
+      over all d_inner channels. A gated norm whose ``group_size`` is not d_inner / ngroups, or that has no
+      group size at all, is made to normalise per group (transformers 5.24 already does: no change, no note).
+
+    Args:
+        checkpoint: an HF-format checkpoint directory (config.json with ``model_type``; safetensors).
+        m2export_reference: the :class:`ModelFromCheckpoint` of the same checkpoint (its sha256 check applies).
+    Raises (when called):
+        CheckpointError: a mamba_ssm-format checkpoint (transformers has no loader for it), or transformers'
+            vocabulary differs from the checkpoint's embedding; BackendUnavailable: transformers not installed.
+    """
+
+    def __init__(self, checkpoint: str | Path, m2export_reference: ModelFromCheckpoint):
+        self.checkpoint = Path(checkpoint)
+        self.m2export_reference = m2export_reference
+        self._cache: dict = {}
+
+    def call_impl(self) -> TransformersReference:
+        if "ref" in self._cache:
+            return self._cache["ref"]
+        ck = self.m2export_reference()
+        if ck.format == "mamba_ssm":
+            raise CheckpointError(f"{self.checkpoint}: `reference` transformers needs an HF-format checkpoint; this "
+                                  "one is in the state-spaces/mamba_ssm layout (config.json with d_model/ssm_cfg), "
+                                  "which transformers does not load", hint="use the default reference (torch)")
+        try:
+            import torch
+            import transformers
+        except ImportError as e:
+            raise BackendUnavailable(f"`reference` transformers: transformers is not installed ({e})",
+                                     hint="pip install transformers (it comes with m2export's test extra)") from None
+        try:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(ck.path), dtype=torch.float32)
+        except Exception as e:  # transformers raises many types for a config or weights it cannot use
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"{ck.path}: transformers {transformers.__version__} cannot load the checkpoint "
+                                  f"({type(e).__name__}: {first})", hint="use the default reference (torch)") from None
+        hf = hf.float().eval()
+        spec = ck.spec
+        width = hf.get_output_embeddings().weight.shape[0]
+        if width != spec.vocab_size:
+            raise CheckpointError(f"{ck.path}: transformers' lm_head has {width} rows, m2export's model "
+                                  f"{spec.vocab_size}: the logits cannot be compared")
+        notes = follow_mamba_ssm_(hf, spec, ck.format)
+        ref = TransformersReference(hf=hf, model=ck.model, ck=ck, history=TokenHistory(), notes=notes)
+        self._cache["ref"] = ref
+        return ref
+
+
+def follow_mamba_ssm_(hf, spec, family: str) -> list[str]:
+    """Change ``hf`` (a transformers model of ``spec``) in place where transformers differs from mamba_ssm (see
+    :class:`ModelFromTransformers`); returns one note per kind of change made (none: nothing differed)."""
+    import types
+
+    notes = []
+    mamba = [spec.layers[i].mamba for i in spec.mamba_layers]
+    if not mamba:
+        return notes
+    dt_limit = mamba[0].dt_limit
+    if family in _DT_CLAMP_FAMILIES:
+        clamped = [m for m in hf.modules() if isinstance(getattr(m, "time_step_limit", None), tuple)
+                   and tuple(float(v) for v in m.time_step_limit) != dt_limit]
+        for m in clamped:
+            was = m.time_step_limit
+            m.time_step_limit = dt_limit
+        if clamped:
+            notes.append(f"dt limit {tuple(was)} of transformers' prefill path set to the config's {dt_limit} in "
+                         f"{len(clamped)} mixer(s), as mamba_ssm and transformers' decode step apply it")
+    want = mamba[0].norm_group_size
+    fixed = 0
+    for m in hf.modules():
+        if not type(m).__name__.endswith("RMSNormGated") or m.weight.shape[0] % want:
+            continue
+        d = m.weight.shape[0]
+        if hasattr(m, "n_groups"):  # Falcon-H1's norm: groups given by count
+            if m.n_groups != d // want:
+                m.n_groups, fixed = d // want, fixed + 1
+        elif hasattr(m, "group_size"):
+            if m.group_size != want:
+                m.group_size, fixed = want, fixed + 1
+        elif d != want:  # a full-width gated norm without a group size (older transformers)
+            m.forward, fixed = types.MethodType(_per_group_gated_norm(want), m), fixed + 1
+    if fixed:
+        notes.append(f"gated RMSNorm of {fixed} mixer(s) normalised per group of {want} channels (mamba_ssm), "
+                     "where this transformers normalised over all d_inner channels")
+    return notes
+
+
+def _per_group_gated_norm(group_size: int):
+    """forward(hidden_states, gate=None) of mamba_ssm's RMSNormGated (norm after the gate), per group."""
+
+    def forward(self, hidden_states, gate=None):
+        import torch
+        import torch.nn.functional as F
+
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        if gate is not None:
+            x = x * F.silu(gate.float())
+        g = x.reshape(*x.shape[:-1], -1, group_size)
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        return (self.weight.float() * g.reshape(x.shape)).to(dtype)
+
+    return forward
+
+
+class TransformersRunner(TorchRunner):
+    """``check --reference transformers``: logits from transformers, states from m2export's PyTorch model.
+
+    Each call: the tokens so far are found from the ``past`` feeds (:class:`TokenHistory`; a feed whose
+    states no call of a runner over the same :class:`ModelFromTransformers` returned, and that is not a fresh
+    sequence, is refused), transformers runs one full forward (no cache) over them + ``input_ids``, and the
+    last ``sequence_length`` positions are the ``logits`` output (rounded to the export dtype as
+    :class:`TorchRunner`'s are). Every ``present`` state is m2export's PyTorch model's, as with the torch
+    reference. Slower than the torch reference: a decode step re-reads the whole sequence.
+
+    Args: as :class:`TorchRunner`, with ``model`` a :class:`ModelFromTransformers` (or what it returns).
+    """
+
+    def __init__(self, model, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):
+        super().__init__(model, role=role, dtype=dtype, name=name or "transformers")
+
+    def activate_impl(self):
+        super().activate_impl()
+        self.ref, _ = pg_util.invoke_if_callable(self._model)
+
+    def infer_impl(self, feed_dict):
+        torch = self._torch
+        ids = np.asarray(feed_dict["input_ids"], dtype=np.int64)
+        past = [feed_dict[s.past.name] for s in self.io.states]
+        before = self.ref.history.lookup(past, ids.shape[0])
+        if before is None or before.shape[0] != ids.shape[0]:
+            raise RuntimeLoadError("transformers reference: a feed continues states this reference did not produce "
+                                   "(transformers takes tokens, not m2export's states)",
+                                   hint="feed states the reference returned, or use the default reference (torch)")
+        res = super().infer_impl(feed_dict)
+        tokens = np.concatenate([before, ids], axis=1)
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = self.ref.hf(input_ids=torch.from_numpy(tokens), use_cache=False).logits[:, -ids.shape[1]:]
+        self.inference_time += time.perf_counter() - start
+        res["logits"] = self._model_dtype(logits.float())
+        self.ref.history.record([res[s.present.name] for s in self.io.states], tokens)
+        return res
+
+    def deactivate_impl(self):
+        super().deactivate_impl()
+        del self.ref
+
+
+def reference_runner(reference, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):
+    """The runner of a check reference: :class:`TransformersRunner` over a :class:`ModelFromTransformers`,
+    else :class:`TorchRunner`."""
+    cls = TransformersRunner if isinstance(reference, (ModelFromTransformers, TransformersReference)) else TorchRunner
+    return cls(reference, role=role, dtype=dtype, name=name)

@@ -34,6 +34,17 @@ but no engines built; 2 an option value out of range; 4 --runtime trt where Tens
 installed, or no CUDA GPU), whether or not engines exist: checked after OUTDIR itself, before the
 engines (the same rule as 'm2export generate').
 
+--reference transformers (HF-format checkpoints: mamba2, nemotron_h, granitemoehybrid, bamba, falcon_h1,
+zamba2): the logits are compared with transformers' own model of the checkpoint (fp32), the one its authors
+validated, instead of m2export's PyTorch model. transformers' cache objects are not mapped: every reference
+call is one full forward over the sequence's tokens so far (prompt + tokens fed since), so a decode step is
+compared with transformers' full forward over prompt + steps. The present_* states (conv/ssm states, KV
+caches), which transformers does not expose in the graphs' layout, stay compared against m2export's PyTorch
+model. Where transformers differs from mamba_ssm, the reference follows mamba_ssm and the report says so:
+Nemotron-H and Zamba2 clamp dt at time_step_min in transformers' prefill path only (lifted to the config's
+time_step_limit); a gated RMSNorm over all d_inner channels for ngroups > 1 (Mamba2, Granite 4.0-H, Bamba in
+transformers releases before the per-group norm) is normalised per group. Slower than the default.
+
 bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels, so their graphs are run with ONNX's
 reference evaluator (onnx-reference) instead, and the reference's outputs are rounded to bf16.
 
@@ -43,6 +54,7 @@ examples:
   m2export check out/tiny-fp16 --atol logits:0.1 --rtol 0.02
   m2export check out/tiny --runtime trt      # fail (exit 4) instead of skipping TensorRT
   m2export check out/tiny --checkpoint ckpt/tiny   # where the reference is now, if it moved
+  m2export check out/tiny-hf --reference transformers   # HF-format checkpoints: transformers' logits
 """
 
 
@@ -72,6 +84,10 @@ def add_arguments(p):
     g = p.add_argument_group("Reference and runtimes")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="reference checkpoint (default: the one recorded in m2export.json; hashes must match)")
+    g.add_argument("--reference", choices=["torch", "transformers"], default="torch",
+                   help="what every runtime is compared with: torch (m2export's PyTorch model, the default) or "
+                        "transformers (its model of an HF-format checkpoint gives the logits; states stay "
+                        "compared against m2export's PyTorch model)")
     g.add_argument("--runtime", dest="runtimes", action="append", choices=[r for r in names.RUNTIMES if r != names.REFERENCE_RUNTIME],
                    type=names.cli_type("runtime", "--runtime"),
                    help="runtime(s) to compare with the reference (repeatable; default: onnxrt, and trt when "
@@ -117,7 +133,7 @@ def run(args) -> int:
                            decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
                            seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
                            report_dir=args.report_dir, max_seqlen=args.max_seq_len, progress=prog,
-                           polygraphy_log=args.verbose > 1)
+                           polygraphy_log=args.verbose > 1, reference=args.reference)
     report_dir = args.report_dir or args.outdir
     if not args.quiet:
         _print_report(report, report_dir, REPORT_JSON, REPORT_MD)

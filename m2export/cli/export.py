@@ -37,6 +37,7 @@ graph flavours (all are ONNX graphs; --ssm-impl picks):
 examples:
   m2export export ckpt/tiny -o out/tiny
   m2export export ckpt/tiny -o out/tiny-fp16 --dtype fp16 --ssm-impl both
+  m2export export ckpt/tiny-hf -o out/tiny-hf        # an HF-format checkpoint (check --reference transformers)
 """
 
 
