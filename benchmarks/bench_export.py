@@ -2,8 +2,9 @@
 
 Per preset (random weights, mamba_ssm init; ``m2export.models.config.PRESETS``):
 
-* export: wall time and peak resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of a fresh
-  child process that runs only ``export_model(..., ssm_impl="both")``), file sizes;
+* export: user+sys CPU seconds, wall time and peak resident memory (``resource.getrusage(RUSAGE_SELF)`` of a
+  fresh child process that runs only ``export_model(..., ssm_impl="both")``), file sizes; on a shared machine
+  the CPU seconds and the RSS are the load-independent numbers;
 * prefill throughput, batch 1, tokens/s = seqlen / time of one prefill call (best and median of
   ``--reps`` after one warm-up): PyTorch eager (``Mamba2LMHeadModel.forward``, the chunked reference scan)
   vs ORT CPUExecutionProvider on the plugin flavour (SSMScan local function) and the standard-op flavour;
@@ -44,8 +45,10 @@ def _child_export(ck: str, out: str, dtype: str) -> None:
     t = time.perf_counter()
     export_model(ck, out, ssm_impl="both", dtype=dtype, force=True)
     wall = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    print(json.dumps({"wall_s": wall, "peak_rss_bytes": rss}))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    # user + sys CPU seconds of the whole process (imports included): load-independent on a shared machine
+    print(json.dumps({"wall_s": wall, "peak_rss_bytes": ru.ru_maxrss * 1024,  # Linux: KiB
+                      "cpu_s": ru.ru_utime + ru.ru_stime}))
 
 
 def _random_checkpoint(ck: Path, preset: str, dtype) -> None:
@@ -212,15 +215,16 @@ def main(argv=None) -> int:
         else:
             res = _run_child(["--child-export", str(ck), str(out), args.dtype])
         if "error" in res:
-            lines.append(f"| {preset} | {args.dtype} | export FAILED ({res['error']}) | | |")
+            lines.append(f"| {preset} | {args.dtype} | export FAILED ({res['error']}) | | | |")
             print(lines[-1], flush=True)
             continue
         sizes = {f.name: f.stat().st_size for f in out.iterdir() if f.suffix in (".onnx", ".data")}
         files = ", ".join(f"{k} {_fmt_size(v)}" for k, v in sorted(sizes.items()))
         wall = "(reused export)" if "reused" in res else f"{res['wall_s']:.0f} s"
-        rss = "" if "reused" in res else f"{res['peak_rss_bytes'] / 2**30:.1f} GiB"
+        rss = "" if "reused" in res else f"{res['peak_rss_bytes'] / 2**30:.2f} GiB"
+        cpu = "" if "reused" in res else f"{res['cpu_s']:.1f} s"
         lines.append(f"| {preset} (d_model {cfg.d_model}, {cfg.n_layer} layers, {_n_params(cfg) / 1e6:.0f}M params) | "
-                     f"{args.dtype} | {wall} | {rss} | {files} |")
+                     f"{args.dtype} | {cpu} | {wall} | {rss} | {files} |")
         print(lines[-1], flush=True)
         if not args.no_throughput:
             spec = json.dumps({"seqlens": args.seqlens, "reps": args.reps, "threads": args.threads,
@@ -255,7 +259,8 @@ def main(argv=None) -> int:
     header = [f"## bench_export.py — {stamp} — CPU 2 cores (shared machine, {platform.processor() or platform.machine()})",
               "", f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}; export = export_model(ssm_impl='both') "
               "(prefill + decode, plugin + standard-op flavours, onnx.checker full check) in a fresh process.", "",
-              "| model | dtype | export wall | export peak RSS | files |", "| --- | --- | --- | --- | --- |"]
+              "| model | dtype | export user+sys CPU | export wall | export peak RSS | files |",
+              "| --- | --- | --- | --- | --- | --- |"]
     # the table rows are the lines starting with '| '; throughput tables follow them
     table = [ln for ln in lines if ln.startswith("| ")]
     rest = [ln for ln in lines if not ln.startswith("| ")]

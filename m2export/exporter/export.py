@@ -8,7 +8,10 @@ decode graph took 107.4 / 142.3 ms: within the run-to-run noise of that loaded m
 
 Steps (one progress-bar tick each): load the checkpoint in the export dtype; trace with
 ``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatcher` routes every scan through
-``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node); attach the model-local
+``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node): the embedding, the head and
+each distinct layer kind once, every layer stamped from its kind's trace with its own weights
+(:mod:`m2export.exporter.stamp`; a 24-layer mamba2-130m export took half the CPU time of the whole-model
+trace, benchmarks/RESULTS.md); optimise the composed graph (constant folding, CSE); attach the model-local
 function body; save; for the ``std`` flavour inline the function (standard ops only); ``onnx.checker``
 full check of every file; write the manifest. Weights are stored once, in ``model.onnx.data``
 (:class:`SharedWeights`), which every graph of the folder references (both flavours included). Everything
@@ -121,25 +124,42 @@ def example_inputs(io: GraphIO):
 
 
 def _trace(model, io: GraphIO, opset: int):
-    """torch.onnx.export (dynamo) of one role; returns the ONNXProgram (SSMScan nodes, no function yet)."""
+    """The ONNX graph of one model (onnx_ir Model; SSMScan nodes, no function yet), optimised.
+
+    Traced piecewise (:func:`m2export.exporter.stamp.trace_stamped`: each distinct layer kind once, stamped
+    with every layer's weights); a model without that structure is traced whole."""
+    from m2export.exporter.patcher import Mamba2ModelPatcher
+    from m2export.exporter.stamp import CannotStamp, trace_stamped
+
+    with Mamba2ModelPatcher(model):
+        try:
+            model_ir = trace_stamped(model, io, opset, _trace_module)
+        except CannotStamp as e:
+            log.debug("export: tracing the whole model (%s)", e)
+            ids, states, dyn = example_inputs(io)
+            model_ir = _trace_module(_GraphModule.make(model), (ids, states), dyn, io.input_names(),
+                                     io.output_names(), opset)
+    _optimize(model_ir)
+    _share_tied_embedding(model_ir)
+    return model_ir
+
+
+def _trace_module(module, args: tuple, dynamic_shapes, input_names: list[str], output_names: list[str],
+                  opset: int):
+    """One ``torch.onnx.export`` (dynamo) of ``module(*args)``, no optimisation; returns the onnx_ir Model.
+    Called inside :class:`Mamba2ModelPatcher` (every mixer's scan routed through SSMScan)."""
     import torch
 
-    from m2export.exporter.patcher import Mamba2ModelPatcher
     from m2export.exporter.ssm_scan_op import custom_translation_table
 
-    ids, states, dyn = example_inputs(io)
-    wrapper = _GraphModule.make(model)
-    with Mamba2ModelPatcher(model), torch.no_grad(), warnings.catch_warnings(), \
+    with torch.no_grad(), warnings.catch_warnings(), \
             contextlib.redirect_stdout(open(os.devnull, "w")):
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            wrapper, (ids, states), dynamo=True, opset_version=opset,
-            input_names=io.input_names(), output_names=io.output_names(),
-            dynamic_shapes=dyn, custom_translation_table=custom_translation_table(), verbose=False,
+            module, args, dynamo=True, opset_version=opset, input_names=input_names, output_names=output_names,
+            dynamic_shapes=dynamic_shapes, custom_translation_table=custom_translation_table(), verbose=False,
             optimize=False)
-    _optimize(prog.model)
-    _share_tied_embedding(prog.model)
-    return prog
+    return prog.model
 
 
 def _optimize(model) -> None:
@@ -393,8 +413,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         graphs: list[GraphEntry] = []
         io = GraphIO.for_model(ck.spec, dtype)
         bar.step("tracing the graph (torch.onnx dynamo)")
-        prog = _export_step(ck.model, io, opset)
-        model = prog.model
+        model = _export_step(ck.model, io, opset)
         _rename_dims(model, io)
         bar.step("attaching the SSMScan function")
         _attach_function(model, opset)
@@ -414,7 +433,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                                          **io.to_manifest()))
         finally:
             weights.close()
-        del prog, model
+        del model
         tokenizer = [f for f in TOKENIZER_FILES if (Path(ck.path) / f).is_file()]  # copied by write_genai_files
         bar.step("writing manifest")
         manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from m2export import _paths
-from m2export.errors import CheckpointError, ConfigError
+from m2export.errors import CheckpointError, ConfigError, InternalError
 from m2export.models.config import PRESETS, Mamba2Config
 from m2export.models.families import READERS, decode_hf_floats, detect_family
 from m2export.models.mamba2 import HybridLM, Mamba2LMHeadModel, Router, init_weights_
@@ -343,7 +343,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         sd = _read_tensors(files, wm)
     if not allow_nonfinite:
         check_weights(sd, dtype, where)
-    model = _built_in(dtype, lambda: _build(spec, cfg))  # no fp32 copy of a large model (2.7B: 10.8 GB)
+    with torch.device("meta"):  # the checkpoint's tensors become the parameters: no second copy, no random init
+        model = _built_in(dtype, lambda: _build(spec, cfg))  # no fp32 copy of a large model (2.7B: 10.8 GB)
     for m in model.modules():
         if isinstance(m, Router):
             m.float()
@@ -354,10 +355,21 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   "them (tie_word_embeddings/tie_embeddings): which one is meant is unclear",
                                   hint="set tie_word_embeddings to false if the checkpoint has its own lm_head")
     params = dict(model.state_dict())
-    with torch.no_grad():
-        for k, src in plan.sources.items():
-            t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
-            params[k].copy_(t)
+    later = set(plan.copies) | {plan.sources[i].keys[0] for i in plan.copies.values() if i in plan.sources}
+    uses: dict[str, int] = {}
+    for src in plan.sources.values():
+        for n in src.keys:
+            uses[n] = uses.get(n, 0) + 1
+    new: dict[str, torch.Tensor] = {}
+    for k, src in plan.sources.items():
+        t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
+        new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
+        del t
+        for n in src.keys:  # a read tensor converted or stacked is dropped once nothing else reads it
+            uses[n] -= 1
+            if not uses[n] and n not in later:
+                del sd[n]
+    _assign_state(model, new)
     for copy, internal in plan.copies.items():  # Zamba2: later callers' copies of a shared block
         ref = plan.sources[internal].keys[0] if internal in plan.sources else None
         if ref is None or sd[copy].shape != sd[ref].shape or not torch.equal(sd[copy], sd[ref]):
@@ -366,6 +378,30 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   "tie_word_embeddings is false), which m2export does not support")
     model.eval()
     return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec)
+
+
+def _assign_state(model: HybridLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Make ``tensors`` (state-dict name -> tensor) the parameters and buffers of a model built on the meta
+    device, keeping its aliases (a tied lm_head stays the embedding's parameter): each group of aliased
+    entries needs one of its names in ``tensors``."""
+    groups: dict[int, list[str]] = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(v), []).append(k)
+    alias = {}
+    for names in groups.values():
+        given = [k for k in names if k in tensors]
+        if not given:
+            raise InternalError(f"no checkpoint tensor for {names[0]!r}")
+        alias.update((k, given[0]) for k in names)
+    model.load_state_dict({k: tensors[a] for k, a in alias.items()}, strict=True, assign=True)
+    for k, a in alias.items():
+        if k != a:
+            mod, _, name = k.rpartition(".")
+            src, _, src_name = a.rpartition(".")
+            setattr(model.get_submodule(mod), name, getattr(model.get_submodule(src), src_name))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise InternalError(f"tensors {left[:4]} were not loaded from the checkpoint (still on the meta device)")
 
 
 def _build(spec: ModelSpec, cfg: Mamba2Config | None) -> HybridLM:

@@ -290,25 +290,32 @@ class HybridLM(nn.Module):
         if len(past) != sum(self._n_states):
             raise ValueError(f"past: expected {sum(self._n_states)} state tensors (ModelSpec.states()), "
                              f"got {len(past)}")
-        spec = self.spec
-        h = self.backbone.embedding(input_ids)
-        if spec.embedding_multiplier != 1.0:
-            h = h * spec.embedding_multiplier
-        emb = h
-        shared = self.backbone.shared_blocks if spec.shared_blocks else None
-        if spec.residual_in_fp32:
-            h = h.float()
+        h, emb = self.embed(input_ids)
+        shared = self.backbone.shared_blocks if self.spec.shared_blocks else None
         present: list[torch.Tensor] = []
         pos = 0
         for layer, n in zip(self.backbone.layers, self._n_states):
             h, new = layer(h, list(past[pos:pos + n]), emb, shared)
             present.extend(new)
             pos += n
-        h = self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype)
-        logits = self.lm_head(h)
-        if spec.logits_multiplier != 1.0:
-            logits = logits * spec.logits_multiplier
+        logits = self.head(h)
         return HybridOutput(logits, present)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, emb)`` of ``input_ids`` (batch, seqlen) int64: the residual stream entering layer 0 (float32
+        under ``residual_in_fp32``, else the model dtype) and the scaled embeddings (Zamba2's shared blocks read
+        them), both (batch, seqlen, d_model). :meth:`forward_states` is ``head(layers(embed(input_ids)))``."""
+        h = self.backbone.embedding(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            h = h * self.spec.embedding_multiplier
+        return (h.float() if self.spec.residual_in_fp32 else h), h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seqlen, vocab_size) in the model dtype of the last layer's residual stream ``h``."""
+        logits = self.lm_head(self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype))
+        if self.spec.logits_multiplier != 1.0:
+            logits = logits * self.spec.logits_multiplier
+        return logits
 
     def forward(self, input_ids: torch.Tensor, past: list[torch.Tensor] | None = None) -> HybridOutput:
         return self.forward_states(input_ids, past)

@@ -1,0 +1,213 @@
+"""Trace each distinct layer kind once and stamp it: the export graph of an n-layer model from a few small traces.
+
+``torch.onnx.export`` of a whole 24-layer mamba2-130m spent ~88% of the export in torch.export's tracing
+and decompositions (cProfile, benchmarks/RESULTS.md "export speed"), once per layer although the layers
+differ only in their weights. Here the model is traced in pieces that share its modules (no weight copies),
+each with the dynamic axes of :class:`~m2export.exporter.configs.GraphIO`:
+
+* ``embed``: ``input_ids -> (h, emb)`` (:meth:`HybridLM.embed`);
+* one trace per distinct layer kind: ``(h, [emb], *past states) -> (h, *present states)``
+  (:meth:`Layer.forward`), two layers being of one kind when their :class:`~m2export.models.spec.LayerSpec`,
+  their parameter and buffer names, shapes and dtypes and the aliasing among them are equal;
+* ``head``: ``h -> logits`` (:meth:`HybridLM.head`).
+
+:func:`trace_stamped` then builds one onnx_ir graph with the inputs and outputs of ``GraphIO``: the embed
+nodes, every layer's kind's nodes cloned with that layer's own weights (the same torch tensors the full
+trace would reference) and the head nodes. The composition computes what ``HybridLM.forward_states`` does
+(it is ``head(layers(embed(ids)))``), so the graph is the full trace's up to value names; the exporter's
+optimisation passes then run on the whole graph as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m2export.exporter.configs import BATCH, PAST_SEQ, SEQ, GraphIO
+
+
+class CannotStamp(Exception):
+    """The model does not have the embed / layers / head structure stamping needs (fall back to one trace)."""
+
+
+class _Embed(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model.embed(input_ids)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, h):
+        return self.model.head(h)
+
+
+class _LayerStep(torch.nn.Module):
+    """One layer as a traceable module: ``forward(h, emb, states) -> (h, *new states)``."""
+
+    def __init__(self, layer, shared_blocks):
+        super().__init__()
+        self.layer = layer
+        self.shared = shared_blocks  # None, or the model's shared blocks (Zamba2)
+
+    def forward(self, h, emb, states: list):
+        h, new = self.layer(h, list(states), emb, self.shared)
+        return (h, *new)
+
+
+def _tensors(module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by its relative name, aliases included."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def _kind_key(step: _LayerStep) -> tuple:
+    tensors = _tensors(step)
+    first: dict[int, int] = {}
+    alias = tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors.values()))
+    return (repr(step.layer.spec), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()), alias)
+
+
+def trace_stamped(model, io: GraphIO, opset: int, trace_module):
+    """The export graph of ``model`` (an onnx_ir Model, no optimisation run yet) from one trace per piece.
+
+    Args:
+        model: a :class:`~m2export.models.mamba2.HybridLM` (``embed``, ``backbone.layers``, ``head``).
+        io: its graph I/O; the composed graph's inputs and outputs carry exactly its names, in its order.
+        opset: default ONNX opset of the traces.
+        trace_module: ``trace_module(module, args, dynamic_shapes, input_names, output_names, opset)`` ->
+            onnx_ir Model (one ``torch.onnx.export``, the exporter's settings and patches applied).
+    Raises:
+        CannotStamp: ``model`` lacks ``embed``/``head`` or a piece's graph has a subgraph attribute.
+    """
+    import onnx_ir as ir
+
+    if not all(callable(getattr(model, a, None)) for a in ("embed", "head")) or not hasattr(model, "backbone"):
+        raise CannotStamp("the model has no embed/head split")
+    from m2export.exporter.export import EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_SEQ, torch_dtype
+
+    dims = {BATCH: torch.export.Dim(BATCH, min=1, max=1 << 16),
+            SEQ: torch.export.Dim(SEQ, min=1, max=1 << 20),
+            PAST_SEQ: torch.export.Dim("past_sequence_length", min=0, max=1 << 20)}
+
+    def dyn(shape):
+        return {k: dims[d] for k, d in enumerate(shape) if isinstance(d, str)}
+
+    ids = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.long)
+    with torch.no_grad():
+        h0, emb0 = model.embed(ids)
+    h0, emb0 = h0.clone(), emb0.clone()  # distinct tensors: torch.export would merge aliased inputs into one
+    hshape = io.input("input_ids").shape + (h0.shape[-1],)
+    layers = list(model.backbone.layers)
+    shared = model.backbone.shared_blocks if model.spec.shared_blocks else None
+    n_states = [len(model.spec.layer_states(i)) for i in range(len(layers))]
+    starts = [sum(n_states[:i]) for i in range(len(layers))]
+    steps = [_LayerStep(layer, shared) for layer in layers]
+
+    pieces = {"embed": trace_module(_Embed(model), (ids,), {"input_ids": dyn(io.input("input_ids").shape)},
+                                    ["input_ids"], ["h", "emb"], opset),
+              "head": trace_module(_Head(model), (h0,), {"h": dyn(hshape)}, ["h"], ["logits"], opset)}
+    kind_of: list[int] = []
+    reps: dict[tuple, int] = {}
+    for i, step in enumerate(steps):
+        rep = reps.setdefault(_kind_key(step), i)
+        kind_of.append(rep)
+        if rep != i:
+            continue
+        st = io.states[starts[i]:starts[i] + n_states[i]]
+        states = [torch.zeros(s.past.concrete(batch_size=EXAMPLE_BATCH, past_sequence_length=EXAMPLE_PAST),
+                              dtype=torch_dtype(s.past.dtype)) for s in st]
+        pieces[i] = trace_module(step, (h0, emb0, states),
+                                 {"h": dyn(hshape), "emb": dyn(hshape), "states": [dyn(s.past.shape) for s in st]},
+                                 ["h", "emb", *(s.past.name for s in st)],
+                                 ["h_out", *(s.present.name for s in st)], opset)
+
+    # ---------------------------------------------------------------- compose
+    names = {}  # id(tensor) -> the model's name for it (the first alias, as torch.export names it)
+    for n, t in _tensors(model).items():
+        names.setdefault(id(t), n)
+    base = pieces["embed"]
+    graph = base.graph
+    inits: dict[object, ir.Value] = {}
+
+    def init_value(v, tensor, key, name):
+        if key not in inits:
+            nv = ir.Value(name=name, shape=v.shape, type=v.type,
+                          const_value=type(v.const_value)(tensor, name=name) if tensor is not None else v.const_value)
+            graph.register_initializer(nv)
+            inits[key] = nv
+        return inits[key]
+
+    def clone(piece, vmap, prefix, owner=None):
+        """Append ``piece``'s nodes to ``graph``; ``vmap`` maps its inputs; initializers are ``owner``'s tensors."""
+        own = _tensors(owner) if owner is not None else {}
+        for name, v in piece.graph.initializers.items():
+            t = own.get(name)
+            if t is not None:
+                vmap[v] = init_value(v, t, id(t), names.get(id(t), prefix + name))
+            elif isinstance(getattr(v.const_value, "raw", None), torch.Tensor) and id(v.const_value.raw) in names:
+                t = v.const_value.raw
+                vmap[v] = init_value(v, t, id(t), names[id(t)])
+            else:  # a constant of the code (same in every layer of the kind)
+                vmap[v] = init_value(v, None, (id(piece), name), prefix + name)
+        for node in piece.graph:
+            if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+                raise CannotStamp(f"{node.op_type} node with a subgraph")
+            new = ir.Node(node.domain, node.op_type, [None if x is None else vmap[x] for x in node.inputs],
+                          attributes=list(node.attributes.values()), overload=node.overload,
+                          num_outputs=len(node.outputs), version=node.version,
+                          name=prefix + (node.name or ""), metadata_props=dict(node.metadata_props))
+            for o, no in zip(node.outputs, new.outputs):
+                no.name, no.type = prefix + (o.name or ""), o.type
+                no.shape = o.shape.copy() if o.shape is not None else None
+                vmap[o] = no
+            graph.append(new)
+        return [vmap[o] for o in piece.graph.outputs]
+
+    # the embed piece is the base graph: rename its initializers to the model's names
+    for name, v in list(graph.initializers.items()):
+        t = getattr(v.const_value, "raw", None)
+        if isinstance(t, torch.Tensor) and id(t) in names:
+            graph.initializers.pop(name)
+            v.name = names[id(t)]
+            graph.register_initializer(v)
+            inits[id(t)] = v
+    h, emb = graph.outputs[0], graph.outputs[1]
+    graph.outputs.clear()
+    presents: list[ir.Value] = []
+    for i, step in enumerate(steps):
+        rep = kind_of[i]
+        piece = pieces[rep]
+        by_name = {v.name: v for v in piece.graph.inputs}
+        vmap = {by_name[n]: v for n, v in (("h", h), ("emb", emb)) if n in by_name}
+        rep_states = io.states[starts[rep]:starts[rep] + n_states[rep]]
+        for s, r in zip(io.states[starts[i]:starts[i] + n_states[i]], rep_states):
+            src = by_name.get(r.past.name)
+            if src is None:
+                raise CannotStamp(f"the trace dropped the unused input {r.past.name}")
+            pv = ir.Value(name=s.past.name, type=src.type, shape=src.shape.copy() if src.shape is not None else None)
+            graph.inputs.append(pv)
+            vmap[src] = pv
+        h, *new = clone(piece, vmap, f"layers.{i}/", owner=step)
+        for s, v in zip(io.states[starts[i]:starts[i] + n_states[i]], new):
+            if v.producer() is None or v in presents or v in graph.inputs:  # a state passed through unchanged
+                ident = ir.node("Identity", [v])
+                graph.append(ident)
+                v = ident.outputs[0]
+            v.name = s.present.name
+            presents.append(v)
+    (logits,) = clone(pieces["head"], {pieces["head"].graph.inputs[0]: h}, "head/")
+    logits.name = "logits"
+    graph.outputs.extend([logits, *presents])
+    for p in pieces.values():
+        for k, ver in p.opset_imports.items():
+            base.opset_imports.setdefault(k, ver)
+    want = io.output_names()
+    if [v.name for v in graph.outputs] != want or [v.name for v in graph.inputs] != io.input_names():
+        raise CannotStamp("composed graph I/O differs from GraphIO")
+    return base
