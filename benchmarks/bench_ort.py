@@ -6,7 +6,7 @@ to the HF format so mobius can read it; or a path to any HF Mamba-2 folder):
 
 * export: wall time and peak RSS of a fresh child process doing only the export
   (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``), bytes on disk of the output folder;
-  m2export: ``export_model(..., ssm_impl="native")``; mobius: ``mobius build OUT --config CK --ep cpu
+  m2export: ``export_model(..., ssm_impl="native")``; mobius: ``mobius build OUT --model CK --ep cpu
   --optimize`` from a throwaway venv (``--mobius-venv``, created with ``pip install mobius-onnx``
   on first use; never a project dependency);
 * ORT prefill L=128 / 512 and decode ms/token: both models' sessions in one process, measured in
@@ -251,7 +251,11 @@ def main(argv=None) -> int:
                          "export_model(sys.argv[1], sys.argv[2], ssm_impl='native')", str(ck), str(out_ours),
                          str(ROOT)])
         _log(f"[{name}] mobius build")
-        e_mob = _child([str(py_mobius), "-m", "mobius", "build", str(out_mob), "--config", str(ck), "--ep", "cpu",
+        # --model (a local folder is accepted), not --config: mobius-onnx 0.1.0's --config path resolves the config
+        # class without the model class (mobius/__main__.py _cmd_build -> _config_from_hf(hf_config)), and the
+        # registry's "mamba2" entry has none, so it falls back to ArchitectureConfig and Mamba2Backbone fails with
+        # "'ArchitectureConfig' object has no attribute 'num_heads'" for any Mamba-2 config (ours included)
+        e_mob = _child([str(py_mobius), "-m", "mobius", "build", str(out_mob), "--model", str(ck), "--ep", "cpu",
                         "--optimize"])
         g_ours = out_ours / "model.onnx"
         g_mob = next(iter(sorted(out_mob.rglob("model.onnx"))), None) or next(iter(sorted(out_mob.rglob("*.onnx"))))

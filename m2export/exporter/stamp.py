@@ -128,9 +128,9 @@ def trace_stamped(model, io: GraphIO, opset: int, trace_module):
                                  ["h_out", *(s.present.name for s in st)], opset)
 
     # ---------------------------------------------------------------- compose
-    names = {}  # id(tensor) -> the model's name for it (the first alias, as torch.export names it)
+    names = {}  # id(tensor) -> its initializer name in a whole-model trace (first alias; the wrapper's "model.")
     for n, t in _tensors(model).items():
-        names.setdefault(id(t), n)
+        names.setdefault(id(t), "model." + n)
     base = pieces["embed"]
     graph = base.graph
     inits: dict[object, ir.Value] = {}
