@@ -128,9 +128,9 @@ def trace_stamped(model, io: GraphIO, opset: int, trace_module):
                                  ["h_out", *(s.present.name for s in st)], opset)
 
     # ---------------------------------------------------------------- compose
-    names = {}  # id(tensor) -> its initializer name in a whole-model trace (first alias; the wrapper's "model.")
-    for n, t in _tensors(model).items():
-        names.setdefault(id(t), "model." + n)
+    names = {}  # id(tensor) -> its initializer name in a whole-model trace: the wrapper's "model." and, for
+    for n, t in _tensors(model).items():  # aliases (a tied lm_head), the last name, as torch.export keeps it
+        names[id(t)] = "model." + n
     base = pieces["embed"]
     graph = base.graph
     inits: dict[object, ir.Value] = {}
