@@ -26,7 +26,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from m2export.models.spec import ModelSpec
 
 GENAI_CONFIG_FILE = "genai_config.json"
 #: genai's model type used for Mamba-2 and its attention hybrids (see the module docstring)
@@ -69,7 +68,6 @@ def genai_config(manifest, graph, *, checkpoint_config: dict[str, Any] | None = 
     end-of-text id of the GPT-NeoX tokenizer Mamba-2 checkpoints use; NUL for byte vocabularies).
     Raises ValueError when the graph's state names do not pair up past -> present.
     """
-    cfg = manifest.model_config()
     ck = checkpoint_config or {}
     ins, outs = _templates(list(graph.inputs)), _templates(list(graph.outputs))
     if set(ins) != set(outs) or any(sorted(ins[k][1]) != sorted(outs[k][1]) for k in ins):
@@ -84,7 +82,7 @@ def genai_config(manifest, graph, *, checkpoint_config: dict[str, Any] | None = 
         if group:
             groups.append({"kind": group, "layer_ids": sorted(ins[kind][1])})
 
-    spec = cfg if isinstance(cfg, ModelSpec) else cfg.to_spec()
+    spec = manifest.model_spec()
     vocab = spec.vocab_size  # the embedding's (padded) row count = the logits' width
     at = next((spec.layers[i].attention_in(spec.shared_blocks) for i in spec.attention_layers), None)
     mb = spec.layers[spec.mamba_layers[0]].mamba if spec.mamba_layers else None

@@ -136,6 +136,13 @@ class Manifest:
             c["dt_limit"] = tuple(math.inf if v == "inf" else v for v in lim)
         return Mamba2Config(**c)  # every field's type and range checked there (ConfigError naming it)
 
+    def model_spec(self):
+        """The model as a layer stack (:class:`~m2export.models.spec.ModelSpec`), for Mamba-2 and hybrid exports alike."""
+        from m2export.models.spec import ModelSpec
+
+        cfg = self.model_config()
+        return cfg if isinstance(cfg, ModelSpec) else cfg.to_spec()
+
     def graph(self, role: str, ssm_impl: str | None = None) -> GraphEntry:
         """The graph of ``role``; ``ssm_impl`` None means the primary one (model.onnx)."""
         ssm_impl = canonical("flavour", ssm_impl)

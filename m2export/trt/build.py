@@ -223,10 +223,7 @@ def check_kernel_support(manifest: Manifest | None) -> None:
     from m2export.contract import SSMScanProblem
     from m2export.errors import ContractError
     from m2export.kernels._host import check_supported
-    from m2export.models.spec import ModelSpec
-
-    cfg = manifest.model_config()
-    spec = cfg if isinstance(cfg, ModelSpec) else cfg.to_spec()
+    spec = manifest.model_spec()
     seen = set()
     for i in spec.mamba_layers:
         m = spec.layers[i].mamba
