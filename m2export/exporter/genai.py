@@ -10,7 +10,9 @@ by name templates (``%d`` = layer index) from its config:
 * ``model.decoder.state_groups``: ``{"kind": "fixed_conv" | "fixed_recurrent", "layer_ids": [...]}`` naming
   the layers that have each state (state groups of kind ``"fixed"`` are rejected by 0.18);
 * ``model.type``: ``"granitemoehybrid"``, genai's Mamba-2 (+ attention) family; genai 0.18 rejects
-  ``"mamba2"`` ("Unsupported model_type"). Checked with genai 0.18.0 on CPU (``tests/exporter/test_genai.py``).
+  ``"mamba2"`` ("Unsupported model_type"). Checked with genai 0.18.0 on CPU (``tests/exporter/test_genai.py``),
+  hybrids included (``tests/exporter/test_hybrids_export.py``: Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1, Zamba2;
+  genai takes KV caches on a subset of the layers, e.g. Zamba2's hybrid layers, and Mamba states on another).
 
 Sources: onnxruntime-genai ``src/python/py/models/builders/base.py`` (``make_genai_config``,
 ``make_decoder_state_groups``) and its config parser's error messages. The config points at the
