@@ -324,6 +324,26 @@ state crosses a boundary (chunks that straddle one must not leak it), ``initial_
 each sequence's last token (its initial state, or zeros, when it is empty)."""
 
 
+PACKED_OP_NAME = "SSMScanPacked"
+"""ONNX op type (domain :data:`OP_DOMAIN`, version :data:`OP_VERSION`) and TensorRT plugin name of the packed form:
+the inputs of SSMScan with ``initial_state`` per sequence (required) and :data:`CU_SEQLENS` last, attributes
+:data:`ATTRIBUTES`. A second op type rather than an optional ninth input: an ONNX function cannot branch on
+whether an optional input is present, and the two forms differ in the meaning of the state's first dim."""
+
+PACKED_INPUTS: tuple[TensorSpec, ...] = INPUTS[:7] + (
+    TensorSpec("initial_state", ("nseq", "nheads", "headdim", "d_state"), "float32", False,
+               "ssm_state before each sequence's first token (zeros for a fresh request)"),
+    CU_SEQLENS,
+)
+PACKED_OUTPUTS: tuple[TensorSpec, ...] = (
+    OUTPUTS[0],
+    TensorSpec("final_state", ("nseq", "nheads", "headdim", "d_state"), "float32", False,
+               "ssm_state after each sequence's last token (its initial state when the sequence is empty)"),
+)
+PACKED_INPUT_NAMES = tuple(s.name for s in PACKED_INPUTS)
+PACKED_OUTPUT_NAMES = tuple(s.name for s in PACKED_OUTPUTS)
+
+
 def validate_packed(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, cu_seqlens) -> tuple:
     """Check the packed form's shapes and dtypes; returns (:class:`SSMScanProblem` of the packed batch, nseq).
 

@@ -446,6 +446,103 @@ def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None
     return fn
 
 
+def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The body of ``m2export::SSMScanPacked`` (contract: :data:`m2export.contract.PACKED_INPUTS`): a ``Loop`` over
+    the ``nseq = len(cu_seqlens) - 1`` sequences; iteration s slices tokens ``[cu_seqlens[s], cu_seqlens[s+1])`` of
+    x/dt/B/C (batch row 0), takes ``initial_state[s]`` and calls ``m2export::SSMScan`` on them with the calling
+    node's attributes (referenced), so each sequence is its own scan and no state crosses a boundary. An empty
+    sequence (equal offsets) yields no tokens and its initial state as final state (``If``: the scan body is not
+    entered with seqlen 0). ``y`` grows by Concat along seqlen in float32 (the If/Loop outputs need one element
+    type) and is cast back to the dtype of ``x``; ``final_state`` is the Loop's scan output, (nseq, h, p, n).
+    Offsets are not validated in the graph (a runtime reading past seqlen clips like ``Slice``); hosts check them
+    with :func:`m2export.contract.check_cu_seqlens`."""
+    F, I64 = TensorProto.FLOAT, TensorProto.INT64
+    x, dt, A, B, C, D, dt_bias, h0, cu = contract.PACKED_INPUT_NAMES
+    b = _Body()
+    cu64 = b.op("Cast", cu, to=I64)
+    nseq = b.op("Sub", b.op("Size", cu64), b.const(1))
+    y0 = b.op("Cast", b.op("Slice", x, b.const([0]), b.const([0]), b.const([1])), to=F)  # (1, 0, h, p)
+
+    lb = _Body(prefix="seq_")
+    it, cond_in, y_acc = "_seq_iter", "_seq_cond", "_seq_y"
+    s1 = lb.op("Unsqueeze", it, lb.const([0]))
+    start = lb.op("Gather", cu64, s1)
+    end = lb.op("Gather", cu64, lb.op("Add", s1, lb.const([1])))
+    axis = lb.const([1])
+    xs, dts, Bs, Cs = (lb.op("Slice", t, start, end, axis) for t in (x, dt, B, C))
+    h0s = lb.op("Gather", h0, s1, axis=0)  # (1, h, p, n)
+    empty = lb.op("Equal", start, end)
+
+    def call_scan(bb: _Body) -> tuple[str, str]:
+        ys, fs = f"_{bb._prefix}y", f"_{bb._prefix}final"
+        node = helper.make_node(contract.OP_NAME, [xs, dts, A, Bs, Cs, D, dt_bias, h0s], [ys, fs],
+                                domain=contract.OP_DOMAIN)
+        for a in contract.ATTRIBUTES:
+            node.attribute.append(helper.make_attribute_ref(a.name, _PROTO_ATTR_TYPES[a.type], ref_attr_name=a.name))
+        bb.nodes.append(node)
+        return bb.op("Cast", ys, to=F), fs
+
+    def no_tokens(bb: _Body) -> tuple[str, str]:
+        return bb.op("Cast", xs, to=F), bb.op("Identity", h0s)
+
+    ys, fs = _if(lb, empty, ("empty", no_tokens), ("scan", call_scan))
+    lb.nodes.append(helper.make_node("Identity", [cond_in], ["_seq_cond_out"]))
+    lb.nodes.append(helper.make_node("Concat", [y_acc, ys], ["_seq_y_out"], axis=1))
+    lb.nodes.append(helper.make_node("Squeeze", [fs, lb.const([0])], ["_seq_final_out"]))
+    body = helper.make_graph(lb.nodes, "ssm_scan_packed_seq", [
+        helper.make_tensor_value_info(it, I64, []), helper.make_tensor_value_info(cond_in, TensorProto.BOOL, []),
+        helper.make_tensor_value_info(y_acc, F, None)], [
+        helper.make_tensor_value_info("_seq_cond_out", TensorProto.BOOL, []),
+        helper.make_tensor_value_info("_seq_y_out", F, None),
+        helper.make_tensor_value_info("_seq_final_out", F, None)])
+    y, final = b.op("Loop", nseq, "", y0, outputs=2, body=body)
+    b.nodes.append(helper.make_node("CastLike", [y, x], [contract.PACKED_OUTPUT_NAMES[0]]))
+    b.nodes.append(helper.make_node("Identity", [final], [contract.PACKED_OUTPUT_NAMES[1]]))
+    return b.nodes, contract.PACKED_INPUT_NAMES, contract.PACKED_OUTPUT_NAMES
+
+
+def ssm_scan_packed_function_proto(opset: int = 18) -> onnx.FunctionProto:
+    """Model-local function ``m2export::SSMScanPacked`` (:func:`_build_packed_body`); it calls
+    ``m2export::SSMScan``, so a model holding it also holds :func:`ssm_scan_function_proto`."""
+    nodes, inputs, outputs = _build_packed_body()
+    defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
+                for a in contract.ATTRIBUTES]
+    defaults += [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
+    return helper.make_function(contract.OP_DOMAIN, contract.PACKED_OP_NAME, list(inputs), list(outputs), nodes,
+                                [helper.make_opsetid("", opset),
+                                 helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
+                                attribute_protos=defaults,
+                                doc_string="m2export::SSMScanPacked v1: SSMScan per sequence of a packed batch "
+                                           "(cu_seqlens); see m2export/contract.py")
+
+
+def _elem_type(dtype: str) -> int:
+    return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
+
+
+def ssm_scan_packed_node_model(attrs: SSMScanAttrs, dtype: str = "float32", opset: int = 18,
+                               inline: bool = False) -> onnx.ModelProto:
+    """A model of one ``m2export::SSMScanPacked`` node on graph inputs named as the contract's packed inputs.
+
+    For testing the packed body (and, with ``inline``, its plugin-free form) against the packed oracle.
+    """
+    elem = _elem_type(dtype)
+    ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else
+                                         helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)), list(s.dims))
+           for s in contract.PACKED_INPUTS]
+    outs = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
+            for s in contract.PACKED_OUTPUTS]
+    node = helper.make_node(contract.PACKED_OP_NAME, list(contract.PACKED_INPUT_NAMES),
+                            list(contract.PACKED_OUTPUT_NAMES), name="ssm_scan_packed", domain=contract.OP_DOMAIN,
+                            **attrs.onnx_attributes(), **PLUGIN_ATTRIBUTES)
+    model = helper.make_model(helper.make_graph([node], "ssm_scan_packed", ins, outs),
+                              opset_imports=[helper.make_opsetid("", opset),
+                                             helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
+                              functions=[ssm_scan_function_proto(opset), ssm_scan_packed_function_proto(opset)])
+    model.ir_version = 10
+    return inline_ssm_scan(model) if inline else model
+
+
 def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "float32", opset: int = 18,
                         inline: bool = False, native_nheads: int | None = None) -> onnx.ModelProto:
     """A model of independent SSMScan nodes (one per entry of ``attrs_per_node``) sharing the graph inputs.

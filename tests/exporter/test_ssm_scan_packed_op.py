@@ -1,0 +1,83 @@
+"""``m2export::SSMScanPacked`` (packed variable-length prefill, issue 14) in ONNX Runtime vs the float64 oracle.
+
+The model-local function (a Loop over sequences calling ``m2export::SSMScan``) and its inlined, plugin-free
+form, on packs with a boundary inside a chunk, one on a chunk edge, an empty sequence, one-token sequences,
+per-sequence initial states, non-default attributes (chunk size, no softplus, a dt clamp: they reach the inner
+call by reference), and fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from m2export import contract
+from m2export.contract import SSMScanAttrs
+from m2export.exporter.ssm_scan_op import ssm_scan_packed_node_model
+from m2export.kernels.ssd.packed import ssm_scan_packed_recurrent
+from tests.helpers import assert_close, stable_seed
+from tests.kernels.test_ssd_packed import PACKS, _packed_inputs
+
+ort = pytest.importorskip("onnxruntime")
+
+REL = {"float32": 2e-5, "float16": 5e-3}
+
+
+def _session(model: onnx.ModelProto):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _feeds(inp: dict, cu: torch.Tensor) -> dict:
+    return {n: (cu if n == "cu_seqlens" else inp[n]).numpy() for n in contract.PACKED_INPUT_NAMES}
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+@pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
+def test_packed_body_matches_the_oracle(pack, inline):
+    name, lengths = pack
+    model = ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64), inline=inline)
+    onnx.checker.check_model(model, full_check=True)
+    if inline:
+        assert not any(n.domain == contract.OP_DOMAIN for n in model.graph.node)
+    p, inp, cu = _packed_inputs(lengths, "float32", seed=stable_seed(name, "onnx"))
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = _session(model).run(list(contract.PACKED_OUTPUT_NAMES), _feeds(inp, cu))
+    assert y.shape == tuple(ref.y.shape) and fs.shape == (len(lengths), p.nheads, p.headdim, p.d_state)
+    assert_close(f"{name} y", ref.y, torch.from_numpy(y), rel=REL["float32"])
+    assert_close(f"{name} final_state", ref.final_state, torch.from_numpy(fs), rel=REL["float32"])
+    for s, n in enumerate(lengths):  # an empty sequence hands its initial state through unchanged
+        if n == 0:
+            assert np.array_equal(fs[s], inp["initial_state"][s].numpy())
+
+
+def test_attributes_reach_the_inner_scan():
+    """chunk_size 16 (boundaries inside chunks), dt_softplus 0 and a dt clamp: the oracle with the same settings;
+    the same inputs without the clamp differ (so the attributes were not dropped)."""
+    attrs = SSMScanAttrs(chunk_size=16, dt_softplus=False, dt_min=0.05, dt_max=0.3)
+    p, inp, cu = _packed_inputs([20, 1, 37], "float32", seed=11)
+    inp["dt"] = inp["dt"].abs() + 0.01
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu, dt_softplus=False, dt_limit=(0.05, 0.3))
+    other = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu, dt_softplus=False)
+    y, fs = _session(ssm_scan_packed_node_model(attrs)).run(None, _feeds(inp, cu))
+    assert_close("y", ref.y, torch.from_numpy(y), rel=2e-5)
+    assert_close("final_state", ref.final_state, torch.from_numpy(fs), rel=2e-5)
+    assert (ref.y - other.y).norm() / ref.y.norm() > 1e-2
+
+
+def test_packed_fp16_graph():
+    p, inp, cu = _packed_inputs([63, 65, 3], "float16", seed=12)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64), dtype="float16")).run(
+        None, _feeds(inp, cu))
+    assert y.dtype == np.float16 and fs.dtype == np.float32
+    assert_close("fp16 y", ref.y, torch.from_numpy(y.astype(np.float32)), rel=REL["float16"])
+    assert_close("fp16 final_state", ref.final_state, torch.from_numpy(fs), rel=REL["float16"])
+
+
+def test_packed_contract_is_the_unpacked_one_plus_offsets():
+    assert contract.PACKED_INPUT_NAMES == contract.INPUT_NAMES + ("cu_seqlens",)
+    assert contract.PACKED_INPUTS[7].dims[0] == "nseq" and not contract.PACKED_INPUTS[7].optional
+    assert contract.PACKED_OUTPUTS[1].dims[0] == "nseq"
+    assert contract.packed_output_shapes((1, 300, 8, 64), (1, 300, 2, 128), (4,))[1] == (3, 8, 64, 128)
