@@ -225,7 +225,7 @@ def dtype_name(dtype: Any) -> str:
             s = s[len(prefix):]
     s = s.rstrip("'>")
     return {"float": "float32", "half": "float16", "FLOAT": "float32", "HALF": "float16",
-            "BF16": "bfloat16"}.get(s, s)
+            "BF16": "bfloat16", "INT32": "int32"}.get(s, s)
 
 
 def _fmt_expected(spec: TensorSpec, sizes: dict[str, int | None]) -> str:
@@ -305,11 +305,13 @@ def output_dtypes(x_dtype: Any) -> tuple[Any, str]:
     return x_dtype, "float32"
 
 
-def input_dtype_combinations() -> list[dict[str, str]]:
-    """Every supported assignment of dtypes to inputs and outputs (one per x dtype)."""
+def input_dtype_combinations(packed: bool = False) -> list[dict[str, str]]:
+    """Every supported assignment of dtypes to inputs and outputs (one per x dtype); ``packed``: of
+    :data:`PACKED_OP_NAME` (``cu_seqlens`` int32)."""
+    specs = PACKED_INPUTS + PACKED_OUTPUTS if packed else INPUTS + OUTPUTS
     combos = []
     for xd in FLOAT_DTYPES:
-        combos.append({s.name: (xd if s.dtype == "x" else s.dtype) for s in INPUTS + OUTPUTS})
+        combos.append({s.name: (xd if s.dtype == "x" else s.dtype) for s in specs})
     return combos
 
 

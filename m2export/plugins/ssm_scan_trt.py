@@ -31,8 +31,10 @@ from m2export.errors import BackendUnavailable, InternalError
 log = logging.getLogger(__name__)
 
 PLUGIN_ID = f"{contract.PLUGIN_NAMESPACE}::{contract.OP_NAME}"
+#: the packed (cu_seqlens) form, JIT only: one launch group per sequence (m2export.kernels.ssd ``cu_seqlens``)
+PACKED_PLUGIN_ID = f"{contract.PLUGIN_NAMESPACE}::{contract.PACKED_OP_NAME}"
 #: contract dtype name -> TensorRT's autotune spelling
-TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32"}
 #: contract attribute type -> the Python type the plugin's attribute is annotated with
 ATTRIBUTE_TYPES = {"int": int, "float": float}
 
@@ -54,13 +56,20 @@ def output_dtypes(x_dtype: Any, float32: Any) -> Tuple[Any, Any]:
     return y_dtype, float32
 
 
-def autotune_io_types() -> List[str]:
+def autotune_io_types(packed: bool = False) -> List[str]:
     """One ``AutoTuneCombination`` type string per supported dtype combination, I/O in contract order.
 
-    e.g. ``"BF16, BF16, FP32, BF16, BF16, FP32, FP32, FP32, BF16, FP32"`` (8 inputs, then y, final_state).
+    e.g. ``"BF16, BF16, FP32, BF16, BF16, FP32, FP32, FP32, BF16, FP32"`` (8 inputs, then y, final_state);
+    ``packed``: the packed form's 9 inputs (``cu_seqlens`` INT32 last).
     """
-    names = contract.INPUT_NAMES + contract.OUTPUT_NAMES
-    return [", ".join(TRT_TYPE_NAMES[combo[n]] for n in names) for combo in contract.input_dtype_combinations()]
+    names = _names(packed)[0] + _names(packed)[1]
+    return [", ".join(TRT_TYPE_NAMES[combo[n]] for n in names)
+            for combo in contract.input_dtype_combinations(packed)]
+
+
+def _names(packed: bool) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    return ((contract.PACKED_INPUT_NAMES, contract.PACKED_OUTPUT_NAMES) if packed
+            else (contract.INPUT_NAMES, contract.OUTPUT_NAMES))
 
 
 def attrs_from_plugin(chunk_size: int, dt_softplus: int, dt_min: float, dt_max: float) -> SSMScanAttrs:
@@ -69,17 +78,17 @@ def attrs_from_plugin(chunk_size: int, dt_softplus: int, dt_min: float, dt_max: 
                         dt_min=float(dt_min), dt_max=float(dt_max))
 
 
-def check_plugin_signature(params: Sequence[str], *, extra: Sequence[str]) -> None:
+def check_plugin_signature(params: Sequence[str], *, extra: Sequence[str], packed: bool = False) -> None:
     """The decorated functions' parameters must be the contract's inputs, attributes, then ``extra``."""
-    want = list(contract.INPUT_NAMES) + list(contract.ATTRIBUTE_NAMES) + list(extra)
+    want = list(_names(packed)[0]) + list(contract.ATTRIBUTE_NAMES) + list(extra)
     if list(params) != want:
         raise InternalError(f"SSMScan plugin signature {list(params)} drifted from the contract: expected {want}")
 
 
 # ----------------------------------------------------------------------------- JIT impl
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 #: __cuda_array_interface__ type strings; bf16 travels as its 16-bit pattern and is viewed back
-_TYPESTR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<i2"}
+_TYPESTR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<i2", "int32": "<i4"}
 
 
 def cuda_array_interface(t: Any) -> dict:
@@ -144,26 +153,31 @@ def cached_torch_view(t: Any):
 
 
 def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, stream: int, *,
-            backend: str = "cutile", as_tensor: Callable[[Any], Any] = cached_torch_view) -> None:
+            backend: str = "cutile", as_tensor: Callable[[Any], Any] = cached_torch_view,
+            packed: bool = False) -> None:
     """The ``@impl`` body: SSMScan of TensorRT's ``inputs`` into its ``outputs`` on ``stream``.
 
-    ``inputs`` in contract order (x, dt, A, B, C, D, dt_bias, initial_state), ``outputs`` (y, final_state):
-    objects with ``data_ptr``/``shape``/``strides``/``dtype`` (TensorRT's ``trtp.Tensor``), turned into
-    torch views by ``as_tensor``. The kernel writes the outputs in place, launched on the raw
-    ``cudaStream_t`` TensorRT passes.
+    ``inputs`` in contract order (x, dt, A, B, C, D, dt_bias, initial_state; ``packed``: then cu_seqlens,
+    :data:`m2export.contract.PACKED_INPUTS`), ``outputs`` (y, final_state): objects with
+    ``data_ptr``/``shape``/``strides``/``dtype`` (TensorRT's ``trtp.Tensor``), turned into torch views by
+    ``as_tensor``. The kernel writes the outputs in place, launched on the raw ``cudaStream_t`` TensorRT
+    passes. The packed form reads ``cu_seqlens`` on the host (one device-to-host copy per call).
     """
     from m2export.kernels.ssd import ssm_scan
 
-    if len(inputs) != len(contract.INPUT_NAMES) or len(outputs) != len(contract.OUTPUT_NAMES):
-        raise InternalError(f"SSMScan plugin: got {len(inputs)} inputs and {len(outputs)} outputs, expected "
-                            f"{len(contract.INPUT_NAMES)} and {len(contract.OUTPUT_NAMES)}")
-    x, dt, A, B, C, D, dt_bias, initial_state = (as_tensor(t) for t in inputs)
+    in_names, out_names = _names(packed)
+    if len(inputs) != len(in_names) or len(outputs) != len(out_names):
+        raise InternalError(f"{contract.PACKED_OP_NAME if packed else contract.OP_NAME} plugin: got {len(inputs)} "
+                            f"inputs and {len(outputs)} outputs, expected {len(in_names)} and {len(out_names)}")
+    views = [as_tensor(t) for t in inputs]
+    packing = {"cu_seqlens": views.pop()} if packed else {}
+    x, dt, A, B, C, D, dt_bias, initial_state = views
     y, final_state = (as_tensor(t) for t in outputs)
     # ssm_scan resolves the raw handle (0 = the legacy default stream) and makes it torch's current
     # stream for the call, so scratch from torch's caching allocator is ordered on TensorRT's stream
     ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=attrs.chunk_size,
              dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend,
-             out=y, final_state_out=final_state, stream=int(stream))
+             out=y, final_state_out=final_state, stream=int(stream), **packing)
 
 
 # ----------------------------------------------------------------------------- AOT impl
@@ -341,6 +355,35 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
             return launch["name"], launch["ptx"], params, extra
 
         check_plugin_signature(_param_names(ssm_scan_aot_impl), extra=("outputs", "tactic"))
+
+    @trtp.register(PACKED_PLUGIN_ID)
+    def ssm_scan_packed_desc(x: trtp.TensorDesc, dt: trtp.TensorDesc, A: trtp.TensorDesc, B: trtp.TensorDesc,
+                             C: trtp.TensorDesc, D: trtp.TensorDesc, dt_bias: trtp.TensorDesc,
+                             initial_state: trtp.TensorDesc, cu_seqlens: trtp.TensorDesc, chunk_size: int,
+                             dt_softplus: int, dt_min: float,
+                             dt_max: float) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+        y_shape, fs_shape = contract.packed_output_shapes(x.shape_expr, B.shape_expr, cu_seqlens.shape_expr)
+        y_dtype, fs_dtype = output_dtypes(x.dtype, trt.float32)
+        return trtp.from_shape_expr(y_shape, dtype=y_dtype), trtp.from_shape_expr(fs_shape, dtype=fs_dtype)
+
+    @trtp.autotune(PACKED_PLUGIN_ID)
+    def ssm_scan_packed_autotune(x: trtp.TensorDesc, dt: trtp.TensorDesc, A: trtp.TensorDesc,
+                                 B: trtp.TensorDesc, C: trtp.TensorDesc, D: trtp.TensorDesc,
+                                 dt_bias: trtp.TensorDesc, initial_state: trtp.TensorDesc,
+                                 cu_seqlens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc]
+                                 ) -> List[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(types, "LINEAR") for types in autotune_io_types(packed=True)]
+
+    @trtp.impl(PACKED_PLUGIN_ID)
+    def ssm_scan_packed_impl(x: trtp.Tensor, dt: trtp.Tensor, A: trtp.Tensor, B: trtp.Tensor, C: trtp.Tensor,
+                             D: trtp.Tensor, dt_bias: trtp.Tensor, initial_state: trtp.Tensor,
+                             cu_seqlens: trtp.Tensor, chunk_size: int, dt_softplus: int, dt_min: float,
+                             dt_max: float, outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int) -> None:
+        _recorded("JIT impl (packed)", run_jit, (x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens), outputs,
+                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream, packed=True)
+
+    for fn, extra in ((ssm_scan_packed_desc, ()), (ssm_scan_packed_impl, ("outputs", "stream"))):
+        check_plugin_signature(_param_names(fn), extra=extra, packed=True)
 
     _REGISTERED.update(jit=True, aot=has_aot)
     log.debug("registered TensorRT plugin %s (JIT%s)", PLUGIN_ID, " + AOT" if has_aot else "")

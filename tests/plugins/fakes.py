@@ -74,7 +74,7 @@ class FakeTensor:
         self.shape = tuple(t.shape)
         self.strides = tuple(t.stride())
         self.dtype = dtype_name or {torch.float32: "DataType.FLOAT", torch.float16: "DataType.HALF",
-                                    torch.bfloat16: "DataType.BF16"}[t.dtype]
+                                    torch.bfloat16: "DataType.BF16", torch.int32: "DataType.INT32"}[t.dtype]
 
 
 def fake_tensorrt(version: str = "10.13.0", *, aot: bool = True):

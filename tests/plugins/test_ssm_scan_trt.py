@@ -299,3 +299,69 @@ def test_plugin_errors_are_recorded_for_the_build(fresh_registry, monkeypatch):
         d["aot_impl"](*ins, chunk_size=256, dt_softplus=1, dt_min=0.0, dt_max=math.inf, outputs=outs, tactic=0)
     errs = plug.take_plugin_errors()
     assert len(errs) == 1 and "got 48" in str(errs[0]) and plug.take_plugin_errors() == []
+
+
+# ----------------------------------------------------------------------------- packed form (cu_seqlens)
+def test_packed_plugin_rules_and_registration(fresh_registry, monkeypatch):
+    """m2export::SSMScanPacked: final_state's first dim is len(cu_seqlens) - 1, cu_seqlens is INT32 in every
+    autotune combination, and the JIT impl hands the nine inputs to run_jit in the packed contract's order."""
+    trt, trtp = fake_tensorrt()
+    plug.register(trt=trt, trtp=trtp)
+    d = trtp.defs[plug.PACKED_PLUGIN_ID]
+    assert set(d) == {"desc", "autotune", "impl"}  # JIT only: one launch group per sequence
+    h, hp, g, n = 8, 64, 2, 128
+    ins = [trtp.TensorDesc(tuple(Expr(v) for v in dims), dt) for dims, dt in (
+        ((1, "T", h, hp), "DataType.BF16"), ((1, "T", h), "DataType.BF16"), ((h,), "DataType.FLOAT"),
+        ((1, "T", g, n), "DataType.BF16"), ((1, "T", g, n), "DataType.BF16"), ((h,), "DataType.FLOAT"),
+        ((h,), "DataType.FLOAT"), (("S", h, hp, n), "DataType.FLOAT"), (("S1",), "DataType.INT32"))]
+    attrs = dict(chunk_size=64, dt_softplus=1, dt_min=0.0, dt_max=math.inf)
+    y, fs = d["desc"](*ins, **attrs)
+    assert y.shape_expr == ins[0].shape_expr and y.dtype == "DataType.BF16"
+    assert fs.shape_expr == (Expr("S1") - 1, Expr(h), Expr(hp), Expr(n)) and fs.dtype == trt.float32
+    types = plug.autotune_io_types(packed=True)
+    assert types == [c.io_types for c in d["autotune"](*ins, outputs=(y, fs))]
+    assert all(t.split(", ")[8] == "INT32" and len(t.split(", ")) == 11 for t in types)
+    seen = {}
+    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s, packed: seen.update(inputs=i, attrs=a, packed=packed))
+    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=7)
+    assert seen == dict(inputs=tuple(ins), attrs=SSMScanAttrs(chunk_size=64), packed=True)
+
+
+def test_run_jit_packed_plumbing_on_cpu():
+    """The packed JIT body (torch backend, CPU views) equals the packed float64 oracle; 8 inputs are refused."""
+    from m2export.kernels.ssd.packed import ssm_scan_packed_recurrent
+    from tests.kernels.test_ssd_packed import _packed_inputs
+
+    p, inp, cu = _packed_inputs([40, 0, 25], "float32", seed=21)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = torch.full(tuple(ref.y.shape), math.nan), torch.full((3, p.nheads, p.headdim, p.d_state), math.nan)
+    feeds = [FakeTensor(cu if n == "cu_seqlens" else inp[n]) for n in contract.PACKED_INPUT_NAMES]
+    plug.run_jit(feeds, [FakeTensor(y), FakeTensor(fs)], SSMScanAttrs(chunk_size=16), 0, backend="torch",
+                 as_tensor=lambda t: t.tensor, packed=True)
+    assert_close("y", ref.y, y, rel=2e-5)
+    assert_close("final_state", ref.final_state, fs, rel=2e-5)
+    with pytest.raises(InternalError, match="SSMScanPacked plugin: got 8 inputs"):
+        plug.run_jit(feeds[:8], [y, fs], SSMScanAttrs(), 0, as_tensor=lambda t: t, packed=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", contract.FLOAT_DTYPES)
+def test_jit_impl_packed_vs_oracle(dtype):
+    """The packed JIT body on the GPU (cuTile, NaN-poisoned outputs, a side stream) vs the packed oracle."""
+    from m2export.kernels.ssd.packed import ssm_scan_packed_recurrent
+    from tests.kernels.test_ssd_packed import _packed_inputs
+
+    p, inp, cu = _packed_inputs([1, 63, 64, 65, 0, 300], dtype, seed=22)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    dev = {k: v.cuda() for k, v in inp.items()}
+    y = torch.full(tuple(ref.y.shape), math.nan, dtype=TORCH_DTYPES[dtype], device="cuda")
+    fs = torch.full((6, p.nheads, p.headdim, p.d_state), math.nan, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    feeds = [FakeTensor(cu.cuda() if n == "cu_seqlens" else dev[n]) for n in contract.PACKED_INPUT_NAMES]
+    plug.run_jit(feeds, [FakeTensor(y), FakeTensor(fs)], SSMScanAttrs(chunk_size=64), stream.cuda_stream,
+                 packed=True)
+    stream.synchronize()
+    assert_close("y", ref.y, y.float().cpu(), rel=Y_REL[dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[dtype])
