@@ -1,6 +1,6 @@
 """Benchmark of the SSMScan forward (prefill): cuTile vs mamba_ssm's Triton kernel vs TileGym's cuTile kernel.
 
-Shapes (B, L, H, P, G, N; bf16 unless named; D and dt_bias present, softplus, no initial state):
+Shapes (B, L, H, P, G, N; bf16 unless named; D and dt_bias present, softplus, no initial state unless --initial-state):
     a) 8, 2048, 24, 64, 1, 128            issue 6's four shapes
     b) 4, 8192, 80, 64, 1, 128
     c) 2, 8192, 128, 64, 8, 128
@@ -182,9 +182,9 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy]]]]]]
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail]]]]]]]
     (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
-    state_t/split_upd/dt_pre 0 or 1, empty: choose_config's default)."""
+    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default)."""
     from m2export.kernels.ssd.plan import choose_config
 
     out = []
@@ -193,13 +193,14 @@ def cutile_variants(spec: str):
             out.append(("cutile", None))
             continue
         fields = item.split(":")
-        if len(fields) > 9:
-            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 9 "
-                             "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy)")
-        q, bp, ns, occ, st, su, pre, ww, so = (fields + [""] * 9)[:9]
+        if len(fields) > 10:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 10 "
+                             "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy:"
+                             "merge_tail)")
+        q, bp, ns, occ, st, su, pre, ww, so, mt = (fields + [""] * 10)[:10]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
-                                        int(ww) if ww else None, int(so) if so else None)))
+                                        int(ww) if ww else None, int(so) if so else None, flag(mt))))
     return out, choose_config
 
 
@@ -215,7 +216,8 @@ def warm_up_parallel(args) -> None:
         sh, v, first = job  # TileGym's kernels compile once per shape (the first variant's job)
         tg = ["--anchors", args.anchors] + (["--tilegym-autotune"] if args.tilegym_autotune else []) \
             if first and not args.no_tilegym else ["--no-tilegym"]
-        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference", *tg,
+        init = ["--initial-state"] if args.initial_state else []
+        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference", *tg, *init,
                             "--results", "", "--shapes", sh, "--variants", v], capture_output=True, text=True)
         return f"  warm-up {sh} {v}: rc {r.returncode} {r.stdout.strip().splitlines()[-1:] if r.returncode else ''}" \
             + (r.stderr[-400:] if r.returncode else "")
@@ -235,6 +237,8 @@ def main(argv=None):
     ap.add_argument("--tilegym-autotune", action="store_true", help="let TileGym search its configs (slow)")
     ap.add_argument("--anchors", default=str(ANCHORS), help="folder holding mamba_ssm_triton/ and tilegym/")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--initial-state", action="store_true",
+                    help="give every implementation a random fp32 initial state (ONNX graphs always have one)")
     ap.add_argument("--eager-only", action="store_true", help="skip CUDA-graph timing (config sweeps)")
     ap.add_argument("--rep", type=int, default=300, help="do_bench repetition time, ms")
     ap.add_argument("--warmup-only", action="store_true", help="compile every variant once and exit")
@@ -260,7 +264,8 @@ def main(argv=None):
     dev = torch.cuda.get_device_name()
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev} ({sm} SMs), torch {torch.__version__}, "
-            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16 unless named, no initial state; "
+            f"triton {triton.__version__}, cuda.tile {ct.__version__}; bf16 unless named, "
+            f"{'random fp32 initial state' if args.initial_state else 'no initial state'}; "
             f"ms = median (do_bench); TileGym autotune {'on' if args.tilegym_autotune else 'off'}")
     print(head, flush=True)
     rows = []
@@ -269,15 +274,18 @@ def main(argv=None):
         b, l, h, p, g, n = dims
         dtype = SHAPE_DTYPE.get(name, torch.bfloat16)
         inp = make_inputs(dims, seed=zlib.crc32(name.encode()) % 1000, dtype=dtype)
-        prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"])
+        h0 = (torch.randn(b, h, p, n, device="cuda") * 0.1 if args.initial_state else
+              torch.zeros(b, h, p, n, dtype=torch.float32, device="cuda"))
+        init = h0 if args.initial_state else None
+        prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], init)
         impls = []
         for label, v in variants:
             if v is None:
                 cfg = choose_config(prob, sm_count=sm)
             else:
-                q, bp, ns, occ, st, su, pre, ww, so = v
+                q, bp, ns, occ, st, su, pre, ww, so, mt = v
                 kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-                          worker_warps=ww, seg_occupancy=so)
+                          worker_warps=ww, seg_occupancy=so, merge_tail=mt)
                 if ns == "":  # the cost model's segment count for this chunk and tile
                     cfg = choose_config(prob, **kw)
                 elif ns.startswith("a"):  # about this many blocks per SM
@@ -290,7 +298,7 @@ def main(argv=None):
 
             def run_ct(cfg=cfg, y=y, fs=fs):
                 return ssm_scan_cutile(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
-                                       None, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                                       init, problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
                                        final_state_out=fs, config=cfg)
             impls.append((f"{label} s{cfg.nseg}", run_ct))
         if mamba is not None:
@@ -298,12 +306,11 @@ def main(argv=None):
 
             def run_mamba(mq=mq):
                 return mamba(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=mq, D=inp["D"],
-                             dt_bias=inp["dt_bias"], dt_softplus=True, return_final_states=True)
+                             dt_bias=inp["dt_bias"], initial_states=init, dt_softplus=True, return_final_states=True)
             impls.append((f"mamba_ssm triton (chunk {mq})", run_mamba))
         if tilegym is not None and l % 64 == 0 and p % 64 == 0:
             # dt softplus'd once here, outside the timing (TileGym takes the step size itself)
             dt_sp = torch.nn.functional.softplus(inp["dt"].float() + inp["dt_bias"]).to(dtype)
-            h0 = torch.zeros(b, h, p, n, dtype=torch.float32, device="cuda")
 
             def run_tilegym(dt_sp=dt_sp, h0=h0):
                 return tilegym(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt_sp, h0, chunk_size=64)
@@ -313,7 +320,7 @@ def main(argv=None):
         if not args.no_reference:
             def run_ref():
                 return ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
-                                        chunk_size=256)
+                                        init, chunk_size=256)
             impls.append(("torch reference (chunk 256)", run_ref))
         ref_out = None
         for label, fn in impls:
@@ -326,7 +333,7 @@ def main(argv=None):
                 yv, fsv = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
                 if ref_out is None:
                     ref_out = ssm_scan_chunked(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
-                                               inp["dt_bias"], chunk_size=256) if not label.startswith("torch") else out
+                                               inp["dt_bias"], init, chunk_size=256) if not label.startswith("torch") else out
                     torch.cuda.synchronize()
                 err_y = rel_err(ref_out[0], yv)
                 err_s = rel_err(ref_out[1], fsv) if fsv is not None else float("nan")

@@ -93,19 +93,22 @@ def test_prefill_kernels_compile(dt, chunk, block_p, d_state):
         assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
-def test_prefill_kernels_compile_split_headdim():
-    """Head dim 80 (Nemotron-Nano): a split plan's pass-1 and pass-2 kernels per headdim piece (64 rows from tile
-    0, 16 rows from tile 4: P_TILE0), and the AOT kernel's masked 2 x 64-row grid."""
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "pieces"])
+def test_prefill_kernels_compile_split_headdim(merge):
+    """Head dim 80 (Nemotron-Nano): a split plan's pass-1 and pass-2 kernels, either one pair whose blocks own the
+    64-row tile and the 16-row tail (merge_tail: TAIL_TILE 4, in units of 16 rows) or one pair per headdim piece
+    (64 rows from tile 0, 16 rows from tile 4: P_TILE0); and the AOT kernel's masked 2 x 64-row grid."""
     from m2export.contract import SSMScanAttrs, SSMScanProblem
     from m2export.kernels.launch import Launch
     from m2export.kernels.ssd.cutile import aot_spec, make_scan_plan
     from m2export.kernels.ssd.plan import choose_config
 
     p = SSMScanProblem(2, 700, 8, 80, 2, 128, dtype="bfloat16")
-    plan = make_scan_plan(p, choose_config(p, nseg=3), dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
-                          has_dt_bias=True, has_init=True)
+    plan = make_scan_plan(p, choose_config(p, nseg=3, merge_tail=merge), dt_softplus=True,
+                          dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=True)
     consts = [{a.name: a.value for a in l.args if a.kind == "constant"} for l in plan.launches[1:]]
-    assert [(c["BLOCK_P"], c["P_TILE0"]) for c in consts] == [(64, 0), (64, 0), (16, 4), (16, 4)]
+    got = [(c["BLOCK_P"], c["P_TILE0"], c["HAS_TAIL"], c["TAIL_P"], c["TAIL_TILE"]) for c in consts]
+    assert got == ([(64, 0, True, 16, 4)] * 2 if merge else [(64, 0, False, 64, 0)] * 2 + [(16, 4, False, 16, 0)] * 2)
     spec = aot_spec(p, SSMScanAttrs())
     assert spec.grid(2, 8, 80) == (16, 1, 2)
     for launch in (*plan.launches, Launch(spec.kernel, spec.args, spec.grid(2, 8, 80), spec.config)):

@@ -190,6 +190,71 @@ def test_new_dims_dtypes_split_large_decay(dtype):
                    dt_override=lambda d: torch.full_like(d, 5.0))
 
 
+#: (headdim, d_state, chunk, seqlen, dtype, nseg): the merged tail (launch_pieces: 80 = 64 + 16, 96 = 64 + 32,
+#: 48 = 32 + 16 in one launch) in one pass and split, every dtype, partial chunks
+MERGED_TAIL_CASES = [(80, 128, 64, 3 * 64 + 1, "bfloat16", 1), (80, 128, 64, 5 * 64 + 9, "bfloat16", 3),
+                     (80, 128, 64, 37, "float16", 1), (96, 128, 128, 3 * 128 + 1, "float16", 2),
+                     (48, 64, 32, 5 * 32 + 1, "float32", 3), (80, 128, 32, 2 * 32 + 5, "float32", 2)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "pieces"])
+@pytest.mark.parametrize("headdim,d_state,chunk,seqlen,dtype,nseg", MERGED_TAIL_CASES,
+                         ids=[f"P{a}_N{b}_Q{c}_L{d}_{e}_s{f}" for a, b, c, d, e, f in MERGED_TAIL_CASES])
+def test_merged_tail(headdim, d_state, chunk, seqlen, dtype, nseg, merge):
+    """A block owning a full tile and the narrower tail (merge_tail) vs one launch per piece: both vs the float64
+    oracle with an initial state, ngroups 2, NaN-poisoned outputs (every y row and state row written once)."""
+    from m2export.kernels.ssd.plan import choose_config, launch_pieces
+
+    p = SSMScanProblem(2, seqlen, 8, headdim, 2, d_state, dtype=dtype)
+    cfg = choose_config(p, chunk=chunk, nseg=nseg, merge_tail=merge)
+    assert cfg.nseg == nseg and len(launch_pieces(headdim, cfg.block_p, merge)) == (1 if merge else 2)
+    _run_and_check(p, seed=stable_seed("merged", headdim, seqlen, dtype, nseg, merge), config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
+def test_merged_tail_without_initial_state():
+    """The merged tail's other sm_90 build (no initial state: warp-specialised, the one bench_ssd.py times)."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 5 * 64 + 9, 8, 80, 2, 128, dtype="bfloat16")
+    cfg = choose_config(p, nseg=2)
+    assert cfg.merge_tail and cfg.nseg == 2
+    _run_and_check(p, seed=stable_seed("merged-noinit"), config=cfg, init_state=False)
+
+
+#: d_state 256 (Falcon-H1-7B: headdim 128): the plans the benchmark sweeps (chunk, block_p, nseg)
+D_STATE_256_PLANS = [(32, 32, 2), (32, 16, 1), (64, 16, 2)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("chunk,block_p,nseg", D_STATE_256_PLANS,
+                         ids=[f"Q{a}_P{b}_s{c}" for a, b, c in D_STATE_256_PLANS])
+def test_d_state_256_plans(chunk, block_p, nseg):
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 5 * 64 + 3, 8, 128, 2, 256, dtype="bfloat16")
+    cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=nseg)
+    assert (cfg.chunk, cfg.block_p, cfg.nseg) == (chunk, block_p, nseg)
+    _run_and_check(p, seed=stable_seed("n256", chunk, block_p, nseg), config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_d_state_256_default_plan(dtype):
+    """ssm_scan's own plan for d_state 256 (choose_config: bf16 chunk 64 with 16-row tiles, 6 for headdim 96;
+    fp16 chunk 32 with 32-row tiles)."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 2 * 64 + 5, 8, 96, 2, 256, dtype=dtype)
+    assert (choose_config(p).chunk, choose_config(p).block_p) == ((64, 16) if dtype == "bfloat16" else (32, 32))
+    _run_and_check(p, seed=stable_seed("n256-default", dtype))
+
+
 @pytest.mark.gpu
 @gpu
 def test_chunk_size_attribute_128():

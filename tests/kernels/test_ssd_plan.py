@@ -53,15 +53,24 @@ def test_fp32_and_d_state_256_use_chunk_32():
     assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 128, dtype="float32")).chunk == 32
     assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
     assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 128, dtype="float16")).chunk == 64
-    # d_state 256 at chunk 64 needs 255 registers and 161 KB of shared memory (one block per SM): chunk 32
-    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16")).chunk == 32
+    # d_state 256 at chunk 64 with 32-row tiles needs 255 registers and 161 KB of shared memory (one block per SM):
+    # the AOT kernel runs chunk 32; bf16 JIT plans chunk 64 with 16-row tiles (128 registers, measured faster)
     assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16")).chunk == 32
+    cfg = choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16"))
+    assert (cfg.chunk, cfg.block_p) == (64, 16)
+    cfg = choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16"))
+    assert (cfg.chunk, cfg.block_p) == (32, 32)
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16"), chunk=32).block_p == 32
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
 
 
 @pytest.mark.parametrize("headdim,d_state,block_p", [(64, 128, 64), (128, 256, 32), (32, 32, 32), (256, 64, 128),
                                                      (80, 128, 64), (96, 256, 32), (48, 64, 32), (16, 128, 16)])
 def test_block_p_bounds_the_state_tile(headdim, d_state, block_p):
+    cfg = aot_config(SSMScanProblem(1, 100, 4, headdim, 1, d_state, dtype="bfloat16"))
+    assert cfg.block_p == block_p and cfg.block_p <= headdim and cfg.block_p * d_state <= max(8192, 16 * d_state)
     cfg = choose_config(SSMScanProblem(1, 100, 4, headdim, 1, d_state, dtype="bfloat16"))
+    block_p = 16 if d_state == 256 else block_p  # the bf16 JIT plan's measured d_state-256 tiles
     assert cfg.block_p == block_p and cfg.block_p <= headdim and cfg.block_p * d_state <= max(8192, 16 * d_state)
 
 
@@ -84,19 +93,48 @@ def test_headdim_pieces_refuse_what_they_cannot_cover(headdim, block_p):
         plan.headdim_pieces(headdim, block_p)
 
 
-def test_split_headdim_counts_every_tile_in_the_plan_model():
-    # 80 = 64 + 16: two blocks per (batch, head), like headdim 128; the segment count follows
+def test_merged_tail_plans_like_one_tile_per_head():
+    # 80 = 64 + 16 with merge_tail: one launch of one block per (batch, head) owning both pieces, so the segment
+    # count is headdim 64's (Nemotron-Nano-9B-v2's shape: 128 blocks, 2 segments)
     p80 = SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="bfloat16")
-    p128 = SSMScanProblem(1, 8192, 128, 128, 8, 128, dtype="bfloat16")
-    assert choose_config(p80).nseg == choose_config(p128).nseg
+    p64 = SSMScanProblem(1, 8192, 128, 64, 8, 128, dtype="bfloat16")
+    cfg = choose_config(p80)
+    assert cfg.merge_tail and plan.launch_pieces(80, cfg.block_p, True) == ((plan.HeaddimPiece(64, 0, 1),
+                                                                             plan.HeaddimPiece(16, 4, 1)),)
+    assert cfg.nseg == choose_config(p64).nseg == 2
+
+
+def test_unmerged_pieces_are_modelled_as_separate_launches():
+    # without merging, 80 is two launches of 128 blocks each, one after the other: each is modelled on its own
+    # (the old model counted 256 blocks in one launch and chose one segment; measured 2.0x head dim 64 per row)
+    p80 = SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="bfloat16")
+    cfg = choose_config(p80, merge_tail=False)
+    assert not cfg.merge_tail and len(plan.launch_pieces(80, cfg.block_p, False)) == 2
+    assert cfg.nseg == choose_config(SSMScanProblem(1, 8192, 128, 64, 8, 128, dtype="bfloat16")).nseg
+    slots, nchunks = 2 * 132, 128
+    assert sum(_plan_cost(128, nchunks, 2, slots) for _ in range(2)) < 2 * _plan_cost(128, nchunks, 1, slots)
+
+
+@pytest.mark.parametrize("headdim,block_p,want", [
+    (80, 64, [((64, 0, 1), (16, 4, 1))]), (96, 64, [((64, 0, 1), (32, 2, 1))]), (48, 32, [((32, 0, 1), (16, 2, 1))]),
+    (64, 64, [((64, 0, 1), None)]), (112, 64, [((64, 0, 1), None), ((32, 2, 1), None), ((16, 6, 1), None)]),
+    (144, 64, [((64, 0, 2), None), ((16, 8, 1), None)]), (80, 32, [((32, 0, 2), None), ((16, 4, 1), None)])])
+def test_launch_pieces_merge_only_one_tile_plus_one_tail(headdim, block_p, want):
+    got = plan.launch_pieces(headdim, block_p, True)
+    assert [(tuple(pc), tuple(t) if t else None) for pc, t in got] == want
+    # every row exactly once, merged or not
+    rows = sorted(r for pc, t in got for piece in (pc, t) if piece for i in range(piece.tiles)
+                  for r in range((piece.tile0 + i) * piece.width, (piece.tile0 + i + 1) * piece.width))
+    assert rows == list(range(headdim))
+    assert [pc for pc, _ in plan.launch_pieces(headdim, block_p, False)] == list(plan.headdim_pieces(headdim, block_p))
 
 
 def test_overrides_win():
     p = SSMScanProblem(4, 8192, 80, 64, 1, 128, dtype="bfloat16")
     cfg = choose_config(p, chunk=128, block_p=32, nseg=3, occupancy=0, state_t=False, split_upd=True, dt_pre=False,
-                        worker_warps=8, seg_occupancy=3)
+                        worker_warps=8, seg_occupancy=3, merge_tail=False)
     assert cfg == ScanConfig(chunk=128, block_p=32, nseg=3, chunks_per_seg=22, occupancy=None, state_t=False,
-                             split_upd=True, dt_pre=False, worker_warps=8, seg_occupancy=3)
+                             split_upd=True, dt_pre=False, worker_warps=8, seg_occupancy=3, merge_tail=False)
 
 
 def test_aot_config_is_single_launch_without_pre_pass():

@@ -38,7 +38,9 @@ Launch plans (all share the tile helpers):
   instead of strided loads of dt on its critical path); then, when :func:`choose_config` splits
   the sequence into ``nseg`` > 1 segments, :func:`ssd_segment_state_kernel` computes each
   segment's zero-start state and log2-decay; :func:`ssd_scan_kernel` (grid (batch*nheads, nseg,
-  headdim tiles)) folds the earlier segments into its entry state and runs the chunk loop.
+  headdim tiles)) folds the earlier segments into its entry state and runs the chunk loop. A headdim that
+  block_p does not divide takes one launch pair per power-of-two piece, or one pair whose blocks also own the
+  narrower tail (``HAS_TAIL``: 80 = 64 + 16, sharing C @ B^T and the loads; ``plan.launch_pieces``).
 * AOT (TensorRT ``--plugin aot``): :func:`ssd_fused_kernel`, one launch, the coefficients computed
   inline from dt.
 
@@ -70,7 +72,8 @@ from m2export.kernels import launch as L
 from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
-from m2export.kernels.ssd.plan import HeaddimPiece, ScanConfig, aot_config, choose_config, headdim_pieces
+from m2export.kernels.ssd.plan import (HeaddimPiece, ScanConfig, aot_config, choose_config, headdim_pieces,
+                                      launch_pieces)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -212,11 +215,34 @@ def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHU
     return dl, hi, r, w, ecs, hi_last, ecs_last
 
 
-def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
+def _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: ConstInt, HAS_D: ConstBool,
+                  STATE_T: ConstBool):
+    """y rows of one chunk for one headdim tile, (CHUNK, WIDTH) fp32: r_i * (m @ (dl * x)) + D * x + exp2(hi_i) *
+    (C @ state^T)_i, from x in fp32 (xf), the chunk's masked, decayed C @ B^T ``m`` (input dtype) and the
+    tile's entry state."""
+    DTYPE = m.dtype
+    acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
+    acc = acc * r[:, None]
+    if HAS_D:
+        acc = acc + d_h * xf
+    # inter-chunk: exp(cs_i) * (C @ state^T)_i
+    if STATE_T:
+        off = ct.mma(C_c, state.astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
+    else:
+        off = ct.mma(C_c, state.transpose().astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
+    return acc + off * ecs[:, None]
+
+
+def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
-                    DT_PRE: ConstBool):
-    """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns the state.
+                    DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+    """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
+
+    HAS_TAIL: the block also owns the TAIL_P rows from row TAIL_TILE * TAIL_P (a headdim's narrower last
+    piece, :func:`m2export.kernels.ssd.plan.launch_pieces`), with its own state ``state2``; they share
+    the chunk's coefficients, the B and C loads and the masked, decayed C @ B^T. Without it ``state2`` is
+    returned untouched.
 
     Per-token scalings are applied to the narrow operand: x (Q x P) is scaled by delta and by w
     before the products, and the inter-chunk output row by row by exp(cs) after its product,
@@ -231,25 +257,23 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
         C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
-        xf = x_c.astype(ct.float32)
+        x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P) if HAS_TAIL else x_c
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
         seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
         m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
-        acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
-        acc = acc * r[:, None]
-        if HAS_D:
-            acc = acc + d_h * xf
-        # inter-chunk: exp(cs_i) * (C @ state^T)_i
-        if STATE_T:
-            off = ct.mma(C_c, state.astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
-        else:
-            off = ct.mma(C_c, state.transpose().astype(DTYPE), ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32))
-        acc = acc + off * ecs[:, None]
+        xf = x_c.astype(ct.float32)
+        acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
         ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
         state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
-    return state
+        if HAS_TAIL:
+            x2f = x2_c.astype(ct.float32)
+            acc2 = _ct_chunk_out(x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T)
+            ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
+            state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
+                                            SPLIT_UPD)
+    return state, state2
 
 
 def _ct_zero_state(BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
@@ -351,9 +375,9 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
-    state = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD,
-                            False)
+    state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
+                               dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
+                               SPLIT_UPD, False, False, BLOCK_P, 0)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
@@ -362,8 +386,8 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool,
-                             P_TILE0: ConstInt):
-    """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim // BLOCK_P).
+                             P_TILE0: ConstInt, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+    """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim tiles of the piece).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
     chunks [s*chunks_per_seg, (s+1)*chunks_per_seg) -> seg_state[b, h, s, p-tile, :] (fp32), and
@@ -375,7 +399,8 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     block walks its chunks last to first, so that factor is a running scalar and every chunk is a
     pure accumulation into one product accumulator: no state multiply on the loop's dependency
     chain. The state is held as (headdim, d_state) (x_w^T @ B_c): measured faster here than the
-    (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6).
+    (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6). HAS_TAIL: the block also
+    computes the segment state of the TAIL_P rows from row TAIL_TILE * TAIL_P (see :func:`_ct_scan_chunks`).
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
@@ -384,6 +409,7 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
     state = _ct_zero_state(BLOCK_P, D_STATE, False)
+    state2 = _ct_zero_state(TAIL_P, D_STATE, False)
     later = ct.full((1,), 0.0, dtype=ct.float32)  # log2-decay of the chunks after c in this segment (<= 0)
     for i in range(c_end - c_begin):
         c = c_end - 1 - i
@@ -391,10 +417,17 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
                                                                      dt_max, seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
-        x_w = (x_c.astype(ct.float32) * (w * ct.exp2(later))[:, None]).astype(x.dtype)
+        wl = w * ct.exp2(later)
+        x_w = (x_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
         state = ct.mma(x_w.transpose(), B_c, state)
+        if HAS_TAIL:
+            x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P)
+            x2_w = (x2_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
+            state2 = ct.mma(x2_w.transpose(), B_c, state2)
         later = later + hi_last
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, False)
+    if HAS_TAIL:
+        _ct_store_seg_state(seg_state, b, h, s, TAIL_TILE, state2, TAIL_P, D_STATE, False)
     ct.store(seg_logdecay, index=(b, h, s), tile=later.reshape((1, 1, 1)))
 
 
@@ -403,30 +436,36 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
                     dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                    STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt):
-    """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim // BLOCK_P).
+                    STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
+                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+    """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
     0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
-    over segment s's chunks, writing y; the last segment's block writes final_state.
+    over segment s's chunks, writing y; the last segment's block writes final_state. HAS_TAIL: the same for
+    the TAIL_P rows from row TAIL_TILE * TAIL_P, a second state on chip (see :func:`_ct_scan_chunks`).
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     nseg = ct.num_blocks(1)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
+    state2 = _ct_initial_state(initial_state, b, h, TAIL_TILE, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T)
     for sp in range(s):
-        ld = ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,))
-        st = _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
-        state = state * ct.exp2(ld) + st
+        ld = ct.exp2(ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,)))
+        state = state * ld + _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
+        if HAS_TAIL:
+            state2 = state2 * ld + _ct_load_seg_state(seg_state, b, h, sp, TAIL_TILE, TAIL_P, D_STATE, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
-    state = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, a_h, d_h, bias_h,
-                            dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T, SPLIT_UPD,
-                            DT_PRE)
+    state, state2 = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h,
+                                    bias_h, dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS,
+                                    STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE)
     if s == nseg - 1:
         _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
+        if HAS_TAIL:
+            _ct_store_state(final_state, b, h, TAIL_TILE, state2, TAIL_P, D_STATE, STATE_T)
 
 
 # ----------------------------------------------------------------------------- launch descriptions
@@ -468,8 +507,15 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
     return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
-def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, *, dt_softplus, dt_limit,
-                    has_dt_bias) -> Launch:
+def _tail_constants(piece: HeaddimPiece, tail: HeaddimPiece | None) -> tuple:
+    """HAS_TAIL, TAIL_P, TAIL_TILE of a launch whose blocks also own ``tail`` (None: no tail; the widths then
+    repeat the piece's, never read)."""
+    return (L.constant("HAS_TAIL", tail is not None), L.constant("TAIL_P", (tail or piece).width),
+            L.constant("TAIL_TILE", tail.tile0 if tail else 0))
+
+
+def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, tail: HeaddimPiece | None = None, *,
+                    dt_softplus, dt_limit, has_dt_bias) -> Launch:
     dtn = p.dtype
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
@@ -479,13 +525,13 @@ def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, *, 
             L.scalar("chunks_per_seg", "int32", cfg.chunks_per_seg),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
     kernel = hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, piece.tiles), cfg)
 
 
-def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPiece, *, dt_softplus, dt_limit,
-                 has_D, has_dt_bias, has_init) -> Launch:
+def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPiece, tail: HeaddimPiece | None = None,
+                 *, dt_softplus, dt_limit, has_D, has_dt_bias, has_init) -> Launch:
     dtn = p.dtype
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
@@ -499,7 +545,7 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
@@ -523,14 +569,14 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     for another seqlen would leave chunks unscanned: refuse, never truncate)."""
     nchunks = -(-p.seqlen // cfg.chunk)
     cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
-    pieces = headdim_pieces(p.headdim, cfg.block_p)
+    pieces = launch_pieces(p.headdim, cfg.block_p, cfg.merge_tail)
     if cfg.nseg < 1 or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
         raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}); "
                             "make it with choose_config for this problem")
     kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias)
-    if cfg.nseg == 1 and not cfg.dt_pre:
-        return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, **kw) for pc in pieces),
-                        (), cfg)
+    if cfg.nseg == 1 and not cfg.dt_pre:  # the fused kernel has no tail: one launch per piece
+        return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, **kw)
+                              for pc in headdim_pieces(p.headdim, cfg.block_p)), (), cfg)
     launches, scratch = [], []
     if cfg.dt_pre:  # fp32 per-token coefficients (5 x the size of dt in fp32)
         scratch.append(("coef", (5, p.batch, p.nheads, nchunks * cfg.chunk)))
@@ -541,10 +587,10 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     scratch.append(("seg_state", (p.batch, p.nheads, nsp, p.headdim, p.d_state) if nsp else
                     (1, 1, 1, p.headdim, p.d_state)))
     scratch.append(("seg_logdecay", (p.batch, p.nheads, nsp) if nsp else (1, 1, 1)))
-    for pc in pieces:  # one pass-1 and one pass-2 launch per headdim piece (headdim_pieces)
+    for pc, tail in pieces:  # one pass-1 and one pass-2 launch per headdim piece (launch_pieces)
         if nsp:
-            launches.append(_segment_launch(p, cfg, pc, **kw))
-        launches.append(_scan_launch(p, cfg, cps, pc, has_D=has_D, has_init=has_init, **kw))
+            launches.append(_segment_launch(p, cfg, pc, tail, **kw))
+        launches.append(_scan_launch(p, cfg, cps, pc, tail, has_D=has_D, has_init=has_init, **kw))
     # without the pre-pass, coef is never read (DT_PRE False): any array stands in
     return ScanPlan(tuple(launches if cfg.dt_pre else [l.with_args(coef=dict(source="A")) for l in launches]),
                     tuple(scratch), cfg)

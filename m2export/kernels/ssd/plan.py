@@ -36,6 +36,7 @@ class ScanConfig:
     dt_pre: bool = False  # step sizes and decays by a pre-pass kernel (ssd_dt_kernel) instead of in the scan loop
     worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
     seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
+    merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
 
     @property
     def plan(self) -> str:
@@ -48,6 +49,13 @@ def _default_chunk(problem: SSMScanProblem) -> int:
     # scan kernel needs 255 registers, an 80-byte stack and 161 KB of shared memory (one block per SM);
     # at chunk 32, 128 registers and 114 KB (two per SM; sm_90 build on the CPU, benchmarks/NOTES_ssd.md)
     return 32 if problem.dtype == "float32" or problem.d_state >= 256 else DEFAULT_CHUNK
+
+
+# d_state 256 in bf16, JIT plans: chunk 64 with 16-row headdim tiles (sm_90 build: 128 registers, no stack,
+# 113 KB shared memory, two blocks per SM) measured 0.670 ms against 0.715 for chunk 32 with 32-row tiles and
+# 0.838-1.05 for the other tiles/segment counts swept (Falcon-H1-7B's shape, H200, eager; benchmarks/NOTES_ssd.md).
+# fp16 keeps chunk 32 (this plan never ran on the GPU in fp16); the AOT kernel keeps _default_chunk/_default_block_p.
+_D_STATE_256_JIT_TILES = (64, 16)
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
@@ -85,6 +93,21 @@ def headdim_pieces(headdim: int, block_p: int) -> tuple[HeaddimPiece, ...]:
     return tuple(pieces)
 
 
+def launch_pieces(headdim: int, block_p: int, merge_tail: bool) -> tuple[tuple[HeaddimPiece, HeaddimPiece | None], ...]:
+    """The headdim pieces of the scan launches, each with the tail piece its blocks also own (or None).
+
+    Without ``merge_tail`` (or when it does not apply) one launch per :func:`headdim_pieces` piece. With it,
+    a headdim of one full block_p tile plus one narrower power of two (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16)
+    is one launch whose blocks own both: the narrow rows share the chunk's C @ B^T, its B/C loads and its
+    coefficients with the full tile instead of recomputing them in a second launch of half-idle blocks (the
+    cause of head dim 80 costing 2.0x head dim 64 per row, benchmarks/NOTES_ssd.md, issue 15).
+    """
+    pieces = headdim_pieces(headdim, block_p)
+    if merge_tail and len(pieces) == 2 and pieces[0].tiles == 1:
+        return ((pieces[0], pieces[1]),)
+    return tuple((pc, None) for pc in pieces)
+
+
 # Defaults (measured on the H200: benchmarks/NOTES_ssd.md): chunk 64 (32 for fp32), step sizes by the
 # pre-pass kernel, the state kept as (d_state, headdim) with each chunk's contribution accumulated onto
 # the decayed state, occupancy hint 2; the segment count from _plan_cost below.
@@ -93,6 +116,7 @@ DEFAULT_OCCUPANCY = 2
 DEFAULT_STATE_T = True
 DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
+DEFAULT_MERGE_TAIL = True
 MAX_NSEG = 64
 
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel (fitted on
@@ -129,27 +153,36 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   block_p: int | None = None, nseg: int | None = None,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
-                  worker_warps: int | None = None, seg_occupancy: int | None = None) -> ScanConfig:
+                  worker_warps: int | None = None, seg_occupancy: int | None = None,
+                  merge_tail: bool | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
-    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state; nseg
-    minimising :func:`_plan_cost` over 1..MAX_NSEG (wave quantisation matters: on the H200, shape d
+    Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
+    bf16: chunk 64 and 16-row tiles, measured); nseg
+    minimising the sum of :func:`_plan_cost` over the launches of :func:`launch_pieces` (launches on one
+    stream run one after the other: each pays its own waves), over 1..MAX_NSEG
+    (wave quantisation matters: on the H200, shape d
     of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24), kept only if
     it is modelled at least _SPLIT_MIN_GAIN faster than one pass; the dt
     pre-pass unless the sequence has more than MAX_GRID_Y chunks. Any argument
     given overrides its default (explicit plans for tests and the benchmark's sweeps); ``occupancy=0``
     means no hint.
     """
+    if chunk is None and block_p is None and problem.d_state >= 256 and problem.dtype == "bfloat16":
+        chunk, block_p = _D_STATE_256_JIT_TILES
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
     state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
+    merge_tail = DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail
     nchunks = max(1, -(-problem.seqlen // chunk))
-    base = max(1, problem.batch * problem.nheads * sum(pc.tiles for pc in headdim_pieces(problem.headdim, block_p)))
+    bases = [max(1, problem.batch * problem.nheads * pc.tiles)
+             for pc, _ in launch_pieces(problem.headdim, block_p, merge_tail)]
     if nseg is None:
         slots = (occupancy or 1) * sm_count
-        cost = {n: _plan_cost(base, nchunks, n, slots) for n in range(1, min(nchunks, MAX_NSEG) + 1)}
+        cost = {n: sum(_plan_cost(base, nchunks, n, slots) for base in bases)
+                for n in range(1, min(nchunks, MAX_NSEG) + 1)}
         nseg = min(cost, key=lambda n: (cost[n], n))
         if cost[nseg] > (1 - _SPLIT_MIN_GAIN) * cost[1]:
             nseg = 1
@@ -160,7 +193,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
         dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
-                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None)
+                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail)
 
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:
