@@ -18,3 +18,44 @@ def publish(table: str, results: str | Path = RESULTS) -> None:
     print(table)
     with open(results, "a") as f:
         f.write("\n" + table)
+
+
+def du(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (bytes on disk of an export or checkpoint folder)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def measured_run(cmd: list[str], *, env: dict | None = None) -> dict:
+    """Run ``cmd`` in a fresh process and measure it alone: ``wall_s``, ``cpu_s`` (user + sys seconds),
+    ``peak_rss_bytes`` (its ``ru_maxrss``, from ``os.wait4`` of that one child, so earlier children do not
+    mask it as ``RUSAGE_CHILDREN``'s maximum would), ``rc``, ``stdout`` and the last lines of stderr (``tail``).
+    Never raises for a failed command: the caller reports ``rc`` and ``tail`` (a failure is a result too)."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        _, status, ru = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024,  # KiB
+            "rc": proc.returncode, "stdout": stdout, "tail": " / ".join(stderr.strip().splitlines()[-3:])}
+
+
+def profile_by_op(path: str | Path) -> dict[str, tuple[int, float]]:
+    """An ORT profile JSON (``SessionOptions.enable_profiling``) summed per op type: op -> (node events, ms)."""
+    import json
+
+    out: dict[str, tuple[int, float]] = {}
+    for e in json.loads(Path(path).read_text()):
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            n, ms = out.get(op, (0, 0.0))
+            out[op] = (n + 1, ms + e.get("dur", 0) / 1e3)
+    return out

@@ -5,7 +5,7 @@ init, ``tests.helpers.hf_init_checkpoint``; ``bundled``, samples/checkpoints/std
 to the HF format so mobius can read it; or a path to any HF Mamba-2 folder):
 
 * export: wall time and peak RSS of a fresh child process doing only the export
-  (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``), bytes on disk of the output folder;
+  (``os.wait4``'s ``ru_maxrss`` of that child), bytes on disk of the output folder;
   m2export: ``export_model(..., ssm_impl="native")``; mobius: ``mobius build OUT --model CK --ep cpu
   --optimize`` from a throwaway venv (``--mobius-venv``, created with ``pip install mobius-onnx``
   on first use; never a project dependency);
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -40,29 +39,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _report import publish, utc_now  # noqa: E402 (benchmarks/_report.py, beside this script)
+from _report import du, measured_run, profile_by_op, publish, utc_now  # noqa: E402 (benchmarks/_report.py, beside this script)
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _child(cmd: list[str]) -> dict:
-    """Run ``cmd`` in a fresh process; wall time and the child's peak RSS (bytes)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{cmd[0]} ... failed (rc {proc.returncode}): " + " / ".join(tail))
-    # ru_maxrss of children is the max over all children so far: only meaningful when it grew
-    return {"wall_s": wall, "peak_rss_bytes": rss * 1024 if rss > before else None}
+    """Run ``cmd`` in a fresh process (:func:`_report.measured_run`); raise if it failed."""
+    res = measured_run(cmd)
+    if res["rc"] != 0:
+        raise RuntimeError(f"{cmd[0]} ... failed (rc {res['rc']}): {res['tail']}")
+    return res
 
 
 def mobius_venv(venv: Path) -> Path:
@@ -159,9 +148,8 @@ class Runner:
 
 def _profile_counts(path: Path) -> tuple[int, float]:
     """(node events, total node time in ms) of one ORT profile JSON."""
-    ev = json.loads(path.read_text())
-    nodes = [e for e in ev if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
-    return len(nodes), sum(e.get("dur", 0) for e in nodes) / 1e3
+    ops = profile_by_op(path).values()
+    return sum(n for n, _ in ops), sum(ms for _, ms in ops)
 
 
 def measure(runners: dict, vocab: int, seqlens, reps: int, decode_steps: int) -> dict:
@@ -277,8 +265,8 @@ def main(argv=None) -> int:
         rows = []
         for k, e in (("m2export native", e_ours), ("mobius", e_mob)):
             out_dir = out_ours if k.startswith("m2export") else out_mob
-            rss = f"{e['peak_rss_bytes'] / 2**30:.2f} GiB" if e["peak_rss_bytes"] else "n/a"
-            cells = [f"{e['wall_s']:.1f} s / {rss}", f"{_du(out_dir) / 1e6:.0f} MB"]
+            rss = f"{e['peak_rss_bytes'] / 2**30:.2f} GiB"
+            cells = [f"{e['wall_s']:.1f} s / {rss}", f"{du(out_dir) / 1e6:.0f} MB"]
             cells += [f"{t[k][c][0]:.1f} / {t[k][c][1]:.1f}" for c in [f"prefill L={L} ms" for L in args.seqlens]
                       + ["decode ms/token"]]
             cells += [f"{kern[(k, 'prefill L=512')][0]} / {kern[(k, 'decode')][0]}", f"{acc[k][0]:.2e}",
