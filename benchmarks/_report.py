@@ -13,11 +13,12 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def publish(table: str, results: str | Path = RESULTS) -> None:
-    """Print ``table`` to stdout and append it (after a blank line) to ``results``."""
-    print(table)
+def publish(table: str, results: str | Path = RESULTS, *, sep: str = "\n") -> None:
+    """Print ``table`` to stdout and append it to ``results`` after ``sep`` (a blank line by default; ""
+    to continue what an earlier call wrote, e.g. more rows of the same table)."""
+    print(table, end="" if table.endswith("\n") else "\n", flush=True)
     with open(results, "a") as f:
-        f.write("\n" + table)
+        f.write(sep + table)
 
 
 def du(path: Path) -> int:
@@ -25,27 +26,57 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def measured_run(cmd: list[str], *, env: dict | None = None) -> dict:
+def _mem_available() -> int:
+    """MemAvailable of /proc/meminfo, bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def measured_run(cmd: list[str], *, env: dict | None = None, min_available: int | None = None) -> dict:
     """Run ``cmd`` in a fresh process and measure it alone: ``wall_s``, ``cpu_s`` (user + sys seconds),
     ``peak_rss_bytes`` (its ``ru_maxrss``, from ``os.wait4`` of that one child, so earlier children do not
     mask it as ``RUSAGE_CHILDREN``'s maximum would), ``rc``, ``stdout`` and the last lines of stderr (``tail``).
+
+    ``min_available`` (bytes): a watchdog kills the child (SIGKILL, that pid only) when the machine's
+    MemAvailable falls below it, before the kernel's OOM killer picks a process of someone else on a shared
+    machine; ``killed`` then says so (and ``peak_rss_bytes`` is the peak it had reached).
     Never raises for a failed command: the caller reports ``rc`` and ``tail`` (a failure is a result too)."""
     import os
     import subprocess
     import tempfile
+    import threading
     import time
 
+    killed: list[str] = []
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(0.25):
+                avail = _mem_available()
+                if avail < min_available:
+                    killed.append(f"killed by the benchmark's watchdog: MemAvailable {avail / 2**30:.2f} GiB < "
+                                  f"{min_available / 2**30:.2f} GiB")
+                    os.kill(proc.pid, 9)
+                    return
+
+        if min_available:
+            threading.Thread(target=watch, daemon=True).start()
         _, status, ru = os.wait4(proc.pid, 0)
+        done.set()
         wall = time.perf_counter() - t
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+    tail = " / ".join(killed + stderr.strip().splitlines()[-3:])
     return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024,  # KiB
-            "rc": proc.returncode, "stdout": stdout, "tail": " / ".join(stderr.strip().splitlines()[-3:])}
+            "rc": proc.returncode, "stdout": stdout, "tail": tail, "killed": bool(killed)}
 
 
 def profile_by_op(path: str | Path) -> dict[str, tuple[int, float]]:

@@ -20,10 +20,12 @@ Per preset (``--preset``, a key of ``m2export.models.presets.HYBRID_PRESETS``), 
 * correctness: logits rel-L2 of each ORT flavour vs transformers on the same L=128 prompt (transformers
   changed only where :func:`m2export.check.runners.follow_mamba_ssm_` says: dt limit, per-group norm), and
   whether the greedy decode tokens agree;
+* a watchdog (``--min-available-gib``) kills a measured child when the machine runs out of memory: its
+  row then says so, with the peak RSS it had reached;
 * ``--profile``: per ORT flavour, a fresh process with ``SessionOptions.enable_profiling``: one L=128 prefill
   and one decode step, node count and time per op type (top 8).
 
-Every result is printed (stdout) and appended to benchmarks/RESULTS.md with the date, ``uptime`` load and
+Every result is printed (stdout) and appended to benchmarks/RESULTS.md as soon as it is measured, with the date, ``uptime`` load and
 versions. The machine is shared: compare best-of-N and the CPU seconds; the median shows the noise.
 
     flock /work/wt/BIGMEM.lock python benchmarks/bench_hybrids.py --preset falcon-h1-0.5b
@@ -246,73 +248,107 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+#: the watchdog's MemAvailable floor (``--min-available-gib``): set by main
+MIN_AVAILABLE: list[int | None] = [None]
+
+
+def _measured(cmd: list[str]) -> dict:
+    return measured_run(cmd, min_available=MIN_AVAILABLE[0])
+
+
 def _child(mode: str, spec: dict) -> dict:
     """Run ``--child-MODE SPEC`` in a fresh process; its JSON result plus wall/CPU/RSS, or ``error``."""
-    r = measured_run([sys.executable, __file__, f"--child-{mode}", json.dumps(spec)])
+    r = _measured([sys.executable, __file__, f"--child-{mode}", json.dumps(spec)])
     if r["rc"] != 0:
         return {"error": f"rc {r['rc']}: {r['tail']}", **{k: r[k] for k in ("wall_s", "peak_rss_bytes")}}
     return {**json.loads(r["stdout"].strip().splitlines()[-1]), "wall_s": r["wall_s"], "cpu_s": r["cpu_s"]}
 
 
-def bench_preset(preset: str, args) -> str:
-    """Everything for one preset; returns its markdown section."""
+class _Results:
+    """The run's markdown, written as it is made: :meth:`emit` prints lines (stdout) and appends them to the
+    results file at once, so a long run that is stopped keeps what it measured."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def emit(self, *lines: str) -> None:
+        publish("\n".join(lines) + "\n", self.path, sep="")
+
+
+def bench_preset(preset: str, args, res: _Results) -> None:
+    """Everything for one preset, emitted to ``res`` step by step; the checkpoint and export are deleted after
+    (unless ``--keep``)."""
     from m2export.models.presets import HYBRID_PRESETS
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     ck, out = work / f"ck-{preset}-{args.dtype}", work / f"out-{preset}-{args.dtype}"
-    lines = [f"### {preset} ({HYBRID_PRESETS[preset].family}), {args.dtype} — {utc_now()}, load {_load()}", ""]
+    logits_dir = work / f"logits-{preset}"
+    try:
+        _bench_preset(preset, args, res, HYBRID_PRESETS[preset].family, ck, out, logits_dir, work)
+    finally:
+        if not args.keep:
+            for d in (out, ck, logits_dir):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _bench_preset(preset, args, res, family, ck, out, logits_dir, work) -> None:
+    lines = ["", f"### {preset} ({family}), {args.dtype} — {utc_now()}, load {_load()}", ""]
     if not (ck / "config.json").is_file():
         _log(f"[{preset}] random-checkpoint")
-        r = measured_run([_m2export(), "random-checkpoint", "--preset", preset, "--dtype", args.dtype, "-o", str(ck),
-                          "--force", "-q"])
+        r = _measured([_m2export(), "random-checkpoint", "--preset", preset, "--dtype", args.dtype, "-o", str(ck),
+                       "--force", "-q"])
         if r["rc"] != 0:
-            return "\n".join(lines + [f"random-checkpoint FAILED ({r['tail']}), peak RSS {_gib(r['peak_rss_bytes'])}",
-                                      ""])
+            res.emit(*lines, f"random-checkpoint FAILED ({r['tail']}), peak RSS {_gib(r['peak_rss_bytes'])}")
+            return
         lines.append(f"checkpoint: `m2export random-checkpoint --preset {preset} --dtype {args.dtype}` "
-                     f"{r['wall_s']:.0f} s wall, peak RSS {_gib(r['peak_rss_bytes'])}")
+                     f"{r['wall_s']:.0f} s wall, peak RSS {_gib(r['peak_rss_bytes'])}; ")
     wbytes = sum(f.stat().st_size for f in ck.glob("*.safetensors"))
-    lines.append(f"weights: {wbytes / 1e6:,.0f} MB ({args.dtype} safetensors)")
-    _log(f"[{preset}] export --ssm-impl {args.ssm_impl} (load {_load()})")
-    e = measured_run([_m2export(), "export", str(ck), "-o", str(out), "--ssm-impl", args.ssm_impl, "--dtype",
-                      args.dtype, "--force", "-q"])
-    lines += ["", "| export | wall (contended) | user+sys CPU | peak RSS | x weight bytes | on disk |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    status = "" if e["rc"] == 0 else f" FAILED rc {e['rc']} ({e['tail']})"
-    disk = f"{du(out) / 1e6:,.0f} MB" if e["rc"] == 0 else "—"
-    lines.append(f"| `--ssm-impl {args.ssm_impl} --dtype {args.dtype}`{status} | {e['wall_s']:.0f} s | "
-                 f"{e['cpu_s']:.0f} s | {_gib(e['peak_rss_bytes'])} | {e['peak_rss_bytes'] / wbytes:.2f}x | {disk} |")
-    _log(lines[-1])
+    lines[-1] += f"weights: {wbytes / 1e6:,.0f} MB ({args.dtype} safetensors)"
+    if args.reuse_export and (out / "m2export.json").is_file():
+        res.emit(*lines, "", f"export: reused {out} (written by an earlier run; its numbers are there)")
+        lines, e = [], {"rc": 0, "reused": True}
+    else:
+        _log(f"[{preset}] export --ssm-impl {args.ssm_impl} (load {_load()})")
+        e = _measured([_m2export(), "export", str(ck), "-o", str(out), "--ssm-impl", args.ssm_impl, "--dtype",
+                       args.dtype, "--force", "-q"])
+    if not e.get("reused"):
+        lines += ["", "| export | wall (contended) | user+sys CPU | peak RSS | x weight bytes | on disk | load after |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        status = "" if e["rc"] == 0 else f" FAILED rc {e['rc']} ({e['tail']})"
+        disk = f"{du(out) / 1e6:,.0f} MB" if e["rc"] == 0 else "—"
+        lines.append(f"| `--ssm-impl {args.ssm_impl} --dtype {args.dtype}`{status} | {e['wall_s']:.0f} s | "
+                     f"{e['cpu_s']:.0f} s | {_gib(e['peak_rss_bytes'])} | {e['peak_rss_bytes'] / wbytes:.2f}x | "
+                     f"{disk} | {_load()} |")
+        res.emit(*lines)
     if e["rc"] != 0 or args.export_only:
-        return "\n".join(lines + [""])
+        return
     groups = [g.split(",") for g in (args.group or [",".join([*args.flavour, TRANSFORMERS])])]
-    logits_dir = work / f"logits-{preset}"
     logits_dir.mkdir(exist_ok=True)
     base = {"ck": str(ck), "out": str(out), "dtype": args.dtype, "seqlens": args.seqlens, "reps": args.reps,
             "reps_long": args.reps_long or args.reps, "decode_steps": args.decode_steps, "threads": args.threads,
             "check_len": 128, "logits_dir": str(logits_dir)}
-    results = []
-    for g in groups:
-        _log(f"[{preset}] speed, group {'+'.join(g)} (load {_load()})")
-        results.append((g, _child("speed", {**base, "runners": g}), _load()))
-    lines += ["", f"Speed: batch 1, {args.threads} threads (torch.set_num_threads and ORT intra_op_num_threads), "
-                  f"best / median of {args.reps} interleaved rounds ({base['reps_long']} for L >= 512) after one "
-                  f"warm-up; decode: {args.decode_steps - 1} steps after a 16-token prompt (first step not counted).",
-              "", "| group (one process) | runner | load | " + " | ".join(f"prefill L={L} tok/s" for L in args.seqlens)
-              + " | decode ms/token | process peak RSS (x weights) | logits rel-L2 vs transformers (L=128) | "
-                "greedy tokens vs transformers |",
-              "|" + " --- |" * (7 + len(args.seqlens))]
-    ref_toks = next((r["runners"][TRANSFORMERS]["tokens"] for _, r, _ in results
-                     if "runners" in r and TRANSFORMERS in r["runners"]), None)
+    res.emit("", f"Speed: batch 1, {args.threads} threads (torch.set_num_threads and ORT intra_op_num_threads), "
+                 f"best / median of {args.reps} interleaved rounds ({base['reps_long']} for L >= 512) after one "
+                 f"warm-up; decode: {args.decode_steps - 1} steps after a 16-token prompt (first step not counted). "
+                 "One process per group, groups one after the other.",
+             "", "| group (one process) | runner | load | " + " | ".join(f"prefill L={L} tok/s" for L in args.seqlens)
+             + " | decode ms/token | process peak RSS (x weights) | logits rel-L2 vs transformers (L=128) | "
+               "greedy tokens vs transformers | process wall / CPU, load after |",
+             "|" + " --- |" * (8 + len(args.seqlens)))
     ref_logits = logits_dir / f"{TRANSFORMERS}.npy"
-    notes = set()
-    for g, r, load_after in results:
+    ref_toks, notes = None, set()
+    for g in groups:
         gname = " + ".join(g)
+        _log(f"[{preset}] speed, group {gname} (load {_load()})")
+        r = _child("speed", {**base, "runners": g})
         if "error" in r:
-            lines.append(f"| {gname} | FAILED ({r['error']}); peak RSS {_gib(r['peak_rss_bytes'])} "
-                         f"({r['peak_rss_bytes'] / wbytes:.2f}x) | " + " |" * (5 + len(args.seqlens)))
+            res.emit(f"| {gname} | FAILED ({r['error']}); peak RSS {_gib(r['peak_rss_bytes'])} "
+                     f"({r['peak_rss_bytes'] / wbytes:.2f}x) |" + " |" * (6 + len(args.seqlens)))
             continue
         notes.update(r["notes"])
+        ref_toks = r["runners"].get(TRANSFORMERS, {}).get("tokens", ref_toks)
+        rows = []
         for k, rr in r["runners"].items():
             cells = [f"{rr['load_s']:.0f} s"]
             cells += [f"{rr['rows'][f'prefill L={L}']['best']:.1f} / {rr['rows'][f'prefill L={L}']['median']:.1f}"
@@ -331,30 +367,25 @@ def bench_preset(preset: str, args) -> str:
                 cells.append(f"{len(ref_toks)}/{len(ref_toks)} equal" if same is None else f"first differs at {same}")
             else:
                 cells.append("—")
-            lines.append(f"| {gname} | {k} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append(f"(group wall / CPU: " + "; ".join(
-        f"{'+'.join(g)} {r['wall_s']:.0f} s / {r.get('cpu_s', 0):.0f} s, load after {la}" for g, r, la in results) + ")")
+            cells.append(f"{r['wall_s']:.0f} s / {r['cpu_s']:.0f} s, {_load()}")
+            rows.append(f"| {gname} | {k} | " + " | ".join(cells) + " |")
+        res.emit(*rows)
     if notes:
-        lines.append("transformers changed to follow mamba_ssm (check.runners.follow_mamba_ssm_): " + "; ".join(sorted(notes)))
+        res.emit("", "transformers changed to follow mamba_ssm (check.runners.follow_mamba_ssm_): "
+                 + "; ".join(sorted(notes)))
     if args.profile:
-        lines += ["", "ORT profile (one call each after warm-up; node count, ms per op type, top 8 by time):", ""]
+        res.emit("", "ORT profile (one call each after warm-up; node count, ms per op type, top 8 by time):", "")
         for fl in args.flavour:
             p = _child("profile", {**base, "flavour": fl, "prof_dir": str(work / "profiles")})
             if "error" in p:
-                lines.append(f"- {fl}: profile FAILED ({p['error']})")
+                res.emit(f"- {fl}: profile FAILED ({p['error']})")
                 continue
             for what in ("prefill", "decode"):
                 ops = sorted(p[what]["ops"].items(), key=lambda kv: -kv[1][1])
                 total = sum(ms for _, ms in p[what]["ops"].values())
-                lines.append(f"- {fl} {what} ({'L=128' if what == 'prefill' else '1 token'}): run "
-                             f"{p[what]['run_ms']:.0f} ms, nodes {sum(n for _, (n, _) in ops)} ({total:.0f} ms): "
-                             + ", ".join(f"{op} {n}x {ms:.0f} ms" for op, (n, ms) in ops[:8]))
-    if not args.keep:
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(ck, ignore_errors=True)
-        shutil.rmtree(logits_dir, ignore_errors=True)
-    return "\n".join(lines + [""])
+                res.emit(f"- {fl} {what} ({'L=128' if what == 'prefill' else '1 token'}): run "
+                         f"{p[what]['run_ms']:.0f} ms, nodes {sum(n for _, (n, _) in ops)} ({total:.0f} ms): "
+                         + ", ".join(f"{op} {n}x {ms:.0f} ms" for op, (n, ms) in ops[:8]))
 
 
 def main(argv=None) -> int:
@@ -373,8 +404,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--export-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="ORT profile of each flavour (a fresh process each)")
+    ap.add_argument("--min-available-gib", type=float, default=1.5,
+                    help="kill a measured child of this run when the machine's MemAvailable falls below this "
+                         "(a shared machine: before the OOM killer picks someone else's process); 0: off")
     ap.add_argument("--workdir", default="/tmp/hbench")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and export (multi-GB)")
+    ap.add_argument("--reuse-export", action="store_true",
+                    help="time an export an earlier --keep run left in --workdir (no export measured)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--child-speed", help=argparse.SUPPRESS)
     ap.add_argument("--child-profile", help=argparse.SUPPRESS)
@@ -385,15 +421,17 @@ def main(argv=None) -> int:
         return 0
     from m2export.models.presets import HYBRID_PRESETS
 
+    MIN_AVAILABLE[0] = int(args.min_available_gib * 2**30) or None
     for p in args.preset or []:
         if p not in HYBRID_PRESETS:
             ap.error(f"--preset {p!r}: expected one of {sorted(HYBRID_PRESETS)}")
     if not args.preset:
         ap.error("give --preset")
-    head = (f"## bench_hybrids.py — {utc_now()} — CPU here ({os.cpu_count()} cores shared, "
-            f"{platform.machine()}), {_versions()}\n")
-    sections = [bench_preset(p, args) for p in args.preset]
-    publish(head + "\n" + "\n".join(sections), args.results)
+    res = _Results(args.results)
+    res.emit("", f"## bench_hybrids.py — {utc_now()} — CPU here ({os.cpu_count()} cores shared, "
+                 f"{platform.machine()}), {_versions()}")
+    for p in args.preset:
+        bench_preset(p, args, res)
     return 0
 
 
