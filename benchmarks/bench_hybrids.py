@@ -304,7 +304,11 @@ def _bench_preset(preset, args, res, family, ck, out, logits_dir, work) -> None:
         lines.append(f"checkpoint: `m2export random-checkpoint --preset {preset} --dtype {args.dtype}` "
                      f"{r['wall_s']:.0f} s wall, peak RSS {_gib(r['peak_rss_bytes'])}; ")
     wbytes = sum(f.stat().st_size for f in ck.glob("*.safetensors"))
-    lines[-1] += f"weights: {wbytes / 1e6:,.0f} MB ({args.dtype} safetensors)"
+    weights = f"weights: {wbytes / 1e6:,.0f} MB ({args.dtype} safetensors)"
+    if lines[-1]:  # the checkpoint line: same paragraph
+        lines[-1] += weights
+    else:
+        lines.append(weights)
     if args.reuse_export and (out / "m2export.json").is_file():
         res.emit(*lines, "", f"export: reused {out} (written by an earlier run; its numbers are there)")
         lines, e = [], {"rc": 0, "reused": True}
