@@ -9,12 +9,14 @@ to the HF format so mobius can read it; or a path to any HF Mamba-2 folder):
   m2export: ``export_model(..., ssm_impl="native")``; mobius: ``mobius build OUT --model CK --ep cpu
   --optimize`` from a throwaway venv (``--mobius-venv``, created with ``pip install mobius-onnx``
   on first use; never a project dependency);
-* ORT prefill L=128 / 512 and decode ms/token: both models' sessions in one process, measured in
-  interleaved rounds (m2export, mobius, m2export, ...), best and median of ``--reps`` (>= 10);
-* accuracy: logits of the L=512 prefill vs transformers' ``Mamba2ForCausalLM`` in float64 (rel-L2).
-  Note: for ngroups > 1 transformers' gated RMSNorm normalises all channels at once, mamba_ssm (and
-  m2export) per group; the bundled checkpoint (ngroups 2, trained with mamba_ssm semantics) therefore
-  differs from transformers by design, and its row is reported against both references.
+* ORT prefill L=128 / 512 and decode ms/token: every model's session in one process, measured in
+  interleaved rounds (m2export, mobius, m2export, ...), best and median of ``--reps`` (>= 10); with
+  ``--all-flavours`` (default) the std and ssmscan flavours too (a second export, ``ssm_impl="both"``,
+  whose wall/RSS/disk cells are that export's);
+* accuracy: logits of the L=512 prefill vs transformers' ``Mamba2ForCausalLM`` in float64 (rel-L2), and vs
+  m2export's own model in float64 (mamba_ssm semantics; the scan is the float64 oracle on inputs rounded
+  to fp32). On the bundled checkpoint (ngroups 2) both references agree (transformers 5.24 normalises the
+  gated RMSNorm per group, as mamba_ssm does).
 * ORT kernels per prefill (L=512) and decode call: ORT profiling, count and total time of node events.
 
 Results: a markdown table on stdout, appended to benchmarks/RESULTS.md. The machine is shared: compare
@@ -26,6 +28,7 @@ best-of-N; the median shows the noise.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -195,11 +198,23 @@ def accuracy(runners: dict, ck: Path, L: int = 512) -> dict:
     vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
     with torch.no_grad():
-        ref = transformers.Mamba2ForCausalLM.from_pretrained(str(ck), dtype=torch.float64).eval()(ids).logits.numpy()
+        hf = transformers.Mamba2ForCausalLM.from_pretrained(str(ck), dtype=torch.float64).eval()
+        ref = hf(ids).logits.numpy()
+        del hf  # one float64 model in memory at a time (130m: ~1 GiB each)
+        gc.collect()
         ours64 = load_checkpoint(ck, dtype=torch.float64).model.eval()
+        # the oracle computes in float64 but its contract takes fp32/fp16/bf16 inputs: the scan's inputs are rounded
+        # to fp32 (relative 6e-8, far below the 1e-5..1e-4 compared here), everything else stays float64
+        def oracle(*a, **k):
+            a32 = [t.float() if t is not None and t.dtype == torch.float64 else t for t in a]
+            y, s = ssm_scan_recurrent(*a32, dt_softplus=k["dt_softplus"], dt_limit=k["dt_limit"])
+            return y.to(torch.float64), s.to(torch.float64)
+
         for m in ours64.mixers:
-            m.scan_fn = lambda *a, **k: ssm_scan_recurrent(*a, dt_softplus=k["dt_softplus"], dt_limit=k["dt_limit"])
+            m.scan_fn = oracle
         ref2 = ours64(ids).logits.numpy()
+    del ours64
+    gc.collect()
     out = {}
     for k, r in runners.items():
         lg = r.run(ids.numpy())[0]["logits"].astype(np.float64)[..., : ref.shape[-1]]
@@ -218,9 +233,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/m2export-bench-ort")
     ap.add_argument("--mobius-venv", default="/tmp/m2export-mobius-venv")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--all-flavours", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the std and ssmscan flavours (one more export, ssm_impl='both')")
     args = ap.parse_args(argv)
     if args.reps < 10:
         ap.error("--reps: at least 10")
+    import numpy as np
     import onnxruntime
     import torch
 
@@ -228,16 +246,22 @@ def main(argv=None) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     py_mobius = mobius_venv(Path(args.mobius_venv))
+    mob_version = subprocess.run([str(py_mobius), "-c", "import importlib.metadata as m; print(m.version('mobius-onnx'))"],
+                                 capture_output=True, text=True).stdout.strip() or "?"
     lines = []
     for name, ck in checkpoints(args.checkpoint or ["bundled", "130m"], work).items():
-        out_ours, out_mob = work / f"m2export-{name}", work / f"mobius-{name}"
-        for d in (out_ours, out_mob):
+        out_ours, out_mob, out_both = work / f"m2export-{name}", work / f"mobius-{name}", work / f"m2export-both-{name}"
+        for d in (out_ours, out_mob, out_both):
             shutil.rmtree(d, ignore_errors=True)
-        _log(f"[{name}] m2export export")
-        e_ours = _child([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[3]); "
-                         "from m2export.exporter import export_model; "
-                         "export_model(sys.argv[1], sys.argv[2], ssm_impl='native')", str(ck), str(out_ours),
-                         str(ROOT)])
+
+        def export(out: Path, impl: str) -> dict:
+            return _child([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[4]); "
+                           "from m2export.exporter import export_model; "
+                           "export_model(sys.argv[1], sys.argv[2], ssm_impl=sys.argv[3])", str(ck), str(out), impl,
+                           str(ROOT)])
+
+        _log(f"[{name}] m2export export (native)")
+        e_ours = export(out_ours, "native")
         _log(f"[{name}] mobius build")
         # --model (a local folder is accepted), not --config: mobius-onnx 0.1.0's --config path resolves the config
         # class without the model class (mobius/__main__.py _cmd_build -> _config_from_hf(hf_config)), and the
@@ -245,28 +269,36 @@ def main(argv=None) -> int:
         # "'ArchitectureConfig' object has no attribute 'num_heads'" for any Mamba-2 config (ours included)
         e_mob = _child([str(py_mobius), "-m", "mobius", "build", str(out_mob), "--model", str(ck), "--ep", "cpu",
                         "--optimize"])
-        g_ours = out_ours / "model.onnx"
+        graphs = {"m2export native": (out_ours / "model.onnx", out_ours, e_ours)}
+        if args.all_flavours:
+            _log(f"[{name}] m2export export (ssmscan + std, the other two flavours)")
+            e_both = export(out_both, "both")
+            graphs["m2export std"] = (out_both / "model.std.onnx", out_both, e_both)
+            graphs["m2export ssmscan"] = (out_both / "model.onnx", out_both, e_both)
         g_mob = next(iter(sorted(out_mob.rglob("model.onnx"))), None) or next(iter(sorted(out_mob.rglob("*.onnx"))))
-        runners = {"m2export native": Runner(g_ours, args.threads), "mobius": Runner(g_mob, args.threads)}
+        graphs["mobius"] = (g_mob, out_mob, e_mob)
+        runners = {k: Runner(g, args.threads) for k, (g, _, _) in graphs.items()}
         vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
         _log(f"[{name}] timing (interleaved)")
         t = measure(runners, vocab, args.seqlens, args.reps, args.decode_steps)
         _log(f"[{name}] accuracy")
         acc = accuracy(runners, ck, max(args.seqlens))
+        del runners
         prof = work / "profiles"
         prof.mkdir(exist_ok=True)
         kern = {}
-        for k, g in (("m2export native", g_ours), ("mobius", g_mob)):
+        for k, (g, _, _) in graphs.items():
             for what, L in (("prefill L=512", 512), ("decode", 1)):
+                # the 16-token prefill that makes the decode step's states runs in an unprofiled session
+                past = Runner(g, args.threads).run(np.ones((1, 16), "int64"))[1] if L == 1 else None
                 r = Runner(g, args.threads, profile_dir=prof)
-                past = r.run(__import__("numpy").ones((1, 16), "int64"))[1] if L == 1 else None
-                r.run(__import__("numpy").ones((1, L), "int64"), past)
+                r.run(np.ones((1, L), "int64"), past)
                 kern[(k, what)] = _profile_counts(Path(r.sess.end_profiling()))
         rows = []
-        for k, e in (("m2export native", e_ours), ("mobius", e_mob)):
-            out_dir = out_ours if k.startswith("m2export") else out_mob
+        for k, (_, out_dir, e) in graphs.items():
             rss = f"{e['peak_rss_bytes'] / 2**30:.2f} GiB"
-            cells = [f"{e['wall_s']:.1f} s / {rss}", f"{du(out_dir) / 1e6:.0f} MB"]
+            both = " (ssmscan + std export)" if out_dir == out_both else ""
+            cells = [f"{e['wall_s']:.1f} s / {rss}{both}", f"{du(out_dir) / 1e6:.0f} MB{both}"]
             cells += [f"{t[k][c][0]:.1f} / {t[k][c][1]:.1f}" for c in [f"prefill L={L} ms" for L in args.seqlens]
                       + ["decode ms/token"]]
             cells += [f"{kern[(k, 'prefill L=512')][0]} / {kern[(k, 'decode')][0]}", f"{acc[k][0]:.2e}",
@@ -275,8 +307,9 @@ def main(argv=None) -> int:
         lines += rows
     now = utc_now()
     head = (f"## bench_ort.py — {now} — CPU {os.cpu_count()} cores ({platform.machine()}, shared), "
-            f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, {args.threads} threads, "
-            f"best / median of {args.reps} interleaved runs\n\n"
+            f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, mobius-onnx {mob_version}, "
+            f"{args.threads} threads, "
+            f"best / median of {args.reps} interleaved runs, load {os.getloadavg()[0]:.1f} at the end\n\n"
             "| checkpoint | exporter | export wall / peak RSS | on disk | "
             + " | ".join(f"prefill L={L} ms" for L in args.seqlens)
             + " | decode ms/token | ORT kernels prefill L=512 / decode | logits rel-L2 vs transformers fp64 "
