@@ -424,6 +424,13 @@ def _build_native_body(nheads: int) -> tuple[list[onnx.NodeProto], Sequence[str]
     return _finish(b, y, final)
 
 
+def _attribute_defaults() -> list[onnx.AttributeProto]:
+    """The function's declared attributes: the contract's with their defaults, then the plugin-selecting ones."""
+    defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
+                for a in contract.ATTRIBUTES]
+    return defaults + [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
+
+
 def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None) -> onnx.FunctionProto:
     """Model-local function ``m2export::SSMScan``: the reference semantics in standard ONNX ops (opset ``opset``).
 
@@ -436,11 +443,8 @@ def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None
     if native_nheads is not None and opset < NATIVE_OPSET:
         raise ValueError(f"the LinearAttention body needs opset >= {NATIVE_OPSET}, got {opset}")
     nodes, inputs, outputs = _build_body() if native_nheads is None else _build_native_body(native_nheads)
-    defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
-                for a in contract.ATTRIBUTES]
-    defaults += [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
     fn = helper.make_function(contract.OP_DOMAIN, contract.OP_NAME, list(inputs), list(outputs), nodes,
-                              [helper.make_opsetid("", opset)], attribute_protos=defaults,
+                              [helper.make_opsetid("", opset)], attribute_protos=_attribute_defaults(),
                               doc_string="m2export::SSMScan v1 reference semantics (chunked SSD, fp32 internals); "
                                          "see m2export/contract.py")
     return fn
@@ -505,13 +509,10 @@ def ssm_scan_packed_function_proto(opset: int = 18) -> onnx.FunctionProto:
     """Model-local function ``m2export::SSMScanPacked`` (:func:`_build_packed_body`); it calls
     ``m2export::SSMScan``, so a model holding it also holds :func:`ssm_scan_function_proto`."""
     nodes, inputs, outputs = _build_packed_body()
-    defaults = [helper.make_attribute(a.name, a.default if a.type != "int" else int(a.default))
-                for a in contract.ATTRIBUTES]
-    defaults += [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
     return helper.make_function(contract.OP_DOMAIN, contract.PACKED_OP_NAME, list(inputs), list(outputs), nodes,
                                 [helper.make_opsetid("", opset),
                                  helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
-                                attribute_protos=defaults,
+                                attribute_protos=_attribute_defaults(),
                                 doc_string="m2export::SSMScanPacked v1: SSMScan per sequence of a packed batch "
                                            "(cu_seqlens); see m2export/contract.py")
 
@@ -554,8 +555,7 @@ def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "fl
     """
     if native_nheads is not None:
         opset = max(opset, NATIVE_OPSET)
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype("float32")) if dtype == "float32" else \
-        {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
+    elem = _elem_type(dtype)
     ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
            for s in contract.INPUTS]
     nodes, outs = [], []

@@ -62,7 +62,7 @@ def autotune_io_types(packed: bool = False) -> List[str]:
     e.g. ``"BF16, BF16, FP32, BF16, BF16, FP32, FP32, FP32, BF16, FP32"`` (8 inputs, then y, final_state);
     ``packed``: the packed form's 9 inputs (``cu_seqlens`` INT32 last).
     """
-    names = _names(packed)[0] + _names(packed)[1]
+    names = sum(_names(packed), ())
     return [", ".join(TRT_TYPE_NAMES[combo[n]] for n in names)
             for combo in contract.input_dtype_combinations(packed)]
 
