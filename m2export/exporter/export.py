@@ -22,7 +22,6 @@ end, so a failed or interrupted export leaves nothing and the previous export st
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -131,7 +130,7 @@ def _trace(model, io: GraphIO, opset: int):
     from m2export.exporter.patcher import Mamba2ModelPatcher
     from m2export.exporter.stamp import CannotStamp, trace_stamped
 
-    with Mamba2ModelPatcher(model):
+    with Mamba2ModelPatcher(model), _one_torchlib_registry():
         try:
             model_ir = trace_stamped(model, io, opset, _trace_module)
         except CannotStamp as e:
@@ -142,6 +141,46 @@ def _trace(model, io: GraphIO, opset: int):
     _optimize(model_ir)
     _share_tied_embedding(model_ir)
     return model_ir
+
+
+@contextlib.contextmanager
+def _one_torchlib_registry():
+    """Inside the block, every ``torch.onnx.export`` starts from one torchlib registry per opset.
+
+    Each ``torch.onnx.export`` call builds ``ONNXRegistry.from_torchlib`` afresh (torch 2.13:
+    ``torch/onnx/_internal/exporter/_compat.py``): ~2 s of CPU per call here, paid once per traced piece
+    (embedding, head, each layer kind). The registry is built once; each call gets a copy of its
+    ``functions`` table (target -> list of decompositions), so the custom translations one call registers
+    (``register_op`` inserts into those lists) never reach another. Where torch's layout differs (another
+    torch version), nothing is patched and every call builds its own, as before.
+    """
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    cls = getattr(_registration, "ONNXRegistry", None)
+    orig = getattr(cls, "__dict__", {}).get("from_torchlib")
+    if not isinstance(orig, classmethod):
+        yield
+        return
+    built: dict[Any, Any] = {}
+
+    def from_torchlib(klass, *args, **kwargs):
+        key = (klass, args, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = orig.__func__(klass, *args, **kwargs)
+        reg = built[key]
+        copy = klass.__new__(klass)
+        copy.__dict__.update(reg.__dict__)
+        copy.functions = {k: list(v) for k, v in reg.functions.items()}
+        return copy
+
+    cls.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        cls.from_torchlib = orig
 
 
 def _trace_module(module, args: tuple, dynamic_shapes, input_names: list[str], output_names: list[str],
@@ -249,17 +288,22 @@ class SharedWeights:
     """One external-data file for every graph of an export folder: each distinct weight is written once.
 
     :meth:`externalize` moves a model's initializers of at least ``threshold`` bytes into the file (64-byte
-    aligned, deduplicated by dtype, shape and content hash) and points them there as external tensors, so
+    aligned, deduplicated by dtype, shape and content) and points them there as external tensors, so
     ``onnx_ir.save`` writes only references; a second graph with the same weights (the standard-op flavour
     inlined from the plugin one) reuses the stored bytes. Small tensors stay inline.
+
+    Each tensor is written from its own buffer (:class:`_Bits`: a checkpoint tensor straight from its
+    memory-mapped safetensors file; a folded transpose in blocks of at most :data:`_Bits.BLOCK` bytes), never
+    as a ``tobytes`` copy of the whole tensor; content equality is decided by a sample of elements and
+    confirmed by an exact comparison (with the stored bytes read back), never by hashing every tensor.
     """
 
     ALIGN = 64
 
     def __init__(self, folder: Path, name: str = WEIGHTS_FILE, threshold: int = 1024):
         self.folder, self.name, self.threshold = Path(folder), name, threshold
-        self._f = open(self.folder / name, "wb")
-        self._index: dict[tuple, tuple[int, int]] = {}
+        self._f = open(self.folder / name, "w+b")
+        self._index: dict[tuple, list[tuple[int, int]]] = {}
 
     def externalize(self, model) -> bool:
         """Point ``model``'s large initializers into the shared file; True if any initializer refers to it."""
@@ -273,14 +317,18 @@ class SharedWeights:
             used = True
             if isinstance(t, ir.ExternalTensor) and Path(t.location).name == self.name:
                 continue
-            data = t.tobytes()
-            key = _weight_key(t, data)
-            if key not in self._index:
-                pad = -self._f.tell() % self.ALIGN
-                self._f.write(b"\0" * pad)
-                self._index[key] = (self._f.tell(), len(data))
-                self._f.write(data)
-            off, n = self._index[key]
+            bits = _Bits(t)
+            key = bits.key()
+            slot = next((s for s in self._index.get(key, []) if bits.equals_file(self._f, *s)), None)
+            if slot is None:
+                self._f.seek(0, os.SEEK_END)
+                self._f.write(b"\0" * (-self._f.tell() % self.ALIGN))
+                off = self._f.tell()
+                for block in bits.blocks():
+                    self._f.write(block)
+                slot = (off, self._f.tell() - off)
+                self._index.setdefault(key, []).append(slot)
+            off, n = slot
             v.const_value = ir.ExternalTensor(self.name, off, n, t.dtype, shape=t.shape, name=v.name,
                                               base_dir=str(self.folder))
         self._f.flush()
@@ -290,9 +338,90 @@ class SharedWeights:
         self._f.close()
 
 
-def _weight_key(t, data: bytes) -> tuple:
-    """What makes two tensors one weight: dtype, shape and content (``data`` = ``t.tobytes()``)."""
-    return (t.dtype, tuple(t.shape), len(data), hashlib.blake2b(data, digest_size=20).digest())
+class _Bits:
+    """The stored bytes of one onnx_ir tensor, read in place where its layout allows.
+
+    For an ``onnx_ir`` tensor over a numpy array or a torch tensor (the exporter's initializers: checkpoint
+    tensors, constant-folded values) in a byte-addressable dtype, on a little-endian machine: ``view`` is the
+    array reinterpreted as unsigned integers of its item size (bit patterns, so equality is byte equality:
+    -0.0 differs from 0.0, a NaN equals the same NaN), without a copy. Anything else (4-bit types, strings,
+    a big-endian host) goes through the tensor's own ``tobytes()``.
+    """
+
+    #: largest block written (or compared) at once when the array is not contiguous: bounds the temporary copy
+    BLOCK = 64 << 20
+    #: elements sampled for :meth:`key`
+    SAMPLE = 64
+
+    def __init__(self, t):
+        import math
+        import sys
+
+        import numpy as np
+        import onnx_ir as ir
+
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        view = None
+        if sys.byteorder == "little" and isinstance(t, (ir.Tensor, ir.ExternalTensor)) and t.dtype.bitwidth >= 8:
+            try:
+                a = t.numpy()
+            except Exception:  # a dtype numpy cannot hold: use tobytes below
+                a = None
+            if isinstance(a, np.ndarray) and a.dtype.byteorder in "=|<" and a.itemsize * 8 == t.dtype.bitwidth \
+                    and a.shape == self.shape:
+                view = a.view(f"u{a.itemsize}")
+        if view is None:
+            data = np.frombuffer(t.tobytes(), dtype=np.uint8)
+            n = t.dtype.bitwidth // 8
+            view = data.view(f"u{n}").reshape(self.shape) if t.dtype.bitwidth % 8 == 0 and n in (1, 2, 4, 8) \
+                and data.size == n * math.prod(self.shape) else data
+        self.view = view.reshape(1) if view.ndim == 0 else view
+
+    def key(self) -> tuple:
+        """(dtype, shape, bytes, sampled elements): equal tensors have equal keys."""
+        import numpy as np
+
+        a = self.view
+        idx = np.unravel_index(np.linspace(0, a.size - 1, min(a.size, self.SAMPLE)).astype(np.int64), a.shape) \
+            if a.size else ()
+        return self.dtype, self.shape, a.nbytes, a[idx].tobytes() if a.size else b""
+
+    def blocks(self):
+        """The bytes in C order, as buffers of at most :data:`BLOCK` bytes (views where contiguous)."""
+        import numpy as np
+
+        a = self.view
+        if a.flags.c_contiguous:
+            flat = memoryview(a.reshape(-1).view(np.uint8))
+            for i in range(0, len(flat), self.BLOCK):
+                yield flat[i:i + self.BLOCK]
+            return
+        rows = max(1, self.BLOCK // max(1, a[0].nbytes))  # a is at least 1-D and non-empty here
+        for i in range(0, a.shape[0], rows):
+            yield memoryview(np.ascontiguousarray(a[i:i + rows]).reshape(-1).view(np.uint8))
+
+    def equals(self, other: "_Bits") -> bool:
+        """Byte equality with another tensor (compared in blocks of rows: no whole-tensor temporary)."""
+        import numpy as np
+
+        a, b = self.view, other.view
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.ndim == 0 or a.size == 0:
+            return bool(np.array_equal(a, b))
+        rows = max(1, self.BLOCK // max(1, a[0].nbytes))
+        return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, a.shape[0], rows))
+
+    def equals_file(self, f, offset: int, n: int) -> bool:
+        """Byte equality with the ``n`` bytes at ``offset`` of the open file ``f``."""
+        if n != self.view.nbytes:
+            return False
+        f.flush()
+        f.seek(offset)
+        for b in self.blocks():
+            if f.read(len(b)) != b:
+                return False
+        return True
 
 
 def _merge_equal_initializers(model) -> int:
@@ -300,19 +429,39 @@ def _merge_equal_initializers(model) -> int:
     (subgraphs included); returns how many were dropped. The tracer folds ``Transpose(weight)`` once per call
     site, so a module called more than once (Zamba2's shared blocks) would otherwise hold one copy of its
     matrices per call in the graph, and in ONNX Runtime's or TensorRT's memory, even where the file stores the
-    bytes once. Graph inputs and outputs are left alone."""
-    seen: dict[tuple, object] = {}
+    bytes once. Graph inputs and outputs are left alone. The first initializer (in graph order) of equal ones
+    is kept. Candidates are found by :meth:`_Bits.key` (dtype, shape, sampled elements) and confirmed by an
+    exact comparison of their bytes: no tensor is copied or hashed whole."""
+    seen: dict[tuple, list] = {}
     dropped = 0
     for name, v in list(model.graph.initializers.items()):
         t = v.const_value
         if t is None or v.is_graph_input() or v.is_graph_output():
             continue
-        keep = seen.setdefault(_weight_key(t, t.tobytes()), v)
-        if keep is not v:
+        bits = _Bits(t)
+        same = seen.setdefault(bits.key(), [])
+        keep = next((k for k, kb in same if kb.equals(bits)), None)
+        if keep is None:
+            same.append((v, bits))
+        else:
             v.replace_all_uses_with(keep)
             del model.graph.initializers[name]
             dropped += 1
+    del seen, same, bits, keep
+    _release_mapped(model)
     return dropped
+
+
+def _release_mapped(model) -> None:
+    """Close the file mappings that reading external initializers opened (each maps the whole file)."""
+    import onnx_ir as ir
+
+    for v in model.graph.initializers.values():
+        if isinstance(v.const_value, ir.ExternalTensor):
+            try:
+                v.const_value.release()
+            except BufferError:  # an array over the mapping is still alive somewhere: leave it to the GC
+                pass
 
 
 def _save(model, path: Path, weights: SharedWeights) -> list[str]:
