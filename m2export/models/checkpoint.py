@@ -430,6 +430,8 @@ def check_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, where:
         CheckpointError: naming the tensor, its first bad index and the value.
     """
     for k, v in sd.items():
+        if _weights_ok(v, dtype):
+            continue
         bad = ~torch.isfinite(v)
         what = "a non-finite value"
         if not bad.any() and dtype in _NARROW and v.dtype != dtype:
@@ -440,6 +442,22 @@ def check_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, where:
             idx = [int(i) for i in bad.nonzero()[0]]
             raise CheckpointError(f"{where}: tensor {k!r} has {what} at index {idx}: {v[tuple(idx)].item()!r}",
                                   hint="fix the checkpoint (or export it anyway with `allow_nonfinite=True`)")
+
+
+def _weights_ok(v: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """One reduction that proves ``v`` passes :func:`check_weights` (False: look closer, element by element).
+
+    Narrowing to fp16/bf16: ``max |v|`` (``vector_norm`` of order inf; a NaN or inf propagates) within the
+    target range. Otherwise the sum, accumulated in float32 (float64 for float64): a NaN or an inf element
+    makes it non-finite, so a finite sum means every element is finite (a non-finite sum of finite values,
+    an overflow, is left to the exact check). Both read the tensor once, without the boolean mask per element
+    (``isfinite`` + ``any``, 3-4x slower here)."""
+    if not v.is_floating_point() or v.numel() == 0:
+        return False
+    if dtype in _NARROW and v.dtype != dtype:
+        return bool(torch.linalg.vector_norm(v, float("inf")) <= torch.finfo(dtype).max)
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(v.sum(dtype=acc)))
 
 
 #: safetensors metadata key/value that marks a checkpoint m2export wrote (``--force`` may replace its folder)

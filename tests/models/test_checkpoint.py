@@ -288,6 +288,29 @@ def test_non_finite_and_out_of_range_weights_are_refused(tmp_path, value, dtype,
         load_checkpoint(path) if value == 1e5 else None  # in range for fp32: accepted
 
 
+def test_large_finite_weights_whose_sum_overflows_are_accepted(tmp_path):
+    """The load's finiteness check proves most tensors finite by one float32 sum; a tensor of large finite
+    values whose sum overflows to inf must still be accepted (exact check), and a NaN next to them refused."""
+    big = torch.finfo(torch.float32).max / 2
+
+    def fill(sd):
+        sd["backbone.embedding.weight"][:4] = big
+
+    path = _tampered_ckpt(tmp_path / "a", fill)
+    ck = load_checkpoint(path)
+    assert torch.isinf(ck.model.backbone.embedding.weight.sum())  # the premise: the sum overflows
+    assert float(ck.model.backbone.embedding.weight[0, 0]) == big
+
+    def fill_nan(sd):
+        fill(sd)
+        sd["backbone.embedding.weight"][9, 2] = float("nan")
+
+    with pytest.raises(CheckpointError, match=r"non-finite value at index \[9, 2\]: nan"):
+        load_checkpoint(_tampered_ckpt(tmp_path / "b", fill_nan))
+    with pytest.raises(CheckpointError, match=r"outside the fp16 range .* at index \[0, 0\]"):
+        load_checkpoint(path, dtype=torch.float16)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("n_layer", 10**6, r"n_layer=1000000 but the weight files hold layers 0..1 \(2 of them\)"),
     ("d_model", 10**9, r"config.json declares sizes no model can have"),
