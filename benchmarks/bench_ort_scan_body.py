@@ -4,7 +4,7 @@ Bodies (all from :mod:`m2export.exporter.ssm_scan_op`, inlined, one node, fresh 
 
 * ``chunked``: the chunked SSD alone (the standard body before the seqlen-1 branch);
 * ``ssmscan/std``: the standard body as exported today, ``If(seqlen == 1)`` one recurrence step, else chunked;
-* ``native``: the native flavour's body, ``If(seqlen <= 8)`` ONNX's LinearAttention, else chunked (opset 27).
+* ``native``: the native flavour's body, ``If(seqlen == 1)`` the step, else ORT's com.microsoft LinearAttention.
 
 Each is checked against the float64 oracle (rel-L2 of y and final_state) before timing; timings are
 interleaved rounds (one call of each body per round), best and median of ``--reps``, ms per call.
@@ -49,7 +49,7 @@ def _chunked_only_function(opset: int):
     return fn
 
 
-def _sessions(nheads: int, chunk: int, threads: int):
+def _sessions(shape, chunk: int, threads: int):
     import onnxruntime as ort
 
     from m2export.contract import SSMScanAttrs
@@ -57,7 +57,7 @@ def _sessions(nheads: int, chunk: int, threads: int):
 
     attrs = [SSMScanAttrs(chunk_size=chunk)]
     models = {"ssmscan/std (If L==1 step)": ssm_scan_node_model(attrs, inline=True),
-              "native (If L==1 step, L<=8 LinearAttention)": ssm_scan_node_model(attrs, inline=True, native_nheads=nheads)}
+              "native (If L==1 step, else LinearAttention)": ssm_scan_node_model(attrs, inline=True, native=shape)}
     chunked = ssm_scan_node_model(attrs)
     del chunked.functions[:]
     chunked.functions.append(_chunked_only_function(18))
@@ -90,7 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = ap.parse_args(argv)
 
-    sess = _sessions(args.nheads, args.chunk_size, args.threads)
+    from m2export.exporter.ssm_scan_op import NativeScanShape
+
+    sess = _sessions(NativeScanShape(args.nheads, args.headdim, args.ngroups, args.d_state), args.chunk_size,
+                     args.threads)
     rows = []
     for L in args.seqlens:
         p = SSMScanProblem(args.batch, L, args.nheads, args.headdim, args.ngroups, args.d_state)

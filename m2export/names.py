@@ -8,8 +8,8 @@ One set of names, spelled the same in every verb, in ``m2export.json``, in repor
 * **graph flavours** (``export --ssm-impl``, ``generate --ssm-impl``; the ``ssm_impl`` field of
   ``m2export.json``): ``ssmscan`` (one ``m2export::SSMScan`` custom-op node per layer, with a model-local
   ONNX function holding its semantics: ``model.onnx``) and ``std`` (standard ONNX ops only, no custom
-  domain: ``model.std.onnx``) and ``native`` (ONNX Runtime's own kernels for the mixer: opset-27
-  ``LinearAttention`` and ``CausalConvWithState``: ``model.native.onnx``). All are ONNX graphs; ``both``
+  domain: ``model.std.onnx``) and ``native`` (ONNX Runtime's fused kernels: ``com.microsoft``
+  ``LinearAttention``, ``CausalConvWithState``, RMSNorm ops; opset 27: ``model.native.onnx``). All are ONNX graphs; ``both``
   exports ssmscan and std, ``all`` the three.
 * **TensorRT plugin modes** (``build --plugin``): ``jit`` (the kernel runs from Python) and ``aot``
   (the kernel is embedded in the engine as PTX). "plugin" names only this.
@@ -31,7 +31,7 @@ RUNTIMES = {
 FLAVOURS = {
     "ssmscan": "one m2export::SSMScan custom-op node per layer + its model-local ONNX function",
     "std": "standard ONNX ops only (no custom domain)",
-    "native": "ONNX Runtime's own kernels for the mixer (opset-27 LinearAttention, CausalConvWithState)",
+    "native": "ONNX Runtime's fused kernels (com.microsoft LinearAttention, CausalConvWithState, RMSNorm)",
 }
 REFERENCE_RUNTIME = "torch"  # what check compares every other runtime with
 BOTH = "both"

@@ -1,29 +1,40 @@
-"""The ``native`` flavour: the Mamba-2 mixer on ONNX Runtime's own kernels (default-domain opset 27).
+"""The ``native`` flavour: the Mamba-2 model on ONNX Runtime's own fused kernels (CPU provider, ORT >= 1.32).
 
 Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local function) by
-:func:`to_native_ort`:
+:func:`to_native_ort`, in four rewrites, each leaving anything that does not match its pattern as it was:
 
-* every ``m2export::SSMScan`` call is inlined with the body of :func:`~m2export.exporter.ssm_scan_op.
-  _build_native_body`: the step size as in every flavour, then ``If(seqlen <= NATIVE_RECURRENT_MAX_LEN)``
-  one ``LinearAttention`` (``update_rule="gated"``: q = C, k = B expanded from groups to heads,
-  v = delta ∘ x, decay = delta · A, scale 1; the D skip outside; the state transposed at the node, since
-  LinearAttention keeps (b, h, d_state, headdim) and the graph I/O (b, h, headdim, d_state) like every
-  flavour), else the chunked body of the std flavour. ORT 1.32's CPU LinearAttention is a token-by-token
-  recurrence (MLAS GEMVs; its chunk_size attribute is unused): accurate and the fastest at decode, but
-  slower than the chunked body from ~16 tokens on (one 130m-shaped layer: benchmarks/RESULTS.md);
-* every causal depthwise conv of the traced graph (``Concat(past_conv_state, x)`` → ``Conv(group=C)``
-  → ``x * Sigmoid(x)``, and the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
-  ``CausalConvWithState(activation="silu")``.
+* every ``m2export::SSMScan`` call is inlined with a body built for its attribute values, its sizes and the
+  dtype of ``x`` (:func:`~m2export.exporter.ssm_scan_op.native_ssm_scan_function`): ``Softplus`` for the step
+  size, then ``If(seqlen == 1)`` one recurrence step, else ORT's ``com.microsoft::LinearAttention``; every
+  reshape a constant;
+* every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
+  the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
+  ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)``, which reads and writes the
+  activations in the (batch, seqlen, channels) layout the in-projection produces: the traced graph's
+  Transposes of the activations around the conv go; the small conv states are transposed instead (the
+  graph I/O keeps (batch, channels, d_conv - 1));
+* every RMSNorm as traced (``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps))``, then the weight) becomes
+  one ``RMSNormalization`` (opset 23), or ``com.microsoft::SkipSimplifiedLayerNormalization`` where its input
+  is a residual ``Add`` (the sum is that node's fourth output);
+* every ``Reshape`` whose target shape is computed at run time (``Shape`` → ``Squeeze`` → ``Concat``) but
+  whose output shape is known up to the batch and sequence symbols gets a constant shape (``0`` copies a
+  dim, ``-1`` infers one), so the shape arithmetic drops out.
 
-The graph I/O (names, shapes, dtypes) is unchanged. ONNX Runtime >= 1.32 runs both ops on its CPU
-provider (kernel counts and times per prefill/decode call: benchmarks/RESULTS.md). Runtimes without
-opset 27 use the ``std`` flavour; TensorRT uses the ``ssmscan`` flavour (the plugin).
+Every pass expects the model to import :data:`~m2export.exporter.ssm_scan_op.NATIVE_OPSETS` (opset 27 and
+``com.microsoft``), as :func:`to_native_ort` sets first.
+
+ONNX Runtime 1.32 has no CPU kernel for the default-domain (opset 27) ``LinearAttention`` and
+``CausalConvWithState``: it runs their ONNX function bodies (a Scan over tokens, a Conv), which is why the
+contrib-domain ops are used. The graph I/O (names, shapes, dtypes) is unchanged. Kernel counts and times
+per call: ``benchmarks/bench_ort.py`` in benchmarks/RESULTS.md. Runtimes other than ONNX Runtime use the
+``std`` flavour; TensorRT uses the ``ssmscan`` flavour (the plugin).
 """
 
 from __future__ import annotations
 
+from m2export import contract
 from m2export.errors import ExportError
-from m2export.exporter.ssm_scan_op import NATIVE_OPSET
+from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
 
 #: IR version of the native graphs (onnx 1.22's, the first with opset 27)
 NATIVE_IR_VERSION = 11
@@ -33,32 +44,64 @@ def to_native_ort(model, nheads: int, n_layer: int, inline):
     """A native-kernel copy of an onnx_ir ssmscan-flavour ``model`` (weights shared, ``model`` untouched).
 
     Args:
-        model: onnx_ir Model with ``m2export::SSMScan`` nodes and the model-local function (ssmscan flavour).
-        nheads: heads of every mixer (LinearAttention needs it as an attribute).
+        model: onnx_ir Model with ``m2export::SSMScan`` nodes and the model-local function (ssmscan flavour);
+            the nodes' ``x`` and ``B`` inputs must have static head, headdim, group and d_state sizes.
+        nheads: heads of every mixer (checked against the graph).
         n_layer: mixers expected (one LinearAttention and one CausalConvWithState each).
         inline: the exporter's inlining pass (``export._inline``), applied to the copy.
     Returns:
-        The onnx_ir Model of the ``native`` flavour (opset 27, no m2export domain).
+        The onnx_ir Model of the ``native`` flavour (opsets :data:`~m2export.exporter.ssm_scan_op.NATIVE_OPSETS`,
+        no m2export domain).
     Raises:
-        ExportError: the traced graph does not have the expected conv pattern once per layer.
+        ExportError: the traced graph does not have the expected scans and conv pattern once per layer.
     """
-    import onnx_ir as ir
-
-    from m2export.exporter.ssm_scan_op import ssm_scan_function_proto
-
     out = model.clone()
-    out.opset_imports[""] = NATIVE_OPSET
+    out.opset_imports.update(NATIVE_OPSETS)
     out.ir_version = max(out.ir_version or 0, NATIVE_IR_VERSION)
-    fn = ir.serde.deserialize_function(ssm_scan_function_proto(NATIVE_OPSET, native_nheads=nheads))
-    out.functions.clear()
-    out.functions[fn.identifier()] = fn
+    n_scan = _specialise_scans(out, nheads)
     inline(out)
     fused = fuse_causal_conv(out)
+    share_seqlen_test(out)
+    fuse_rms_norm(out)
+    constant_reshapes(out)
+    sink_into_branches(out)  # last: constant_reshapes frees the shape arithmetic the branches alone still read
+    import onnx_ir as ir
+
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
-    if fused != n_layer or n_la != n_layer:
-        raise ExportError(f"internal: the native flavour expected {n_layer} causal convs and scans, found {fused} "
-                          f"convs and {n_la} LinearAttention nodes")
+    if not (n_scan == fused == n_la == n_layer):
+        raise ExportError(f"internal: the native flavour expected {n_layer} scans and causal convs, found "
+                          f"{n_scan} SSMScan nodes, {fused} convs and {n_la} LinearAttention nodes")
     return out
+
+
+def _specialise_scans(model, nheads: int) -> int:
+    """Point every SSMScan node at the native body for its (attributes, sizes, dtype); returns the node count."""
+    import onnx_ir as ir
+
+    from m2export.contract import SSMScanAttrs
+    from m2export.exporter.ssm_scan_op import NativeScanShape, native_function_name, native_ssm_scan_function
+
+    bodies: dict[tuple, str] = {}
+    count = 0
+    for node in model.graph:
+        if node.op_type != contract.OP_NAME or node.domain != contract.OP_DOMAIN:
+            continue
+        x, B = node.inputs[0], node.inputs[3]
+        dims = [x.shape[2], x.shape[3], B.shape[2], B.shape[3]] if x.shape is not None and B.shape is not None \
+            and len(x.shape) == 4 and len(B.shape) == 4 else []
+        if not dims or not all(isinstance(d, int) for d in dims) or dims[0] != nheads:
+            raise ExportError(f"internal: SSMScan node {node.name!r} has x {x.shape} and B {B.shape}; the native "
+                              f"flavour needs static (nheads={nheads}, headdim) and (ngroups, d_state)")
+        attrs = SSMScanAttrs.from_onnx_attributes({k: a.value for k, a in node.attributes.items()})
+        key = (attrs, NativeScanShape(*dims), int(x.dtype))
+        node.op_type = bodies.setdefault(key, native_function_name(len(bodies)))
+        node.attributes.clear()
+        count += 1
+    model.functions.clear()
+    for (attrs, shape, dtype), name in bodies.items():
+        fn = ir.serde.deserialize_function(native_ssm_scan_function(attrs, shape, dtype, name))
+        model.functions[fn.identifier()] = fn
+    return count
 
 
 def _single_consumer(value, op_type: str):
@@ -66,20 +109,94 @@ def _single_consumer(value, op_type: str):
     return uses[0] if len(uses) == 1 and uses[0].op_type == op_type and uses[0].domain == "" else None
 
 
+def _producer(value, op_type: str):
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def _perm(node) -> list[int] | None:
+    a = node.attributes.get("perm") if node is not None else None
+    return list(a.value) if a is not None else None
+
+
+def seqlen_is_one(model):
+    """The graph's one ``sequence_length == 1`` test (bool, shape (1,)) on the first graph input with a
+    ``sequence_length`` axis, created on first use (``Shape`` + ``Equal`` at the top of the graph)."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from m2export.exporter.configs import SEQ
+
+    g = model.graph
+    name = "seqlen_is_one"
+    for node in g:
+        if node.outputs and node.outputs[0].name == name:
+            return node.outputs[0]
+    for v in g.inputs:
+        axis = next((i for i, d in enumerate(v.shape or []) if isinstance(d, ir.SymbolicDim) and d.value == SEQ), None)
+        if axis is not None:
+            break
+    else:
+        raise ExportError(f"internal: no graph input has a {SEQ!r} axis")
+    one = ir.Value(name=f"{name}.one", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
+                   const_value=ir.tensor(np.array([1], np.int64), name=f"{name}.one"))
+    g.register_initializer(one)
+    shape = ir.node("Shape", [v], {"start": axis, "end": axis + 1}, name=f"{name}.shape")
+    shape.outputs[0].name = f"{name}.shape"
+    test = ir.node("Equal", [shape.outputs[0], one], name=name)
+    test.outputs[0].name, test.outputs[0].dtype, test.outputs[0].shape = name, ir.DataType.BOOL, ir.Shape([1])
+    g.insert_before(next(iter(g)), [shape, test])
+    return test.outputs[0]
+
+
+def share_seqlen_test(model) -> int:
+    """Point every top-level ``If`` whose condition is ``Equal(Shape(v, start=1, end=2), [1])`` on a value
+    with a ``sequence_length`` axis 1 (the native SSMScan bodies' one-token test) at :func:`seqlen_is_one`:
+    one test per graph instead of one per layer. Returns the number of Ifs rewired."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    from m2export.exporter.configs import SEQ
+
+    done = 0
+    for node in [n for n in model.graph if n.op_type == "If" and n.domain == ""]:
+        eq = _producer(node.inputs[0], "Equal")
+        sh = _producer(eq.inputs[0], "Shape") if eq is not None else None
+        one = ir.convenience.get_const_tensor(eq.inputs[1]) if eq is not None else None
+        if sh is None or one is None or one.numpy().reshape(-1).tolist() != [1]:
+            continue
+        v = sh.inputs[0]
+        start, end = sh.attributes.get("start"), sh.attributes.get("end")
+        if start is None or end is None or (start.value, end.value) != (1, 2) or v.shape is None or len(v.shape) < 2 \
+                or not (isinstance(v.shape[1], ir.SymbolicDim) and v.shape[1].value == SEQ):
+            continue
+        node.replace_input_with(0, seqlen_is_one(model))
+        done += 1
+    if done:
+        common.RemoveUnusedNodesPass()(model)
+    return done
+
+
 def fuse_causal_conv(model) -> int:
-    """Replace each traced causal depthwise conv + SiLU (+ its state Slice) by ``CausalConvWithState``.
+    """Replace each traced causal depthwise conv + SiLU (+ its state Slice) by ``If(sequence_length == 1)``
+    ORT's ``CausalConvWithState``, else the traced nodes themselves.
 
     Pattern (as torch.onnx traces ``Mamba2Mixer``): ``cat = Concat(past, x, axis=2)``; ``present =
     Slice(cat, ...)`` (a graph output); ``c = Conv(cat, W[, bias], group=channels, no padding, stride 1,
-    dilation 1)``; ``y = Mul(c, Sigmoid(c))``. Anything else is left as it is. Returns the number fused.
+    dilation 1)``; ``y = Mul(c, Sigmoid(c))``; usually ``x = Transpose(t, perm=[0, 2, 1])`` and a
+    ``Transpose(y, perm=[0, 2, 1])`` after it (the in-projection's channels-last layout). Why two branches:
+    ORT 1.32's CPU CausalConvWithState is 3-5x faster than the traced nodes for one token and 2-3x slower
+    from ~128 tokens on (one 130m-shaped conv, benchmarks/RESULTS.md). The decode branch runs it
+    channels-last on ``t`` (no transpose of the activations; the small conv states are transposed, the
+    graph I/O keeps (batch, channels, d_conv - 1)). Anything else is left as it is. Returns the number fused.
     """
     import onnx_ir as ir
 
     g = model.graph
     fused = 0
     for conv in [n for n in g if n.op_type == "Conv" and n.domain == ""]:
-        cat = conv.inputs[0].producer() if conv.inputs[0] is not None else None
-        if cat is None or cat.op_type != "Concat" or len(cat.inputs) != 2 or cat.attributes["axis"].as_int() != 2:
+        cat = _producer(conv.inputs[0], "Concat")
+        if cat is None or len(cat.inputs) != 2 or cat.attributes["axis"].as_int() != 2:
             continue
         past, x = cat.inputs
         w = conv.inputs[1]
@@ -98,22 +215,265 @@ def fuse_causal_conv(model) -> int:
         if len(slices) != 1 or slices[0].op_type != "Slice" or not slices[0].outputs[0].is_graph_output():
             continue
         present = slices[0].outputs[0]
-        inputs = [x, w, conv.inputs[2] if len(conv.inputs) > 2 else None, past]
-        node = ir.node("CausalConvWithState", inputs, {"activation": "silu"}, num_outputs=2,
-                       name=f"{conv.name or 'conv'}.causal_conv_with_state")
-        g.insert_before(cat, node)
-        y, state = node.outputs
-        y_name, present_name = mul.outputs[0].name, present.name
-        y.dtype, y.shape = mul.outputs[0].dtype, mul.outputs[0].shape
-        state.dtype, state.shape = present.dtype, present.shape
-        mul.outputs[0].replace_all_uses_with(y, replace_graph_outputs=True)
-        present.replace_all_uses_with(state, replace_graph_outputs=True)  # present_conv_state.{i}
-        for n in (mul, sig, conv, slices[0], cat):
-            g.remove(n, safe=True)
-        y.name, state.name = y_name, present_name
+        name = conv.name or "conv"
+        traced = [cat, conv, sig, mul, slices[0]]
+        pre = _producer(x, "Transpose")
+        if _perm(pre) == [0, 2, 1] and len(x.uses()) == 1:
+            traced.insert(0, pre)
+        else:
+            pre = None
+        y = mul.outputs[0]
+        post = [u.node for u in y.uses()]
+        post = post[0] if len(post) == 1 and post[0].op_type == "Transpose" and _perm(post[0]) == [0, 2, 1] \
+            and not y.is_graph_output() else None
+        if post is not None:
+            traced.insert(-1, post)
+        y_out = post.outputs[0] if post is not None else y  # the pattern's output, channels-last when post
+
+        # decode branch: CausalConvWithState, channels-last
+        dec = []
+
+        def t(v, nm):
+            dec.append(ir.node("Transpose", [v], {"perm": [0, 2, 1]}, name=f"{name}.{nm}"))
+            dec[-1].outputs[0].name = f"{name}.{nm}"  # names are global across subgraphs (SSA)
+            dec[-1].outputs[0].type = v.type
+            return dec[-1].outputs[0]
+
+        x_cl = pre.inputs[0] if pre is not None else t(x, "x_channels_last")
+        ccws = ir.node("CausalConvWithState", [x_cl, w, conv.inputs[2] if len(conv.inputs) > 2 else None,
+                                               t(past, "past_channels_last")],
+                       {"activation": "silu", "channels_last": 1}, domain=ORT_DOMAIN, num_outputs=2,
+                       name=f"{name}.causal_conv_with_state")
+        dec.append(ccws)
+        ccws.outputs[0].name, ccws.outputs[1].name = f"{name}.y_channels_last", f"{name}.state_channels_last"
+        ccws.outputs[0].type, ccws.outputs[1].type = y_out.type, present.type
+        y_dec = ccws.outputs[0] if post is not None else t(ccws.outputs[0], "y_channels_first")
+        s_dec = t(ccws.outputs[1], "present_channels_first")
+
+        outs = [ir.Value(name=f"{name}.if_y", type=y_out.type, shape=y_out.shape),
+                ir.Value(name=f"{name}.if_state", type=present.type, shape=present.shape)]
+        y_name, present_name = y_out.name, present.name
+        y_out.replace_all_uses_with(outs[0], replace_graph_outputs=True)
+        present.replace_all_uses_with(outs[1], replace_graph_outputs=True)  # present_conv_state.{i}
+        g.insert_before(traced[0], ir.node("If", [seqlen_is_one(model)], outputs=outs, name=f"{name}.if_one_token",
+                                           attributes={
+            "then_branch": ir.Graph([], [y_dec, s_dec], nodes=dec, name=f"{name}_one_token"),
+            "else_branch": ir.Graph([], [y_out, present], nodes=[], name=f"{name}_traced")}))
+        g.remove(traced)  # not safe=True: that would detach their inputs; they move into the else branch
+        else_branch = outs[0].producer().attributes["else_branch"].value
+        for n in traced:
+            else_branch.append(n)
+        y_out.name, present.name = f"{name}.y_traced", f"{name}.present_traced"
+        outs[0].name, outs[1].name = y_name, present_name
         fused += 1
     if fused:
-        import onnx_ir.passes.common as common
+        g.sort()  # the If reads values (the Slice's bounds) computed after the first node it replaced
+    return fused
 
+
+def sink_into_branches(model) -> int:
+    """Move every top-level node whose outputs are read only inside one ``If`` branch (e.g. the traced Slice
+    bounds of the conv state, now inside :func:`fuse_causal_conv`'s prefill branch) into that branch, so the
+    other branch (decode) does not pay for it. Repeats until nothing moves; returns the number moved."""
+    g = model.graph
+    outputs = set(g.outputs)
+    moved = 0
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(g)):
+            users = {u.node.graph for v in node.outputs for u in v.uses()}
+            if not node.outputs or any(v in outputs for v in node.outputs) or len(users) != 1:
+                continue
+            (branch,) = users
+            if branch is g or branch is None:
+                continue
+            owner = next((n for n in g if n.op_type == "If" and any(
+                a.value is branch for a in n.attributes.values() if hasattr(a.value, "outputs"))), None)
+            if owner is None:
+                continue
+            g.remove(node)
+            branch.insert_before(next(iter(branch)), node) if len(branch) else branch.append(node)
+            moved += 1
+            changed = True
+    if moved:
+        g.sort()
+    return moved
+
+
+def _scalar(value) -> float | None:
+    """The value of a one-element constant (initializer or Constant node), else None."""
+    import onnx_ir as ir
+
+    t = ir.convenience.get_const_tensor(value) if value is not None else None
+    if t is None:
+        return None
+    a = t.numpy()
+    return float(a.reshape(-1)[0]) if a.size == 1 else None
+
+
+def _rms_core(mul):
+    """``(x, eps, nodes)`` if ``mul`` is ``Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), axes=[-1]), eps))))``
+    (either operand order) with every intermediate used once; else None."""
+    import onnx_ir as ir
+
+    for x, r in (mul.inputs, mul.inputs[::-1]):
+        rec = _producer(r, "Reciprocal")
+        sqrt = _producer(rec.inputs[0], "Sqrt") if rec else None
+        add = _producer(sqrt.inputs[0], "Add") if sqrt else None
+        if add is None:
+            continue
+        for m, e in (add.inputs, add.inputs[::-1]):
+            mean, eps = _producer(m, "ReduceMean"), _scalar(e)
+            pw = _producer(mean.inputs[0], "Pow") if mean is not None else None
+            if pw is None or eps is None or pw.inputs[0] is not x or _scalar(pw.inputs[1]) != 2.0:
+                continue
+            axes = ir.convenience.get_const_tensor(mean.inputs[1]) if len(mean.inputs) > 1 else None
+            keep = mean.attributes.get("keepdims")
+            rank = len(x.shape) if x.shape is not None else None
+            if axes is None or rank is None or [int(a) % rank for a in axes.numpy().reshape(-1)] != [rank - 1] \
+                    or (keep is not None and keep.value != 1):
+                continue
+            chain = (pw, mean, add, sqrt, rec)
+            if all(len(n.outputs[0].uses()) == 1 for n in chain):
+                return x, eps, chain
+    return None
+
+
+def fuse_rms_norm(model) -> int:
+    """Replace each traced RMSNorm over the last axis by ``RMSNormalization`` (or, on a residual sum,
+    ``com.microsoft::SkipSimplifiedLayerNormalization``); returns the number fused.
+
+    Matched: :func:`_rms_core` followed by ``Mul(., w)`` with a constant ``w`` of the last axis' size (the
+    weight becomes the op's scale); or, for a grouped norm over (..., g, size) (the gated norm) followed by a
+    Reshape back to (..., g * size) and ``Mul(., w)``, the scale is ``Reshape(w, [g, size])`` and that Mul goes;
+    else the core alone with a scale of ones. ``SkipSimplifiedLayerNormalization`` is used
+    when ``x = Add(a, b)`` of two rank-3 tensors of x's shape (the residual stream): its fourth output is
+    that sum, which replaces the Add for its other consumers. ``x`` must be float32 (fp16 graphs: the cores
+    inside their float32 Cast islands fuse, the Casts stay). Same formula as traced: ``x / sqrt(mean(x^2) +
+    eps) * w``.
+    """
+    import numpy as np
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    g = model.graph
+    fused = 0
+    for mul in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
+        if mul.graph is not g:  # removed by an earlier fusion
+            continue
+        core = _rms_core(mul)
+        if core is None:
+            continue
+        x, eps, chain = core
+        if x.dtype != ir.DataType.FLOAT or x.shape is None or not isinstance(x.shape[-1], int):
+            continue
+        size = x.shape[-1]
+        out, scale = mul.outputs[0], None
+        wmul = _single_consumer(out, "Mul")
+        if wmul is not None:
+            w = wmul.inputs[1] if wmul.inputs[0] is out else wmul.inputs[0]
+            wt = ir.convenience.get_const_tensor(w)
+            if wt is not None and tuple(wt.shape) == (size,) and wt.dtype == ir.DataType.FLOAT:
+                scale, out = w, wmul.outputs[0]
+        if scale is None and len(x.shape) >= 2 and isinstance(x.shape[-2], int):
+            # grouped norm: (..., g, size) -> Reshape to (..., g * size) -> Mul(w): the scale is w as (g, size),
+            # a Reshape of the initializer (ORT folds it at session start; the stored weight stays one tensor)
+            back = _single_consumer(out, "Reshape")
+            wmul = _single_consumer(back.outputs[0], "Mul") if back is not None else None
+            if wmul is not None and back.outputs[0].shape is not None and len(back.outputs[0].shape) == len(x.shape) - 1:
+                w = wmul.inputs[1] if wmul.inputs[0] is back.outputs[0] else wmul.inputs[0]
+                wt = ir.convenience.get_const_tensor(w)
+                groups = x.shape[-2]
+                if wt is not None and tuple(wt.shape) == (groups * size,) and wt.dtype == ir.DataType.FLOAT:
+                    shape = ir.Value(name=f"{mul.name or 'rms'}.scale_shape", shape=ir.Shape([2]),
+                                     type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(
+                                         np.array([groups, size], np.int64), name=f"{mul.name or 'rms'}.scale_shape"))
+                    g.register_initializer(shape)
+                    r = ir.node("Reshape", [w, shape], name=f"{mul.name or 'rms'}.scale")
+                    r.outputs[0].name, r.outputs[0].type = f"{mul.name or 'rms'}.scale", w.type
+                    g.insert_before(chain[0], r)
+                    scale = r.outputs[0]
+                    # the Mul's output is now the Reshape's: same values, w applied inside the norm
+                    wmul_out = wmul.outputs[0]
+                    wmul_name = wmul_out.name
+                    wmul_out.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
+                    g.remove(wmul, safe=True)
+                    if not back.outputs[0].is_graph_output():
+                        back.outputs[0].name = wmul_name
+            wmul = None
+        if scale is None:
+            wmul = None
+            ones = ir.Value(name=f"{mul.name or 'rms'}.ones", shape=ir.Shape([size]), type=ir.TensorType(ir.DataType.FLOAT),
+                            const_value=ir.tensor(np.ones(size, np.float32), name=f"{mul.name or 'rms'}.ones"))
+            g.register_initializer(ones)
+            scale = ones
+        add = _producer(x, "Add")
+        residual = add is not None and len(x.shape) == 3 and all(
+            v is not None and v.shape is not None and list(v.shape) == list(x.shape) for v in add.inputs)
+        name = f"{mul.name or 'rms'}.rms_norm"
+        if residual:
+            node = ir.node("SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], scale],
+                           {"epsilon": eps}, domain=ORT_DOMAIN, num_outputs=4, name=name)
+            node.outputs[1].name, node.outputs[2].name = f"{name}.mean", f"{name}.inv_std_var"
+            g.insert_before(add, node)
+            total = node.outputs[3]
+            total.dtype, total.shape = x.dtype, x.shape
+            x_name = x.name
+            x.replace_all_uses_with(total, replace_graph_outputs=True)
+            g.remove(add, safe=True)
+            total.name = x_name
+        else:
+            node = ir.node("RMSNormalization", [x, scale], {"epsilon": eps, "axis": -1}, num_outputs=1, name=name)
+            g.insert_before(chain[0], node)
+        y = node.outputs[0]
+        y.dtype, y.shape = out.dtype, out.shape
+        out_name = out.name
+        out.replace_all_uses_with(y, replace_graph_outputs=True)
+        for n in ([wmul] if wmul is not None else []) + [mul, *chain[::-1]]:
+            g.remove(n, safe=True)
+        y.name = out_name
+        fused += 1
+    if fused:
         common.RemoveUnusedNodesPass()(model)
     return fused
+
+
+def constant_reshapes(model) -> int:
+    """Give every top-level ``Reshape`` with a run-time target shape a constant one where the output's shape is
+    known up to symbols: a dim equal to the input's dim at the same position (same symbol or size) becomes ``0``
+    (copy), a fixed size stays, and at most one other symbol becomes ``-1``. ``allowzero`` is cleared (no
+    constant shape written here has a literal zero). Returns the number rewritten."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    g = model.graph
+    done = 0
+    for node in [n for n in g if n.op_type == "Reshape" and n.domain == ""]:
+        data, target = node.inputs[0], node.inputs[1]
+        out = node.outputs[0]
+        if ir.convenience.get_const_tensor(target) is not None or out.shape is None or data.shape is None:
+            continue
+        dims, unknown = [], 0
+        for i, d in enumerate(out.shape):
+            if i < len(data.shape) and isinstance(d, ir.SymbolicDim) and d.value is not None \
+                    and isinstance(data.shape[i], ir.SymbolicDim) and data.shape[i].value == d.value:
+                dims.append(0)
+            elif isinstance(d, int) and d > 0:
+                dims.append(d)
+            else:
+                dims.append(-1)
+                unknown += 1
+        if unknown > 1:
+            continue
+        const = ir.Value(name=f"{node.name or out.name}.shape", shape=ir.Shape([len(dims)]),
+                         type=ir.TensorType(ir.DataType.INT64),
+                         const_value=ir.tensor(np.array(dims, np.int64), name=f"{node.name or out.name}.shape"))
+        g.register_initializer(const)
+        node.replace_input_with(1, const)
+        node.attributes.pop("allowzero", None)
+        done += 1
+    if done:
+        common.RemoveUnusedNodesPass()(model)
+    return done

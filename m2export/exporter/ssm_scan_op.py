@@ -39,12 +39,14 @@ Design of the body (every step in float32, Cast islands at entry/exit for fp16/b
 Steps 2-7 run only for ``seqlen > 1``: the body is ``If(seqlen == 1)`` one step of the recurrence itself
 (``h = exp(delta A) h0 + (delta x) Bᵀ``, ``y = h C + D x``; a decode token), else the chunked SSD. One
 graph serves prefill and decode, and the step costs a fraction of the chunked body at one token
-(benchmarks/bench_ort_scan_body.py). The native flavour adds LinearAttention for 2..8 tokens.
+(benchmarks/bench_ort_scan_body.py). The native flavour (ONNX Runtime only) has its own bodies,
+specialised per attribute set and model size: :func:`native_ssm_scan_function`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -156,12 +158,12 @@ class _Body:
         self._n = 0
         self._prefix = prefix  # keeps the names of an If branch apart from its outer scope's
 
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attrs):
         outs = []
         for _ in range(outputs):
             self._n += 1
             outs.append(f"_{self._prefix}{op_type.lower()}{self._n}")
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, domain=domain, **attrs))
         return outs[0] if outputs == 1 else outs
 
     def ref_constant(self, kind: str, attr: str) -> str:
@@ -368,60 +370,128 @@ def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = N
     return b.op("Add", yl, b.op("Mul", xf, b.op("Unsqueeze", Df, i1(1)))), final
 
 
-#: first default-domain opset with LinearAttention and CausalConvWithState (onnx 1.23)
+#: default-domain opset of the native flavour's graphs (onnx 1.23's newest; RMSNormalization needs >= 23)
 NATIVE_OPSET = 27
+#: domain of ONNX Runtime's contrib kernels; the native flavour's LinearAttention and CausalConvWithState live
+#: there: ORT 1.32 has no CPU kernel for the opset-27 default-domain ops of the same names and runs their ONNX
+#: function bodies instead (a Scan over tokens, a Conv), 1.5-6x slower (benchmarks/RESULTS.md)
+ORT_DOMAIN = "com.microsoft"
+#: the native flavour's opset imports
+NATIVE_OPSETS = {"": NATIVE_OPSET, ORT_DOMAIN: 1}
 
 
-#: sequences up to this length take LinearAttention's token-by-token recurrence in the native flavour, longer
-#: ones the chunked body (ORT 1.32 CPU, one 130m-shaped layer, benchmarks/RESULTS.md)
-NATIVE_RECURRENT_MAX_LEN = 8
+@dataclass(frozen=True)
+class NativeScanShape:
+    """The static sizes a native-flavour SSMScan body is built for (one model's mixers).
 
-
-def _recurrent_scan(b: _Body, e: dict[str, str], nheads: int) -> tuple[str, str]:
-    """SSMScan as the opset-27 ``LinearAttention`` (update_rule "gated"), appended to ``b``.
-
-    With state S (b, h, d_state, headdim) = final_stateᵀ, LinearAttention's recurrence
-    ``S_t = exp(g_t) S_{t-1} + k_t ⊗ v_t``, ``o_t = scale q_tᵀ S_t`` is SSMScan's with q = C and k = B
-    (both expanded from groups to heads), v = delta ∘ x, g = delta · A (per-head scalar decay), scale 1;
-    the D skip is added outside. ``nheads`` is baked into the q/kv head counts (LinearAttention needs
-    them as attributes, SSMScan nodes do not carry them). No segment sums: one decay per token.
-    Returns (y in float32 with the D skip (b, L, h, p), final_state (b, h, p, n)).
+    LinearAttention takes the head count as an attribute; the other sizes make every reshape of the body a
+    constant (no Shape/Concat arithmetic at run time). Batch and sequence length stay dynamic.
     """
-    bsz, L, h, p, g, n, hpg = (e[k] for k in ("bsz", "L", "h", "p", "g", "n", "hpg"))
-    minus1 = b.const([-1])
-    decay = b.op("Mul", e["delta"], e["Af"])  # (b, L, h)
-    v = b.op("Reshape", b.op("Mul", e["xf"], b.op("Unsqueeze", e["delta"], b.const([-1]))),
-             b.op("Concat", bsz, L, minus1, axis=0))  # (b, L, h*p)
 
-    def heads(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
-        t5 = b.op("Expand", b.op("Unsqueeze", t, b.const([3])), b.op("Concat", bsz, L, g, hpg, n, axis=0))
-        return b.op("Reshape", t5, b.op("Concat", bsz, L, minus1, axis=0))
+    nheads: int
+    headdim: int
+    ngroups: int
+    d_state: int
 
-    s0 = b.op("Transpose", e["h0f"], perm=[0, 1, 3, 2])  # (b, h, n, p)
-    o, s1 = b.op("LinearAttention", heads(e["Cf"]), heads(e["Bf"]), v, s0, decay, outputs=2,
-                 update_rule="gated", q_num_heads=nheads, kv_num_heads=nheads, scale=1.0)
-    y = b.op("Reshape", o, b.op("Concat", bsz, L, h, p, axis=0))
-    y = b.op("Add", y, b.op("Mul", e["xf"], b.op("Unsqueeze", e["Df"], b.const([1]))))
-    return y, b.op("Transpose", s1, perm=[0, 1, 3, 2])
+    def __post_init__(self):
+        if min(self.nheads, self.headdim, self.ngroups, self.d_state) < 1 or self.nheads % self.ngroups:
+            raise ValueError(f"NativeScanShape: expected positive sizes with nheads % ngroups == 0, got {self}")
 
 
-def _build_native_body(nheads: int) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    """The native flavour's body: ``If(seqlen == 1)`` one recurrence step (faster than LinearAttention for one
-    token: benchmarks/RESULTS.md, bench_ort_scan_body.py), ``elif seqlen <= NATIVE_RECURRENT_MAX_LEN``
-    LinearAttention, else the chunked SSD.
+def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int = TensorProto.FLOAT,
+                       decode_step: bool = True) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The native flavour's SSMScan body for one attribute set, one model's sizes and the dtype of ``x``.
 
-    Step 1 (delta), the chunk length and both conditions are computed once, outside the branches (so no
-    branch holds an attribute reference); each branch returns y (float32) and final_state.
+    ``delta = clip(Softplus(dt + dt_bias), dt_min, dt_max)`` (ORT's fp32 Softplus is accurate to 7e-8 relative
+    over the whole range, large inputs included; the clip only where the limits bind), then ``If(seqlen == 1)``
+    one recurrence step in the graph's state layout (a decode token: no transposes, no LinearAttention), else
+    ORT's ``com.microsoft::LinearAttention`` (``update_rule="gated"``: q = C, k = B expanded from groups to heads,
+    v = delta ∘ x, decay = delta · A per head, scale 1; its state is (b, h, d_state, headdim), the graph I/O's
+    (b, h, headdim, d_state), hence a transpose in and out). ORT 1.32's CPU LinearAttention is a token-by-token
+    recurrence and, on a 130m-shaped layer, as fast as the chunked SSD body from 2 to 512 tokens or faster
+    (benchmarks/RESULTS.md); it forms no segment sums (one decay per token), so it is exact to fp32 rounding
+    for any dt·A. The D skip is added outside. Every step in float32 (Casts only for fp16 ``x``).
     """
+    F = TensorProto.FLOAT
     b = _Body()
-    e = _entry(b)
-    Q = _chunk_len(b, e["L"])
-    one_token = b.op("Equal", e["L"], b.const([1]))
-    short = b.op("LessOrEqual", e["L"], b.const([NATIVE_RECURRENT_MAX_LEN]))
-    longer = ("longer", lambda bb: _if(bb, short, ("recurrent", lambda b2: _recurrent_scan(b2, e, nheads)),
-                                       ("chunked", lambda b2: _chunked_scan(b2, e, Q))))
-    y, final = _if(b, one_token, ("step", lambda bb: _step_scan(bb, e)), longer)
-    return _finish(b, y, final)
+    h, p, g, n = shape.nheads, shape.headdim, shape.ngroups, shape.d_state
+    hpg = h // g
+    x, dt, A, B, C, D, dt_bias, h0 = contract.INPUT_NAMES
+    f32 = (lambda t: t) if x_dtype == F else (lambda t: b.op("Cast", t, to=F))  # noqa: E731
+    xf, dtf, Bf, Cf = (f32(t) for t in (x, dt, B, C))
+    shp = lambda *dims: b.const(list(dims))  # noqa: E731  constant shape (0: copy the input's dim, -1: infer)
+
+    v = b.op("Add", dtf, dt_bias)
+    delta = b.op("Softplus", v) if attrs.dt_softplus else v  # (b, L, h)
+    # clamp as the contract says (always at dt_min >= 0); Softplus is >= 0 already, inf bounds nothing
+    lo = attrs.dt_min if (attrs.dt_min > 0 or not attrs.dt_softplus) else None
+    hi = attrs.dt_max if math.isfinite(attrs.dt_max) else None
+    if lo is not None or hi is not None:
+        delta = b.op("Clip", delta, "" if lo is None else b.const(lo, np.float32),
+                     "" if hi is None else b.const(hi, np.float32))
+    dA = b.op("Mul", delta, A)  # (b, L, h) log-decay, <= 0
+    xd = b.op("Mul", xf, b.op("Unsqueeze", delta, b.const([-1])))  # delta ∘ x  (b, L, h, p)
+    skip = b.op("Mul", xf, b.op("Unsqueeze", D, b.const([1])))  # D x  (b, L, h, p)
+
+    def step(bb: _Body):
+        """h1 = exp(dA) h0 + (delta x) Bᵀ, y = h1 C, in the state's own (b, h, p, n) layout: only the small
+        per-token tensors are reshaped (B and C broadcast over heads; with groups, expanded to heads first), never
+        the state (a Reshape of a graph input is a copy in ORT: at 130m sizes that copy cost as much as the math)."""
+        s = lambda *dims: bb.const(list(dims))  # noqa: E731
+
+        def heads(t, tail):  # (b, 1, g, n) -> (b, h or 1, *tail)
+            if g == 1:
+                return bb.op("Reshape", t, s(-1, 1, *tail))
+            t = bb.op("Expand", bb.op("Reshape", t, s(-1, g, 1, n)), s(1, 1, hpg, 1))  # (b, g, hpg, n)
+            return bb.op("Reshape", t, s(-1, h, *tail))
+
+        decay = bb.op("Reshape", bb.op("Exp", dA), s(-1, h, 1, 1))
+        h1 = bb.op("Add", bb.op("Mul", h0, decay),
+                   bb.op("Mul", bb.op("Reshape", xd, s(-1, h, p, 1)), heads(Bf, (1, n))))  # (b, h, p, n)
+        y = bb.op("MatMul", h1, heads(Cf, (n, 1)))  # (b, h, p, 1)
+        return bb.op("Reshape", y, s(-1, 1, h, p)), h1
+
+    def recurrent(bb: _Body):
+        s = lambda *dims: bb.const(list(dims))  # noqa: E731
+
+        def heads(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
+            if hpg > 1:
+                t = bb.op("Expand", bb.op("Unsqueeze", t, s(3)), s(1, 1, 1, hpg, 1))
+            return bb.op("Reshape", t, s(0, 0, h * n))
+
+        o, s1 = bb.op("LinearAttention", heads(Cf), heads(Bf), bb.op("Reshape", xd, s(0, 0, h * p)),
+                      bb.op("Transpose", h0, perm=[0, 1, 3, 2]), dA, outputs=2, domain=ORT_DOMAIN,
+                      update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
+        return bb.op("Reshape", o, s(0, 0, h, p)), bb.op("Transpose", s1, perm=[0, 1, 3, 2])
+
+    if decode_step:
+        one_token = b.op("Equal", b.op("Shape", x, start=1, end=2), shp(1))
+        y, final = _if(b, one_token, ("step", step), ("recurrent", recurrent))
+    else:
+        y, final = recurrent(b)
+    y = b.op("Add", y, skip)
+    if x_dtype == F:
+        b.nodes.append(helper.make_node("Identity", [y], [contract.OUTPUT_NAMES[0]]))
+    else:
+        b.nodes.append(helper.make_node("Cast", [y], [contract.OUTPUT_NAMES[0]], to=x_dtype))
+    b.nodes.append(helper.make_node("Identity", [final], [contract.OUTPUT_NAMES[1]]))
+    return b.nodes, contract.INPUT_NAMES, contract.OUTPUT_NAMES
+
+
+def native_function_name(k: int) -> str:
+    """Name (in the m2export domain) of the native body for a model's ``k``-th distinct attribute set."""
+    return f"{contract.OP_NAME}Native{k}"
+
+
+def native_ssm_scan_function(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int, name: str
+                             ) -> onnx.FunctionProto:
+    """The native body (:func:`_build_native_body`) as model-local function ``m2export::<name>``: no attributes
+    (they are baked in), opsets :data:`NATIVE_OPSETS`. ``x_dtype``: ONNX element type of ``x`` (float or float16).
+    """
+    nodes, inputs, outputs = _build_native_body(attrs, shape, x_dtype)
+    return helper.make_function(contract.OP_DOMAIN, name, list(inputs), list(outputs), nodes,
+                                [helper.make_opsetid(d, v) for d, v in NATIVE_OPSETS.items()],
+                                doc_string=f"m2export::SSMScan v1, native flavour, {attrs}, {shape}")
 
 
 def _attribute_defaults() -> list[onnx.AttributeProto]:
@@ -431,18 +501,15 @@ def _attribute_defaults() -> list[onnx.AttributeProto]:
     return defaults + [helper.make_attribute(k, v) for k, v in PLUGIN_ATTRIBUTES.items()]
 
 
-def ssm_scan_function_proto(opset: int = 18, *, native_nheads: int | None = None) -> onnx.FunctionProto:
+def ssm_scan_function_proto(opset: int = 18) -> onnx.FunctionProto:
     """Model-local function ``m2export::SSMScan``: the reference semantics in standard ONNX ops (opset ``opset``).
 
     Attributes (with defaults from the contract) are referenced in the body, so nodes with different
     attribute values share this one function. ``plugin_namespace``/``plugin_version`` are declared (and
-    unused) so the calling node's attributes all match declared ones.
-    ``native_nheads``: the native flavour's body for a model with that many heads (:func:`_build_native_body`:
-    ONNX's ``LinearAttention`` for short sequences; needs ``opset >= NATIVE_OPSET``).
+    unused) so the calling node's attributes all match declared ones. (The native flavour's bodies are
+    :func:`native_ssm_scan_function`, one per attribute set.)
     """
-    if native_nheads is not None and opset < NATIVE_OPSET:
-        raise ValueError(f"the LinearAttention body needs opset >= {NATIVE_OPSET}, got {opset}")
-    nodes, inputs, outputs = _build_body() if native_nheads is None else _build_native_body(native_nheads)
+    nodes, inputs, outputs = _build_body()
     fn = helper.make_function(contract.OP_DOMAIN, contract.OP_NAME, list(inputs), list(outputs), nodes,
                               [helper.make_opsetid("", opset)], attribute_protos=_attribute_defaults(),
                               doc_string="m2export::SSMScan v1 reference semantics (chunked SSD, fp32 internals); "
@@ -545,31 +612,38 @@ def ssm_scan_packed_node_model(attrs: SSMScanAttrs, dtype: str = "float32", opse
 
 
 def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "float32", opset: int = 18,
-                        inline: bool = False, native_nheads: int | None = None) -> onnx.ModelProto:
+                        inline: bool = False, native: NativeScanShape | None = None) -> onnx.ModelProto:
     """A model of independent SSMScan nodes (one per entry of ``attrs_per_node``) sharing the graph inputs.
 
     Inputs: the contract's names (symbolic dims); outputs ``y.{k}``, ``final_state.{k}`` per node.
     For testing the function body, and the sharing of one function by nodes with different attributes.
-    ``inline`` returns the plugin-free (function-inlined) form. ``native_nheads``: the native flavour's body
-    for problems with that many heads (opset raised to :data:`NATIVE_OPSET`).
+    ``inline`` returns the plugin-free (function-inlined) form. ``native``: the native flavour's bodies for
+    problems of that shape instead (one function per distinct attribute set, opsets :data:`NATIVE_OPSETS`).
     """
-    if native_nheads is not None:
-        opset = max(opset, NATIVE_OPSET)
     elem = _elem_type(dtype)
     ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
            for s in contract.INPUTS]
-    nodes, outs = [], []
+    nodes, outs, native_fns = [], [], {}
     for k, a in enumerate(attrs_per_node):
         names = [f"{o}.{k}" for o in contract.OUTPUT_NAMES]
-        nodes.append(helper.make_node(contract.OP_NAME, list(contract.INPUT_NAMES), names, name=f"ssm_scan.{k}",
-                                      domain=contract.OP_DOMAIN, **a.onnx_attributes(), **PLUGIN_ATTRIBUTES))
+        if native is None:
+            nodes.append(helper.make_node(contract.OP_NAME, list(contract.INPUT_NAMES), names, name=f"ssm_scan.{k}",
+                                          domain=contract.OP_DOMAIN, **a.onnx_attributes(), **PLUGIN_ATTRIBUTES))
+        else:
+            fname = native_fns.setdefault(a, native_function_name(len(native_fns)))
+            nodes.append(helper.make_node(fname, list(contract.INPUT_NAMES), names, name=f"ssm_scan.{k}",
+                                          domain=contract.OP_DOMAIN))
         outs += [helper.make_tensor_value_info(names[0], elem, list(contract.OUTPUTS[0].dims)),
                  helper.make_tensor_value_info(names[1], TensorProto.FLOAT, list(contract.OUTPUTS[1].dims))]
     graph = helper.make_graph(nodes, "ssm_scan_nodes", ins, outs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
-                                                    helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
-                              functions=[ssm_scan_function_proto(opset, native_nheads=native_nheads)])
-    model.ir_version = 10 if opset < NATIVE_OPSET else 13
+    if native is None:
+        opsets, functions = {"": opset}, [ssm_scan_function_proto(opset)]
+    else:
+        opsets = dict(NATIVE_OPSETS)
+        functions = [native_ssm_scan_function(a, native, elem, name) for a, name in native_fns.items()]
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()]
+                              + [helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)], functions=functions)
+    model.ir_version = 10 if native is None and opset < NATIVE_OPSET else 11
     if inline:
         model = inline_ssm_scan(model)
     return model

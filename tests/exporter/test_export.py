@@ -83,25 +83,42 @@ def test_onnx_graph_structure(export_fp32_both):
 
 
 def test_native_graph_structure(export_fp32_both):
-    """native flavour: opset 27; per layer one CausalConvWithState and one If whose short-sequence branch is a
-    LinearAttention (decode: the If folds away, LinearAttention at the top level); no Conv, SSMScan or Loop."""
+    """native flavour: ORT's contrib kernels; per layer If(one token) CausalConvWithState (channels-last: no
+    transpose of the activations) else the traced conv, If(one token) the step else a LinearAttention, both on
+    one shared seqlen test; the norms as RMSNormalization / SkipSimplifiedLayerNormalization (nothing of the
+    traced RMSNorm left); constant reshapes, no shape arithmetic at the top level (a decode token runs none);
+    no SSMScan, Loop or Scan."""
     import onnx_ir as ir
+
+    from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
 
     m = read_manifest(export_fp32_both)
     cfg = m.model_config()
-    for role in ("prefill", "decode"):
-        model = onnx.load(export_fp32_both / m.graph(role, "native").file)
-        assert not model.functions
-        assert {o.domain: o.version for o in model.opset_import} == {"": 27}
-        nodes = list(ir.traversal.RecursiveGraphIterator(ir.serde.deserialize_model(model).graph))
-        ops = [n.op_type for n in nodes]
-        assert ops.count("LinearAttention") == ops.count("CausalConvWithState") == cfg.n_layer
-        assert not {"Conv", "SSMScan", "Loop", "Scan", "CastLike"} & set(ops)
-        for n in nodes:
-            if n.op_type == "LinearAttention":
-                attrs = {k: a.value for k, a in n.attributes.items()}
-                assert attrs["update_rule"] == "gated" and attrs["scale"] == 1.0
-                assert attrs["q_num_heads"] == attrs["kv_num_heads"] == cfg.nheads
+    model = onnx.load(export_fp32_both / m.graph("prefill", "native").file)
+    assert m.graph("decode", "native") is m.graph("prefill", "native")
+    assert not model.functions
+    assert {o.domain: o.version for o in model.opset_import} == NATIVE_OPSETS
+    nodes = list(ir.traversal.RecursiveGraphIterator(ir.serde.deserialize_model(model).graph))
+    ops = [n.op_type for n in nodes]
+    top = [n.op_type for n in model.graph.node]
+    assert ops.count("LinearAttention") == ops.count("CausalConvWithState") == ops.count("Conv") == cfg.n_layer
+    assert top.count("If") == 2 * cfg.n_layer and "Conv" not in top
+    assert {n.domain for n in nodes if n.op_type in ("LinearAttention", "CausalConvWithState")} == {ORT_DOMAIN}
+    ifs = [n for n in model.graph.node if n.op_type == "If"]
+    assert len({n.input[0] for n in ifs}) == 1  # one seqlen == 1 test
+    # pre-norms and gated norms (ngroups 2: the core on (b, L, g, d/g), weight after) and norm_f
+    assert top.count("RMSNormalization") + top.count("SkipSimplifiedLayerNormalization") == 2 * cfg.n_layer + 1
+    assert top.count("SkipSimplifiedLayerNormalization") == cfg.n_layer  # layers 1.. and norm_f on residual sums
+    assert not {"SSMScan", "Loop", "Scan", "CastLike", "Pow", "ReduceMean", "Sqrt", "Reciprocal"} & set(ops)
+    assert not {"Concat", "Squeeze", "Slice"} & set(top) and top.count("Shape") == 1
+    assert top.count("Transpose") == (1 if cfg.tie_embeddings else 0)  # lm_head's W^T only
+    for n in nodes:
+        if n.op_type == "LinearAttention":
+            attrs = {k: a.value for k, a in n.attributes.items()}
+            assert attrs["update_rule"] == "gated" and attrs["scale"] == 1.0
+            assert attrs["q_num_heads"] == attrs["kv_num_heads"] == cfg.nheads
+        if n.op_type == "CausalConvWithState":
+            assert n.attributes["channels_last"].value == 1 and n.attributes["activation"].value == "silu"
 
 
 def test_native_flavour_rejects_bf16(tiny_g2, tmp_path):

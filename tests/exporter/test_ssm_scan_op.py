@@ -148,22 +148,29 @@ def test_body_branches_on_one_token():
     assert cond.op_type == "Equal"
 
 
-def _native_session(nheads: int, dtype: str = "float32"):
-    """The native flavour's SSMScan body (LinearAttention up to NATIVE_RECURRENT_MAX_LEN tokens, else chunked),
-    inlined, for problems with ``nheads`` heads; two nodes with different attributes as in two_node_session."""
-    attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4)]
-    model = ssm_scan_node_model(attrs, dtype=dtype, inline=True, native_nheads=nheads)
+def _native_session(p: SSMScanProblem):
+    """The native flavour's SSMScan bodies for problems of ``p``'s sizes and dtype (If(seqlen == 1) step, else ORT's
+    com.microsoft LinearAttention), inlined; three nodes with different attributes (one function each): a
+    chunk size only, a binding dt_limit, and dt_softplus=0 with dt_min > 0."""
+    from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, NativeScanShape
+
+    attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4),
+             SSMScanAttrs(dt_softplus=False, dt_min=0.01)]
+    shape = NativeScanShape(p.nheads, p.headdim, p.ngroups, p.d_state)
+    model = ssm_scan_node_model(attrs, dtype=p.dtype, native=shape)
+    assert len(model.functions) == 3
+    model = ssm_scan_node_model(attrs, dtype=p.dtype, inline=True, native=shape)
     onnx.checker.check_model(model, full_check=True)
-    assert {o.domain: o.version for o in model.opset_import} == {"": 27}
+    assert {o.domain: o.version for o in model.opset_import} == NATIVE_OPSETS
     return attrs, _session(model)
 
 
 @pytest.mark.parametrize("init_state", [True, False], ids=["init_state", "zero_state"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_node_vs_oracle(case, init_state):
-    """Both branches of the native body: L1, L_lt_chunk, L_eq_chunk take LinearAttention, the rest the chunked SSD."""
+    """Both branches of the native body (L1 cases: the step; the rest LinearAttention), three attribute sets."""
     p = SSMScanProblem(*CASES[case])
-    attrs, sess = _native_session(p.nheads)
+    attrs, sess = _native_session(p)
     inp = make_inputs(p, seed=list(CASES).index(case), init_state=init_state, dt_scale=2.0)
     outs = sess.run(None, _feeds(inp))
     for k, a in enumerate(attrs):
@@ -173,14 +180,11 @@ def test_native_node_vs_oracle(case, init_state):
                      rel=FP32_REL)
 
 
-@pytest.mark.parametrize("seqlen", [1, 8, 9, 512])
+@pytest.mark.parametrize("seqlen", [1, 2, 512])
 def test_native_node_large_decay_sums(seqlen):
-    """ORT's LinearAttention (seqlen <= 8) and the chunked branch on dt*A summing to -4,000 per 256 tokens."""
-    from m2export.exporter.ssm_scan_op import NATIVE_RECURRENT_MAX_LEN
-
-    assert NATIVE_RECURRENT_MAX_LEN == 8  # the seqlens above straddle it
+    """ORT's LinearAttention (seqlen > 1) and the step (seqlen 1) on dt*A summing to -4,000 per 256 tokens."""
     p = SSMScanProblem(2, seqlen, 8, 16, 2, 16)
-    _, sess = _native_session(8)
+    _, sess = _native_session(p)
     inp = large_decay_inputs(p, seed=seqlen)
     y, s = sess.run(None, _feeds(inp))[:2]
     ref = ssm_scan_recurrent(**inp)
@@ -192,7 +196,7 @@ def test_native_node_large_decay_sums(seqlen):
 def test_native_fp16_node(seqlen):
     """fp16 x/dt/B/C through the native body (both branches): y fp16, final_state fp32, rel-L2 2e-3."""
     p = SSMScanProblem(2, seqlen, 4, 8, 2, 16, dtype="float16")
-    _, sess = _native_session(4, "float16")
+    _, sess = _native_session(p)
     inp = make_inputs(p, seed=12)
     y, s = sess.run(None, _feeds(inp))[:2]
     assert y.dtype == np.float16 and s.dtype == np.float32

@@ -1,0 +1,119 @@
+"""The native flavour's graph rewrites (m2export/exporter/native_ort.py), each alone vs the graph it rewrote.
+
+Each pass is applied to a copy of the traced ssmscan-flavour graph of the tiny G=2 checkpoint (SSMScan nodes
+with their model-local function, which ONNX Runtime runs) and both graphs run in ONNX Runtime on the same
+random feeds: one token (the decode branches), 5 and 13 tokens, batch 1 and 3, random past states. Bound:
+rel-L2 1e-6 (fp16 graphs 2e-3) on logits and every state (the rewrites change only float32 evaluation order). A pass that
+matches nothing would make every comparison trivially pass, so each test also asserts how many it rewrote.
+The whole native graph vs PyTorch is tests/exporter/test_export.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from m2export.exporter import native_ort
+from m2export.exporter.manifest import read_manifest
+
+pytest.importorskip("onnxruntime")
+REL = 1e-6
+
+
+def _traced(outdir):
+    """The ssmscan-flavour graph of an export as an onnx_ir model (weights loaded)."""
+    import onnx
+    import onnx_ir as ir
+
+    m = read_manifest(outdir)
+    return m, ir.serde.deserialize_model(onnx.load(outdir / m.graph("prefill", "ssmscan").file))
+
+
+def _session(model):
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _compare(ref_model, new_model, vocab: int, dtype=np.float32, rel: float = REL):
+    ref, new = _session(ref_model), _session(new_model)
+    rng = np.random.default_rng(0)
+    names = [o.name for o in ref.get_outputs()]
+    assert names == [o.name for o in new.get_outputs()]
+    for batch, seqlen in ((1, 1), (3, 1), (1, 5), (3, 13)):
+        feeds = {"input_ids": rng.integers(0, vocab, (batch, seqlen), dtype=np.int64)}
+        for i in ref.get_inputs():
+            if i.name != "input_ids":
+                shape = [batch if isinstance(d, str) else d for d in i.shape]
+                feeds[i.name] = rng.standard_normal(shape).astype(np.float32 if "ssm" in i.name else dtype)
+        for name, a, b in zip(names, ref.run(names, feeds), new.run(names, feeds)):
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            err = np.linalg.norm(a - b) / np.linalg.norm(a)
+            assert err <= rel, f"{name} at batch {batch}, {seqlen} tokens: rel-L2 {err:.2e} vs the unfused graph"
+
+
+def _native_copy(model):
+    """A copy with the native flavour's opset imports (what to_native_ort gives the graph before its passes)."""
+    from m2export.exporter.ssm_scan_op import NATIVE_OPSETS
+
+    new = model.clone()
+    new.opset_imports.update(NATIVE_OPSETS)
+    return new
+
+
+@pytest.fixture(scope="module")
+def traced(export_fp32_both):
+    return _traced(export_fp32_both)
+
+
+def test_fuse_causal_conv_vs_traced(traced):
+    """If(one token) CausalConvWithState (channels-last, the activations' transposes absorbed) else the traced conv."""
+    m, model = traced
+    new = _native_copy(model)
+    assert native_ort.fuse_causal_conv(new) == m.model_config().n_layer
+    ops = [n.op_type for n in new.graph]
+    assert "Conv" not in ops and ops.count("If") == m.model_config().n_layer
+    _compare(model, new, m.model_config().vocab_size)
+
+
+def test_fuse_rms_norm_vs_traced(traced):
+    """RMSNormalization on the embedding and the grouped gated norms, SkipSimplifiedLayerNormalization on the
+    residual sums (layers 1.. and norm_f)."""
+    m, model = traced
+    n_layer = m.model_config().n_layer
+    new = _native_copy(model)
+    assert native_ort.fuse_rms_norm(new) == 2 * n_layer + 1
+    ops = [n.op_type for n in new.graph]
+    assert ops.count("SkipSimplifiedLayerNormalization") == n_layer and "Reciprocal" not in ops
+    # the gated norms' weights are the norms' scales (as (g, size) Reshapes), not Muls after them
+    gated = [v for k, v in new.graph.initializers.items() if k.endswith("mixer.norm.weight")]
+    assert gated and all({u.node.op_type for u in v.uses()} == {"Reshape"} for v in gated)  # equal ones: deduplicated
+    _compare(model, new, m.model_config().vocab_size)
+
+
+def test_constant_reshapes_vs_traced(traced):
+    """Constant reshape targets: no Reshape reads a computed shape any more (its Shape/Squeeze/Concat arithmetic
+    is gone; the Concats left are the convs' past-state concatenations)."""
+    import onnx_ir as ir
+
+    m, model = traced
+    n_layer = m.model_config().n_layer
+    new = _native_copy(model)
+    assert native_ort.constant_reshapes(new) >= 4 * n_layer
+    reshapes = [n for n in new.graph if n.op_type == "Reshape"]
+    assert reshapes and all(ir.convenience.get_const_tensor(n.inputs[1]) is not None for n in reshapes)
+    assert [n.op_type for n in new.graph].count("Concat") == n_layer
+    _compare(model, new, m.model_config().vocab_size)
+
+
+def test_fuse_rms_norm_fp16_vs_traced(export_fp16_both):
+    """fp16 graphs compute each RMSNorm in a float32 Cast island: the float32 cores fuse (the Casts stay) and the
+    outputs stay within fp16 rounding of the unfused graph."""
+    m, model = _traced(export_fp16_both)
+    new = _native_copy(model)
+    assert native_ort.fuse_rms_norm(new) == 2 * m.model_config().n_layer + 1
+    _compare(model, new, m.model_config().vocab_size, dtype=np.float16, rel=2e-3)
