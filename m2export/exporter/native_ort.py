@@ -385,6 +385,21 @@ def fuse_rms_norm(model) -> int:
                 w = wmul.inputs[1] if wmul.inputs[0] is back.outputs[0] else wmul.inputs[0]
                 wt = ir.convenience.get_const_tensor(w)
                 groups = x.shape[-2]
+                fwd = _producer(x, "Reshape")
+                flat = fwd.inputs[0] if fwd is not None and groups == 1 and len(x.uses()) == 2 else None
+                if flat is not None and (flat.shape is None or list(flat.shape) != list(back.outputs[0].shape)):
+                    flat = None
+                if wt is not None and tuple(wt.shape) == (size,) and wt.dtype == ir.DataType.FLOAT and flat is not None:
+                    # one group: the norm runs on the un-reshaped input, with w itself; both Reshapes and the Mul go
+                    node = ir.node("RMSNormalization", [flat, w], {"epsilon": eps, "axis": -1}, name=f"{mul.name or 'rms'}.rms_norm")
+                    g.insert_before(chain[0], node)
+                    y, tail = node.outputs[0], wmul.outputs[0]
+                    y.type, y.shape, tail_name = tail.type, tail.shape, tail.name
+                    tail.replace_all_uses_with(y, replace_graph_outputs=True)
+                    g.remove([wmul, back, mul, *chain, fwd], safe=True)
+                    y.name = tail_name
+                    fused += 1
+                    continue
                 if wt is not None and tuple(wt.shape) == (groups * size,) and wt.dtype == ir.DataType.FLOAT:
                     shape = ir.Value(name=f"{mul.name or 'rms'}.scale_shape", shape=ir.Shape([2]),
                                      type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(

@@ -95,6 +95,19 @@ def test_fuse_rms_norm_vs_traced(traced):
     _compare(model, new, m.model_config().vocab_size)
 
 
+def test_fuse_rms_norm_one_group_vs_traced(export_fp32_g1_cli):
+    """ngroups 1: the gated norm runs on the un-reshaped (b, L, d_inner) input with its weight, its two Reshapes
+    and the weight Mul gone (no ones scale anywhere)."""
+    m, model = _traced(export_fp32_g1_cli)
+    n_layer = m.model_config().n_layer
+    new = _native_copy(model)
+    assert native_ort.fuse_rms_norm(new) == 2 * n_layer + 1
+    assert not [k for k in new.graph.initializers if k.endswith(".ones")]
+    reshapes = sum(n.op_type == "Reshape" for n in model.graph) - sum(n.op_type == "Reshape" for n in new.graph)
+    assert reshapes == 2 * n_layer
+    _compare(model, new, m.model_config().vocab_size)
+
+
 def test_constant_reshapes_vs_traced(traced):
     """Constant reshape targets: no Reshape reads a computed shape any more (its Shape/Squeeze/Concat arithmetic
     is gone; the Concats left are the convs' past-state concatenations)."""
