@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import gc
 import importlib.util
 import json
 import logging
@@ -41,7 +43,7 @@ from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
 from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
 from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, OnnxReferenceRunner,
-                                    onnxrt_runner, reference_runner, trt_runners)
+                                    SharedInitializers, onnxrt_runner, reference_runner, trt_runners)
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
@@ -276,8 +278,9 @@ def _graph_path(outdir: Path, file: str, what: str) -> Path:
 
 
 def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNTIMES,
-                   require_trt: bool = False) -> tuple[list[_Runtime], list[str]]:
-    """The reference plus one runtime per ONNX flavour (and TensorRT engines where possible).
+                   require_trt: bool = False, shared: SharedInitializers | None = None) -> tuple[list[_Runtime], list[str]]:
+    """The reference plus one runtime per ONNX flavour (and TensorRT engines where possible); the ONNX Runtime
+    sessions take their weights from ``shared`` (:class:`~m2export.check.runners.SharedInitializers`) when given.
 
     Returns (runtimes with the reference first, skipped-lines).
 
@@ -299,7 +302,7 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         onnx_runtimes = ["onnx-reference"]
     primary = manifest.graph("prefill").ssm_impl
     for rt_name in onnx_runtimes:
-        make = onnxrt_runner if rt_name == "onnxrt" else OnnxReferenceRunner
+        make = functools.partial(onnxrt_runner, shared=shared) if rt_name == "onnxrt" else OnnxReferenceRunner
         what = "ONNX Runtime CPU" if rt_name == "onnxrt" else "onnx.reference.ReferenceEvaluator"
         for impl in [primary] + [i for i in manifest.ssm_impls() if i != primary]:
             g = manifest.graph("prefill", impl)
@@ -441,7 +444,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
     loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader)
-    rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt)
+    shared = SharedInitializers()  # every ONNX Runtime session's weights: one memory-mapped copy of model.onnx.data
+    rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt,
+                                  shared=shared)
     if len(rts) < 2:
         raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
                              hint="keep 'onnxrt' in `runtimes`")
@@ -456,6 +461,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                          f"m2export's PyTorch model (scan {scan.__module__}.{scan.__qualname__}), which transformers "
                          "does not expose in this layout"
                          + "".join(f"; follows mamba_ssm: {n}" for n in loaded.notes))
+    del loaded  # the loader keeps it until the reference's last call (release_reference)
     comparisons = [(i, 0) for i in range(1, len(rts))]
     hist: dict[str, list[np.ndarray]] = {}
     ref_bad: set[str] = set()
@@ -482,16 +488,21 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                 plen = min(max(plen, min(s for _, s in prof)), max(s for _, s in prof))
             if decode_steps > 0:
                 advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
-                seq_results, greedy = _sequence(rts, cfg, dtype, corpus, plen, decode_steps, seed,
-                                                atol_d.get("logits", atol_d[""]), advance,
-                                                batch=_sequence_batch(manifest))
-                seq_acc = Comparator.compare_accuracy(seq_results, comparisons=comparisons,
-                                                      compare_func=compare_func)
-                rows += _rows("sequence", seq_acc, ["prefill"] + [f"step {k + 1}" for k in range(decode_steps)],
-                              out_names, atol_d, rtol_d)
+                seq_accs, greedy = _sequence(
+                    rts, cfg, dtype, corpus, plen, decode_steps, seed, atol_d.get("logits", atol_d[""]), advance,
+                    lambda ref, run: Comparator.compare_accuracy([ref, run], comparisons=[(1, 0)],
+                                                                 compare_func=compare_func),
+                    batch=_sequence_batch(manifest), release_reference=ref_loader.release)
+                seq_labels = ["prefill"] + [f"step {k + 1}" for k in range(decode_steps)]
+                for acc in seq_accs:
+                    rows += _rows("sequence", acc, seq_labels, out_names, atol_d, rtol_d)
     except PolygraphyException as e:
         raise M2ExportError(f"Polygraphy failed while running the comparison: {e}".strip(),
                             hint="re-run with -v for Polygraphy's log") from None
+    finally:
+        ref_loader.release()
+        shared.release()
+        gc.collect()
 
     report = CheckReport(
         outdir=str(outdir), dtype=dtype, reference=rts[0].name,
@@ -650,11 +661,16 @@ def _sequence_batch(manifest: Manifest) -> int:
 
 
 def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: int, seed: int, logits_atol: float,
-              advance, batch: int = 2) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """Run prefill + ``steps`` decode steps per runtime; return (RunResults, greedy agreement per runtime).
+              advance, compare: Callable, batch: int = 2,
+              release_reference: Callable[[], None] | None = None) -> tuple[list[Any], dict[str, dict[str, Any]]]:
+    """Run prefill + ``steps`` decode steps per runtime, one runtime at a time; return (one Polygraphy
+    ``AccuracyResults`` per runtime after the reference, greedy agreement per runtime).
 
     Each runtime runs :meth:`~m2export.exporter.runtime.Decoder.run_sequence` (its own states fed back). The
-    reference runs first; its greedy token at each step is fed to every runtime.
+    reference runs first and its iterations are kept; its greedy token at each step is fed to every runtime.
+    Every other runtime is compared with them as it runs (``compare(reference_stream, runtime_stream)``): only
+    the reference's iterations and the current call's outputs are held, never a runtime's whole sequence.
+    ``release_reference()`` is called once the reference has run (its model is not needed after it).
     """
     from polygraphy.comparator import RunResults
     from polygraphy.comparator.struct import IterationResult
@@ -662,10 +678,18 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
     io = GraphIO.for_model(cfg, dtype)
     rng = np.random.default_rng(seed + 1)
     prompt = token_windows(byte_tokens(corpus, cfg.vocab_size), batch, plen, rng)
-    results = RunResults()
+    ref_iters: list[Any] = []
     ref_tokens: list[np.ndarray] = []
     ref_logits: list[np.ndarray] = []
     greedy: dict[str, dict[str, Any]] = {}
+    accs = []
+
+    def singles(name, iters):
+        for it in iters:
+            rr = RunResults()
+            rr.append((name, [it]))
+            yield rr
+
     for ri, rt in enumerate(rts):
         def choose(k: int, last: np.ndarray, ri=ri, rt=rt) -> np.ndarray:
             last = last[:, :cfg.vocab_size]
@@ -677,18 +701,26 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
                                k, last, ref_logits[k], logits_atol)
             return ref_tokens[k]
 
-        iters = []
+        def iterations(runner, rt=rt, choose=choose):
+            st = None
+            for st in runner.run_sequence(prompt, steps, choose):
+                yield IterationResult(st.outputs, runner_name=rt.name)
+            choose(steps, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
+
         one_graph = rt.decode is None or rt.decode is rt.prefill
         with rt.prefill as pre, (contextlib.nullcontext(None) if one_graph else rt.decode) as dec:
             runner = Decoder(io, pre.infer, None if dec is None else dec.infer, np_dtype=feed_dtype_of)
-            for st in runner.run_sequence(prompt, steps, choose):
-                iters.append(IterationResult(st.outputs, runner_name=rt.name))
-            choose(steps, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
-        results.append((rt.name, iters))
+            if ri == 0:
+                ref_iters = list(iterations(runner))
+            else:
+                accs.append(compare(singles(rts[0].name, ref_iters), singles(rt.name, iterations(runner))))
+        if ri == 0 and release_reference is not None:
+            release_reference()
+            gc.collect()
         advance()
     for g in greedy.values():
         g["passed"] = not g["mismatches"]
-    return results, greedy
+    return accs, greedy
 
 
 def _greedy_update(g: dict, step: int, last: np.ndarray, ref: np.ndarray, atol: float) -> None:

@@ -76,6 +76,10 @@ class ModelFromCheckpoint(BaseLoader):
         self._cache["ck"] = ck
         return ck
 
+    def release(self) -> None:
+        """Forget the loaded checkpoint (its memory is freed once no runner holds it); a later call loads again."""
+        self._cache.clear()
+
 
 class TorchRunner(BaseRunner):
     """Runs the PyTorch reference model on exported-graph feed dicts.
@@ -202,34 +206,110 @@ def _unloadable(path: Path, what: str, e: Exception) -> RuntimeLoadError:
                             hint=f"the file is damaged or not an m2export graph: {REEXPORT_HINT}")
 
 
-class _CpuSessionFromOnnx(BaseLoader):
-    """Polygraphy's ``SessionFromOnnx(path, providers=["cpu"])``; a graph ONNX Runtime cannot load (corrupt
-    file, unknown op, ...) becomes an :class:`RuntimeLoadError` naming the file instead of ORT's traceback."""
+class SharedInitializers:
+    """The external-data initializers of an export's graphs, memory-mapped once and handed to every ONNX Runtime
+    session of the check (``SessionOptions.add_initializer``), so the weights are in memory once, as page-cache
+    pages of ``model.onnx.data``, however many graph flavours are compared.
 
-    def __init__(self, path: Path):
-        self.path = path
+    Without it every session reads (or maps) the data file for itself and, with its default MatMul prepacking,
+    keeps a private packed copy of every weight: two flavours of a 130m export were 1.1 GB of private memory
+    for 0.52 GB of weights (benchmarks/RESULTS.md, issue 17). Sessions built with these initializers run with
+    prepacking off (``session.disable_prepacking``): the packed copy is what this avoids.
 
-    def call_impl(self):
-        from polygraphy.backend.onnxrt import SessionFromOnnx
+    Only initializers whose external location resolves to a file next to (or under) the graph's folder, with an
+    offset and length inside that file and a dtype numpy knows, are shared; anything else is left to ONNX
+    Runtime, which loads (or refuses) it as usual. Arrays are read-only views of ``numpy.memmap`` files.
+    :meth:`release` drops them (call it after the sessions that use them are gone).
+    """
+
+    def __init__(self):
+        self._maps: dict[Path, np.ndarray] = {}
+        self._values: dict[tuple, Any] = {}
+
+    def for_graph(self, onnx_path: Path) -> list[tuple[str, Any]]:
+        """(initializer name, ``onnxruntime.OrtValue``) for every shareable external initializer of the graph."""
+        import onnx
+        import onnxruntime as ort
+        from onnx import helper
 
         try:
-            return SessionFromOnnx(str(self.path), providers=["cpu"])()
+            model = onnx.load(str(onnx_path), load_external_data=False)
+        except Exception:  # a damaged graph: ONNX Runtime's own load reports it (RuntimeLoadError)
+            return []
+        base = onnx_path.parent.resolve()
+        out = []
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            try:
+                file = (base / info["location"]).resolve()
+                offset, length = int(info.get("offset", 0)), int(info["length"])
+                dt = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+            except (KeyError, ValueError, TypeError):
+                continue
+            n = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+            if not file.is_relative_to(base) or not file.is_file() or dt.kind not in "fiub" or n * dt.itemsize != length:
+                continue
+            key = (file, offset, length, dt.str, tuple(t.dims))
+            if key not in self._values:
+                data = self._maps.get(file)
+                if data is None:
+                    data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                if offset < 0 or offset + length > data.size:
+                    continue
+                arr = np.frombuffer(data, dtype=dt, count=n, offset=offset).reshape(tuple(t.dims))
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(arr)
+            out.append((t.name, self._values[key]))
+        return out
+
+    def release(self) -> None:
+        self._values.clear()
+        self._maps.clear()
+
+
+class _CpuSessionFromOnnx(BaseLoader):
+    """An ``onnxruntime.InferenceSession`` on the CPU provider, as Polygraphy's ``SessionFromOnnx(path,
+    providers=["cpu"])`` builds it (intra- and inter-op threads = usable CPUs), with the weights taken from
+    ``shared`` (:class:`SharedInitializers`, prepacking off) when given; a graph ONNX Runtime cannot load
+    (corrupt file, unknown op, ...) becomes a :class:`RuntimeLoadError` naming the file instead of ORT's
+    traceback."""
+
+    def __init__(self, path: Path, shared: SharedInitializers | None = None):
+        self.path = path
+        self.shared = shared
+
+    def call_impl(self):
+        import os
+
+        import onnxruntime as ort
+
+        try:
+            options = ort.SessionOptions()
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            options.intra_op_num_threads = options.inter_op_num_threads = threads
+            if self.shared is not None:
+                options.add_session_config_entry("session.disable_prepacking", "1")
+                for name, value in self.shared.for_graph(self.path):
+                    options.add_initializer(name, value)
+            return ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"])
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
                 raise
             raise _unloadable(self.path, "ONNX Runtime cannot load the graph", e) from None
 
 
-def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None):
-    """Polygraphy ``OnnxrtRunner`` on ``SessionFromOnnx(onnx_path, providers=["cpu"])``.
+def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None, shared: SharedInitializers | None = None):
+    """Polygraphy ``OnnxrtRunner`` on an ONNX Runtime CPU session of ``onnx_path`` (:class:`_CpuSessionFromOnnx`).
 
-    The path (not bytes) is passed so external-data files next to the graph are found. A graph ONNX Runtime
+    The path (not bytes) is passed so external-data files next to the graph are found; ``shared``: the
+    :class:`SharedInitializers` of the folder, so several sessions hold its weights once. A graph ONNX Runtime
     cannot load raises :class:`RuntimeLoadError` (exit 1) when the runner is activated.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
     p = Path(onnx_path)
-    return OnnxrtRunner(_CpuSessionFromOnnx(p), name=name or f"onnxrt:{p.name}")
+    return OnnxrtRunner(_CpuSessionFromOnnx(p, shared), name=name or f"onnxrt:{p.name}")
 
 
 class EngineOnce(BaseLoader):
@@ -414,6 +494,11 @@ class ModelFromTransformers(BaseLoader):
         ref = TransformersReference(hf=hf, model=ck.model, ck=ck, history=TokenHistory(), notes=notes)
         self._cache["ref"] = ref
         return ref
+
+    def release(self) -> None:
+        """Forget both loaded models (see :meth:`ModelFromCheckpoint.release`)."""
+        self._cache.clear()
+        self.m2export_reference.release()
 
 
 def follow_mamba_ssm_(hf, spec, family: str) -> list[str]:

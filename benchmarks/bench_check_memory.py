@@ -1,0 +1,152 @@
+"""Where ``m2export check`` spends its memory and CPU: an RSS timeline with the runner events, or a profile.
+
+Runs ``m2export check OUTDIR [ARGS...]`` in this process (the CLI's own ``main``), with a thread that reads
+this process's resident set size (``VmRSS`` of ``/proc/self/status``) every ``--interval`` seconds, and
+marks on the timeline every Polygraphy runner's activation and deactivation (``BaseRunner.activate`` /
+``deactivate``, wrapped) and every progress-bar section. It prints (stderr, as they happen) one line per
+event with the RSS at that moment and the peak since the previous event, then the whole run's peak RSS
+(``getrusage``: what ``/usr/bin/time -v`` reports as "Maximum resident set size"), user+sys CPU seconds,
+wall time, and the check's exit code. ``--profile FILE`` writes a cProfile of the run instead (``pstats``
+readable; the top 25 by cumulative time are printed). Linux only (``/proc``).
+
+    python benchmarks/bench_check_memory.py /tmp/chk/out130 -q
+    python benchmarks/bench_check_memory.py /tmp/chk/out130 -q --profile /tmp/chk/check.prof
+    python benchmarks/bench_check_memory.py /tmp/chk/out130 -q --sweep-feeds 4   # a shorter run, same peak
+
+The numbers are for RESULTS.md tables written by hand (peak RSS, CPU, wall, x weight bytes); this
+script does not append anything itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (bytes), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Timeline:
+    """RSS samples every ``interval`` s plus named events; ``peak_between`` gives the peak between events."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.t0 = time.perf_counter()
+        self.samples: list[tuple[float, int]] = []
+        self.events: list[tuple[float, int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self.t0, rss_bytes()))
+            self._stop.wait(self.interval)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+    def mark(self, what: str):
+        t, rss = time.perf_counter() - self.t0, rss_bytes()
+        prev = self.events[-1][0] if self.events else 0.0
+        peak = max([r for s, r in self.samples if s >= prev] + [rss])
+        self.events.append((t, rss, what))
+        print(f"{t:8.1f}s  rss {rss / 1e9:6.2f} GB  (peak since previous {peak / 1e9:6.2f} GB)  {what}",
+              file=sys.stderr, flush=True)
+
+
+
+def _instrument(tl: Timeline):
+    from polygraphy.backend.base import BaseRunner
+
+    from m2export.check import console
+
+    act, deact = BaseRunner.activate, BaseRunner.deactivate
+
+    def activate(self):
+        tl.mark(f"activate {self.name} ...")
+        act(self)
+        tl.mark(f"activated {self.name}")
+
+    def deactivate(self):
+        deact(self)
+        tl.mark(f"deactivated {self.name}")
+
+    BaseRunner.activate, BaseRunner.deactivate = activate, deactivate
+    orig = console.progress_bars
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def bars(enabled=True):
+        with orig(enabled) as prog:
+            def wrapped(desc, total):
+                tl.mark(f"section: {desc}")
+                advance, done = prog(desc, total), [0]
+
+                def step():
+                    done[0] += 1
+                    tl.mark(f"  {desc.split(':')[0]} {done[0]}/{total} done")
+                    advance()
+                return step
+            yield wrapped
+
+    console.progress_bars = bars
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--interval", type=float, default=0.1, help="RSS sampling interval, s (default 0.1)")
+    p.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
+    p.add_argument("--sweep-feeds", type=int, metavar="N",
+                   help="keep only the first N vocabulary-sweep feeds (every sweep feed has the same shape, so the "
+                        "peak is the same; a 50k vocabulary has ~150 of them). Not the check's default: say so")
+    args, check_args = p.parse_known_args()
+    from m2export.cli.main import main as cli_main
+
+    if args.sweep_feeds is not None:
+        from m2export.check import data
+
+        full = data.vocab_sweep_windows
+        data.vocab_sweep_windows = lambda *a, **k: full(*a, **k)[:args.sweep_feeds]
+    tl = Timeline(args.interval).start()
+    _instrument(tl)
+    t = time.perf_counter()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        rc = prof.runcall(cli_main, ["check", *check_args])
+        prof.dump_stats(args.profile)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+    else:
+        rc = cli_main(["check", *check_args])
+    wall = time.perf_counter() - t
+    tl.mark("end")
+    tl.stop()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"peak RSS {ru.ru_maxrss * 1024 / 1e9:.2f} GB | user+sys CPU {ru.ru_utime + ru.ru_stime:.1f} s "
+          f"(user {ru.ru_utime:.1f}) | wall {wall:.1f} s | exit {rc}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
