@@ -610,6 +610,31 @@ def _tap(stream, advance, hist, rec=None, ref_bad: set | None = None):
                     hist.setdefault(f"{name} | {out_name.split('.')[0]}", []).append(err)
         advance()
         yield rr
+        release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the last call back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    glibc keeps what a PyTorch forward frees in its per-thread heaps: after the reference's 1x256, 3x127 and 2x257
+    calls on a 130m model its process held 0.76 GB of private memory, 0.29 GB after a trim (CPU here). The check
+    trims after every compared input, so that memory serves the next runtime instead of sitting in a heap.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
 
 
 def _rows(section, acc_results, labels, out_names, atol_d, rtol_d, ref_bad: set = frozenset()) -> list[OutputRow]:
@@ -712,6 +737,7 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
             runner = Decoder(io, pre.infer, None if dec is None else dec.infer, np_dtype=feed_dtype_of)
             if ri == 0:
                 ref_iters = list(iterations(runner))
+                release_freed_memory()
             else:
                 accs.append(compare(singles(rts[0].name, ref_iters), singles(rt.name, iterations(runner))))
         if ri == 0 and release_reference is not None:
