@@ -1,7 +1,8 @@
 """Where ``m2export check`` spends its memory and CPU: an RSS timeline with the runner events, or a profile.
 
 Runs ``m2export check OUTDIR [ARGS...]`` in this process (the CLI's own ``main``), with a thread that reads
-this process's resident set size (``VmRSS`` of ``/proc/self/status``) every ``--interval`` seconds, and
+this process's resident set size (``VmRSS`` of ``/proc/self/status``; also its
+``RssAnon``/``RssFile`` split, whose peaks are printed at the end) every ``--interval`` seconds, and
 marks on the timeline every Polygraphy runner's activation and deactivation (``BaseRunner.activate`` /
 ``deactivate``, wrapped) and every progress-bar section. It prints (stderr, as they happen) one line per
 event with the RSS at that moment and the peak since the previous event, then the whole run's peak RSS
@@ -30,13 +31,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process (bytes), from /proc/self/status."""
+def rss_parts() -> tuple[int, int, int]:
+    """(VmRSS, RssAnon, RssFile) of this process in bytes, from /proc/self/status: RssFile is mapped file pages
+    (the weight files' page-cache pages: shared, reclaimable), RssAnon the process's private memory."""
+    got = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                got[key] = int(line.split()[1]) * 1024
+    return got.get("VmRSS", 0), got.get("RssAnon", 0), got.get("RssFile", 0)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (bytes), from /proc/self/status."""
+    return rss_parts()[0]
 
 
 class Timeline:
@@ -46,13 +55,16 @@ class Timeline:
         self.interval = interval
         self.t0 = time.perf_counter()
         self.samples: list[tuple[float, int]] = []
+        self.peak_anon = self.peak_file = 0
         self.events: list[tuple[float, int, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self.t0, rss_bytes()))
+            rss, anon, file = rss_parts()
+            self.samples.append((time.perf_counter() - self.t0, rss))
+            self.peak_anon, self.peak_file = max(self.peak_anon, anon), max(self.peak_file, file)
             self._stop.wait(self.interval)
 
     def start(self):
@@ -144,7 +156,8 @@ def main() -> int:
     tl.stop()
     ru = resource.getrusage(resource.RUSAGE_SELF)
     print(f"peak RSS {ru.ru_maxrss * 1024 / 1e9:.2f} GB | user+sys CPU {ru.ru_utime + ru.ru_stime:.1f} s "
-          f"(user {ru.ru_utime:.1f}) | wall {wall:.1f} s | exit {rc}", file=sys.stderr)
+          f"(user {ru.ru_utime:.1f}) | wall {wall:.1f} s | exit {rc} | sampled peaks: RssAnon "
+          f"{tl.peak_anon / 1e9:.2f} GB, RssFile {tl.peak_file / 1e9:.2f} GB", file=sys.stderr)
     return rc
 
 

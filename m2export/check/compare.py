@@ -1,18 +1,21 @@
 """``m2export check``: compare an export against the PyTorch reference with Polygraphy.
 
-Two sections, both compared with ``Comparator.compare_accuracy`` and one ``SimpleCompareFunc``
-(what ``CompareFunc.simple`` builds; Polygraphy 0.53 deprecates the factory in favour of the class):
-per-output atol/rtol with ``""`` as the default key, ``check_error_stat="elemwise"``: an element fails
-when its abs error > atol *and* its rel error > rtol.
+Two sections, both compared with one ``SimpleCompareFunc`` (what ``CompareFunc.simple`` builds; Polygraphy
+0.53 deprecates the factory in favour of the class), computed in slices for large outputs
+(:class:`~m2export.check.metrics.SlicedCompareFunc`: the same max statistics and verdicts without
+whole-array temporaries): per-output atol/rtol with ``""`` as the default key,
+``check_error_stat="elemwise"``: an element fails when its abs error > atol *and* its rel error > rtol.
 
-* ``prefill``: ``Comparator.run`` over :class:`~m2export.check.data.TokenDataLoader` feeds (real byte
-  tokens, several batch/seqlen sizes) through the prefill graph of every runtime; each size twice: a
+* ``prefill``: :class:`~m2export.check.data.TokenDataLoader` feeds (real byte tokens, several batch/seqlen
+  sizes) through the prefill graph of every runtime (:func:`_prefill`: the reference first, then each
+  runtime compared with it as it returns and dropped); each size twice: a
   fresh sequence (zero past states) and a continued one, whose past states are the reference's own
   states after the preceding ``past_len`` tokens of the text (so ignored ``past_*`` inputs fail).
 * ``sequence``: prefill a prompt, then ``decode_steps`` decode-graph steps, each runtime feeding its own
   ``present_*`` states back as ``past_*``; the reference's greedy token is fed to all runtimes so every
   step compares like with like, and each runtime's own greedy choice must agree with the reference's
   wherever the reference's top-2 logit margin exceeds twice the logits atol (closer is a numerical tie).
+  Compared with ``Comparator.compare_accuracy``, one runtime at a time.
 
 Every comparison is (runtime, reference): Polygraphy's relative error divides by the second output.
 """
@@ -98,13 +101,14 @@ def _abbrev_names(names: list[str], limit: int = 6) -> str:
 
 
 def make_compare_func(atol: dict[str, float], rtol: dict[str, float]):
-    """Polygraphy ``SimpleCompareFunc`` (= ``CompareFunc.simple``) with exact output-name matching."""
-    from polygraphy.comparator.compare import SimpleCompareFunc
+    """Polygraphy ``SimpleCompareFunc`` (= ``CompareFunc.simple``) with exact output-name matching, elementwise,
+    computed in slices for large outputs (:class:`~m2export.check.metrics.SlicedCompareFunc`)."""
+    from m2export.check.metrics import SlicedCompareFunc
 
     def exact(output_name, index, iter_result, base_iter_result=None):
         return [output_name] if output_name in iter_result else None
 
-    return SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise", find_output_func=exact)
+    return SlicedCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise", find_output_func=exact)
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -462,7 +466,6 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                          "does not expose in this layout"
                          + "".join(f"; follows mamba_ssm: {n}" for n in loaded.notes))
     del loaded  # the loader keeps it until the reference's last call (release_reference)
-    comparisons = [(i, 0) for i in range(1, len(rts))]
     hist: dict[str, list[np.ndarray]] = {}
     ref_bad: set[str] = set()
     prog = progress or (lambda desc, total: (lambda: None))
@@ -470,15 +473,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     severity = G_LOGGER.INFO if polygraphy_log else G_LOGGER.CRITICAL
     try:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
-            # -------- prefill section: Comparator.run over the data loader (streaming: all runners active)
+            # -------- prefill section: every feed through the reference, then each runtime, compared as produced
             advance = prog(f"prefill: {len(loader)} inputs x {len(rts)} runtimes", len(loader))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
-            stream = Comparator.run([r.prefill for r in rts], data_loader=rec, streaming=True)
-            labels = loader.labels
-            prefill_acc = Comparator.compare_accuracy(
-                _tap(stream, advance, hist, rec, ref_bad), comparisons=comparisons,
-                compare_func=compare_func)
-            rows = _rows("prefill", prefill_acc, labels, out_names, atol_d, rtol_d, ref_bad)
+            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, ref_bad)
+            rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d, ref_bad)
 
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
@@ -585,32 +584,74 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _tap(stream, advance, hist, rec=None, ref_bad: set | None = None):
-    """Pass Polygraphy's streamed RunResults through, advancing the progress bar, handing the reference's
-    outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`), collecting into ``ref_bad`` the
-    outputs where the reference itself is non-finite, and (when matplotlib is
-    installed) keeping a strided sample of the abs errors vs the reference (runner 0) per runtime and
-    output group for the histogram."""
+def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
+             ref_bad: set | None = None) -> "OrderedDict[tuple[str, str], list]":
+    """The prefill section: every feed of ``loader`` through the reference's prefill runner, then through each
+    runtime's in turn; each runtime's outputs are compared with the reference's (``compare_func(runtime,
+    reference)``, Polygraphy's order: relative errors divide by the reference) as soon as they exist and
+    dropped, so at most the reference's and one runtime's outputs of one feed are alive (Polygraphy's
+    ``Comparator.run(streaming=True)`` held every runner's outputs of a feed, and the previous feed's while
+    the next ran). All runners are active for the whole section, as with ``Comparator.run``; feeds are
+    coerced to each runner's input metadata as it does.
+
+    Also hands the reference's outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`), collects
+    into ``ref_bad`` the outputs where the reference itself is non-finite, and (when matplotlib is installed)
+    keeps a strided sample of the abs errors per runtime and output group in ``hist`` for the histogram.
+
+    Returns:
+        {(runtime runner name, reference runner name): [one match dict per feed]}: the layout of Polygraphy's
+        ``AccuracyResult`` that :func:`_rows` reads.
+    """
+    from polygraphy.comparator.data_loader import check_feed_dict, coerce_feed_dict
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.logger import G_LOGGER
+
     want_hist = importlib.util.find_spec("matplotlib") is not None
-    for k, rr in enumerate(stream):
-        ref = rr[0][1][0]
-        if rec is not None:
-            rec.record_outputs(k, ref)
-        if ref_bad is not None:  # outputs where the reference itself is non-finite (named in the rows' notes)
-            ref_bad.update(n for n, v in ref.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
-                           and not np.isfinite(np.asarray(v)).all())
-        for name, iters in list(rr)[1:] if want_hist else []:
-            it = iters[0]
-            for out_name in it.keys():
-                if out_name in ref:
-                    a = np.asarray(it[out_name]).ravel()
-                    b = np.asarray(ref[out_name]).ravel()
-                    step = max(1, -(-a.size // HIST_SAMPLES))
-                    err = np.abs(a[::step].astype(np.float64) - b[::step].astype(np.float64)).astype(np.float32)
-                    hist.setdefault(f"{name} | {out_name.split('.')[0]}", []).append(err)
-        advance()
-        yield rr
-        release_freed_memory()
+    runners = [r.prefill for r in rts]
+    acc: OrderedDict[tuple[str, str], list] = OrderedDict(((r.name, runners[0].name), []) for r in runners[1:])
+    with contextlib.ExitStack() as stack:
+        active = [stack.enter_context(r) for r in runners]
+        metas = [r.get_input_metadata(use_numpy_dtypes=False) for r in active]
+
+        def run(k, feed):
+            runner = active[k]
+            out = runner.infer(feed_dict=coerce_feed_dict(feed, metas[k]))
+            return IterationResult(outputs=out, runtime=runner.last_inference_time(), runner_name=runner.name)
+
+        for k, feed in enumerate(loader):
+            check_feed_dict(feed)
+            ref = run(0, feed)
+            if rec is not None:
+                rec.record_outputs(k, ref)
+            if ref_bad is not None:  # outputs where the reference itself is non-finite (named in the rows' notes)
+                ref_bad.update(n for n, v in ref.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
+                               and not np.isfinite(np.asarray(v)).all())
+            for i in range(1, len(active)):
+                it = run(i, feed)
+                acc[(it.runner_name, ref.runner_name)].append(compare_func(it, ref))
+                if want_hist:
+                    _sample_errors(hist, it, ref)
+                del it
+                release_freed_memory()
+            del ref
+            advance()
+    for (name, ref_name), matches in acc.items():
+        n_ok = sum(all(bool(m) for m in match.values()) for match in matches)
+        G_LOGGER.log(f"Accuracy Summary | {name} vs. {ref_name} | Passed: {n_ok}/{len(matches)} iterations",
+                     G_LOGGER.FINISH if n_ok == len(matches) else G_LOGGER.ERROR)
+    return acc
+
+
+def _sample_errors(hist: dict[str, list[np.ndarray]], it, ref) -> None:
+    """A strided sample (:data:`HIST_SAMPLES` per output) of one runtime's abs errors vs the reference, per
+    runtime and output group (``"name | logits"``), for the histogram."""
+    for out_name in it.keys():
+        if out_name in ref:
+            a = np.asarray(it[out_name]).ravel()
+            b = np.asarray(ref[out_name]).ravel()
+            step = max(1, -(-a.size // HIST_SAMPLES))
+            err = np.abs(a[::step].astype(np.float64) - b[::step].astype(np.float64)).astype(np.float32)
+            hist.setdefault(f"{it.runner_name} | {out_name.split('.')[0]}", []).append(err)
 
 
 def release_freed_memory() -> None:

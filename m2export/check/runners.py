@@ -131,13 +131,15 @@ class TorchRunner(BaseRunner):
         ids = torch.as_tensor(np.asarray(feed_dict["input_ids"]), dtype=torch.int64)
         past = [torch.as_tensor(np.asarray(feed_dict[s.past.name])).float() for s in self.io.states]
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.inference_mode():  # no autograd graph, no saved activations
             logits, presents = flat_forward(self.model, ids, past)
-        self.inference_time = time.perf_counter() - start
-        res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(logits))
-        for s, t in zip(self.io.states, presents):
-            res[s.present.name] = (t.float().numpy().astype(np.float32) if s.present.dtype == "float32"
-                                   else self._model_dtype(t))
+            del ids, past
+            self.inference_time = time.perf_counter() - start
+            res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(logits))
+            del logits
+            for s, t in zip(self.io.states, presents):
+                res[s.present.name] = (_own_numpy(t.float(), np.float32) if s.present.dtype == "float32"
+                                       else self._model_dtype(t))
         return res
 
     def _model_dtype(self, t) -> np.ndarray:
@@ -145,10 +147,20 @@ class TorchRunner(BaseRunner):
         computing exactly in that dtype would return (bf16 rounded, then carried as float32)."""
         if self.dtype == "bf16":
             t = t.to(self._torch.bfloat16)
-        return t.float().numpy().astype(self._io_dtype)
+        return _own_numpy(t.float(), self._io_dtype)
 
     def deactivate_impl(self):
         del self.model, self.cfg, self.io, self._torch
+
+
+def _own_numpy(t, dtype) -> np.ndarray:
+    """A CPU tensor as a numpy array of ``dtype`` holding only its own elements: the tensor's memory itself when
+    it is contiguous, already ``dtype`` and the whole of its storage (no copy: the logits of a long input are
+    hundreds of MB), else a compact copy (a view would keep a larger buffer alive)."""
+    a = t.detach().numpy()
+    if a.dtype == dtype and t.is_contiguous() and t.untyped_storage().nbytes() == a.nbytes:
+        return a
+    return a.astype(dtype)
 
 
 class OnnxReferenceRunner(BaseRunner):
@@ -634,10 +646,11 @@ class TransformersRunner(TorchRunner):
         res = super().infer_impl(feed_dict)
         tokens = np.concatenate([before, ids], axis=1)
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.inference_mode():
             logits = self.ref.hf(input_ids=torch.from_numpy(tokens), use_cache=False).logits[:, -ids.shape[1]:]
-        self.inference_time += time.perf_counter() - start
-        res["logits"] = self._model_dtype(logits.float())
+            self.inference_time += time.perf_counter() - start
+            res["logits"] = self._model_dtype(logits.float())
+            del logits
         self.ref.history.record([res[s.present.name] for s in self.io.states], tokens)
         return res
 

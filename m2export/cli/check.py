@@ -7,7 +7,8 @@ import argparse
 HELP = "compare an export (ONNX Runtime, TensorRT) with the PyTorch reference on real token sequences"
 DESCRIPTION = """Run the same inputs through the PyTorch reference model (fp32), ONNX Runtime (every graph flavour
 in OUTDIR) and TensorRT (the engines, when built and TensorRT is installed; otherwise a "skipped" line),
-and compare every output with Polygraphy (Comparator.compare_accuracy, per-output atol/rtol).
+and compare every output with Polygraphy's elementwise rule (SimpleCompareFunc, per-output atol/rtol; large
+outputs are compared in slices as each runtime returns them, then dropped).
 
 Inputs are real byte-level token sequences (--text FILE, default: the Python stdlib's own sources) at
 several batch x seqlen sizes, each fed twice to the prefill graph: as a fresh sequence (zero past
