@@ -7,7 +7,8 @@ marks on the timeline every Polygraphy runner's activation and deactivation (``B
 ``deactivate``, wrapped) and every progress-bar section. It prints (stderr, as they happen) one line per
 event with the RSS at that moment and the peak since the previous event, then the whole run's peak RSS
 (``getrusage``: what ``/usr/bin/time -v`` reports as "Maximum resident set size"), user+sys CPU seconds,
-wall time, and the check's exit code. ``--profile FILE`` writes a cProfile of the run instead (``pstats``
+wall time, the check's exit code, and the wall time spent inside each runner's ``infer`` (the runtimes' own
+compute, the reference's included) against the whole run's. ``--profile FILE`` writes a cProfile of the run instead (``pstats``
 readable; the top 25 by cumulative time are printed). Linux only (``/proc``).
 
     python benchmarks/bench_check_memory.py /tmp/chk/out130 -q
@@ -56,6 +57,7 @@ class Timeline:
         self.t0 = time.perf_counter()
         self.samples: list[tuple[float, int]] = []
         self.peak_anon = self.peak_file = 0
+        self.infer_s: dict[str, float] = {}  # wall seconds inside each runner's infer()
         self.events: list[tuple[float, int, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -90,7 +92,7 @@ def _instrument(tl: Timeline):
 
     from m2export.check import console
 
-    act, deact = BaseRunner.activate, BaseRunner.deactivate
+    act, deact, infer = BaseRunner.activate, BaseRunner.deactivate, BaseRunner.infer
 
     def activate(self):
         tl.mark(f"activate {self.name} ...")
@@ -101,7 +103,14 @@ def _instrument(tl: Timeline):
         deact(self)
         tl.mark(f"deactivated {self.name}")
 
-    BaseRunner.activate, BaseRunner.deactivate = activate, deactivate
+    def timed_infer(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return infer(self, *args, **kwargs)
+        finally:
+            tl.infer_s[self.name] = tl.infer_s.get(self.name, 0.0) + time.perf_counter() - t
+
+    BaseRunner.activate, BaseRunner.deactivate, BaseRunner.infer = activate, deactivate, timed_infer
     orig = console.progress_bars
 
     import contextlib
@@ -158,6 +167,9 @@ def main() -> int:
     print(f"peak RSS {ru.ru_maxrss * 1024 / 1e9:.2f} GB | user+sys CPU {ru.ru_utime + ru.ru_stime:.1f} s "
           f"(user {ru.ru_utime:.1f}) | wall {wall:.1f} s | exit {rc} | sampled peaks: RssAnon "
           f"{tl.peak_anon / 1e9:.2f} GB, RssFile {tl.peak_file / 1e9:.2f} GB", file=sys.stderr)
+    inside = sum(tl.infer_s.values())
+    print(f"wall inside runners' infer(): {inside:.1f} s of {wall:.1f} s ({100 * inside / wall:.0f}%): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(tl.infer_s.items(), key=lambda kv: -kv[1])), file=sys.stderr)
     return rc
 
 

@@ -322,8 +322,9 @@ class _CpuSessionFromOnnx(BaseLoader):
     With ``shared`` (:class:`SharedInitializers`), built to hold as little of its own as it can: the weights are
     ``shared``'s mapped pages (MatMul prepacking off: it would copy them), constant folding is off (it wrote a
     transposed copy of weights used through Transpose nodes: 150 MB per 130m session; ORT's Transpose+MatMul
-    fusion reads them in place instead; prefill speed unchanged, measured), and the CPU arena is the process's
-    shared one (:func:`_shared_cpu_arena`)."""
+    fusion reads them in place instead; prefill speed unchanged, measured), the CPU arena is the process's
+    shared one (:func:`_shared_cpu_arena`), and every run ends by shrinking it (:class:`_ShrinkingSession`).
+    """
 
     def __init__(self, path: Path, shared: SharedInitializers | None = None):
         self.path = path
@@ -346,12 +347,35 @@ class _CpuSessionFromOnnx(BaseLoader):
                 for name, value in self.shared.for_graph(self.path):
                     options.add_initializer(name, value)
                 extra["disabled_optimizers"] = ["ConstantFolding"]
-            return ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"],
+            sess = ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"],
                                         **extra)
+            return sess if self.shared is None else _ShrinkingSession(sess)
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
                 raise
             raise _unloadable(self.path, "ONNX Runtime cannot load the graph", e) from None
+
+
+class _ShrinkingSession:
+    """An ``InferenceSession`` whose ``run`` without run options ends by handing the CPU arena's unused chunks back
+    (ONNX Runtime's ``memory.enable_memory_arena_shrinkage`` run option), so what a prefill of the largest input
+    took does not stay reserved while the PyTorch reference and the other sessions run. One 130m session, 2x257
+    then 1x333 then 2x257 tokens (CPU here, tokens' logits dropped after each): private memory after the runs
+    0.57, 0.57, 0.59 GB without, 0.56, 0.43, 0.42 GB with; peak unchanged (1.18-1.20 GB RSS). Everything else is
+    the session's own (``OnnxrtRunner`` calls ``run``, ``get_inputs``, ``get_outputs``)."""
+
+    def __init__(self, sess):
+        import onnxruntime as ort
+
+        self._sess = sess
+        self._options = ort.RunOptions()
+        self._options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+    def run(self, output_names, input_feed, run_options=None):
+        return self._sess.run(output_names, input_feed, run_options or self._options)
+
+    def __getattr__(self, name):
+        return getattr(self._sess, name)
 
 
 def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None, shared: SharedInitializers | None = None):
