@@ -129,3 +129,38 @@ def test_parse_shapes_and_tolerances():
         parse_tolerances(["logit:1"], {"": 1e-4}, names, "--atol")
     with pytest.raises(M2ExportError, match="expected VALUE or NAME:VALUE"):
         parse_tolerances(["logits:abc"], {"": 1e-4}, names, "--rtol")
+
+
+def test_onnxrt_sessions_on_shared_weights_shrink_their_arena_and_match(tiny_out, tiny_ck):
+    """A session on SharedInitializers (the check's) runs every call with arena shrinkage and returns exactly what
+    a plain session (generate's) returns."""
+    from m2export.check.runners import SharedInitializers, _ShrinkingSession, onnxrt_runner
+
+    cfg = load_checkpoint(tiny_ck).config
+    feed = next(iter(TokenDataLoader(cfg, "fp32", [(2, 21)], seed=3)))
+    shared = SharedInitializers()
+    try:
+        with onnxrt_runner(tiny_out / "model.onnx", shared=shared) as a, onnxrt_runner(tiny_out / "model.onnx") as b:
+            assert isinstance(a.sess, _ShrinkingSession) and not isinstance(b.sess, _ShrinkingSession)
+            assert a.sess._options.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+            got, want = a.infer(feed), b.infer(feed)
+    finally:
+        shared.release()
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_torch_outputs_own_their_memory():
+    """The reference's outputs: a whole tensor of the right dtype is handed over without a copy (a long input's
+    logits are hundreds of MB); a view is copied compactly (it would keep its larger buffer alive)."""
+    from m2export.check.runners import _own_numpy
+
+    t = torch.arange(24.0).reshape(2, 3, 4)
+    whole = _own_numpy(t, np.float32)
+    assert np.shares_memory(whole, t.numpy()) and whole.dtype == np.float32
+    view = _own_numpy(t[:, -1], np.float32)
+    assert not np.shares_memory(view, t.numpy()) and view.flags.c_contiguous and view.nbytes == 2 * 4 * 4
+    np.testing.assert_array_equal(view, t[:, -1].numpy())
+    half = _own_numpy(t, np.float16)
+    assert half.dtype == np.float16 and not np.shares_memory(half, t.numpy())
