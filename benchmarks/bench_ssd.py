@@ -182,9 +182,9 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail]]]]]]]
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:heads]]]]]]]]
     (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
-    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default)."""
+    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default; heads: heads per block, 1 or 2)."""
     from m2export.kernels.ssd.plan import choose_config
 
     out = []
@@ -193,15 +193,41 @@ def cutile_variants(spec: str):
             out.append(("cutile", None))
             continue
         fields = item.split(":")
-        if len(fields) > 10:
-            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 10 "
+        if len(fields) > 11:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 11 "
                              "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy:"
-                             "merge_tail)")
-        q, bp, ns, occ, st, su, pre, ww, so, mt = (fields + [""] * 10)[:10]
+                             "merge_tail:heads)")
+        q, bp, ns, occ, st, su, pre, ww, so, mt, hb = (fields + [""] * 11)[:11]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
-                                        int(ww) if ww else None, int(so) if so else None, flag(mt))))
+                                        int(ww) if ww else None, int(so) if so else None, flag(mt),
+                                        int(hb) if hb else None)))
     return out, choose_config
+
+
+def config_of(prob, v, sm: int = 132):
+    """The ScanConfig of one parsed --variants entry ``v`` (None: choose_config's) for problem ``prob``."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    if v is None:
+        return choose_config(prob, sm_count=sm)
+    q, bp, ns, occ, st, su, pre, ww, so, mt, hb = v
+    kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
+              worker_warps=ww, seg_occupancy=so, merge_tail=mt, heads_per_block=hb)
+    if ns == "":  # the cost model's segment count for this chunk and tile
+        return choose_config(prob, **kw)
+    if ns.startswith("a"):  # about this many blocks per SM
+        base = prob.batch * prob.nheads // (hb or 1) * (prob.headdim // (bp or choose_config(prob, sm_count=sm).block_p))
+        return choose_config(prob, nseg=min(64, max(1, -(-(int(ns[1:] or 8) * sm) // base))), **kw)
+    return choose_config(prob, nseg=int(ns), **kw)
+
+
+def problem_of(name: str):
+    """The SSMScanProblem of benchmark shape ``name`` (no initial state)."""
+    from m2export.contract import SSMScanProblem
+
+    b, l, h, p, g, n = SHAPES[name]
+    return SSMScanProblem(b, l, h, p, g, n, str(SHAPE_DTYPE.get(name, torch.bfloat16)).removeprefix("torch."))
 
 
 def warm_up_parallel(args) -> None:
@@ -280,19 +306,7 @@ def main(argv=None):
         prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], init)
         impls = []
         for label, v in variants:
-            if v is None:
-                cfg = choose_config(prob, sm_count=sm)
-            else:
-                q, bp, ns, occ, st, su, pre, ww, so, mt = v
-                kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-                          worker_warps=ww, seg_occupancy=so, merge_tail=mt)
-                if ns == "":  # the cost model's segment count for this chunk and tile
-                    cfg = choose_config(prob, **kw)
-                elif ns.startswith("a"):  # about this many blocks per SM
-                    base = b * h * (p // (bp or choose_config(prob, sm_count=sm).block_p))
-                    cfg = choose_config(prob, nseg=min(64, max(1, -(-(int(ns[1:] or 8) * sm) // base))), **kw)
-                else:
-                    cfg = choose_config(prob, nseg=int(ns), **kw)
+            cfg = config_of(prob, v, sm)
             y = torch.empty_like(inp["x"])
             fs = torch.empty(b, h, p, n, dtype=torch.float32, device="cuda")
 

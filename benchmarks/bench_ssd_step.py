@@ -2,7 +2,8 @@
 
 Memory-bound: bytes = 8*b*h*p*n (fp32 state read + written) + 2*b*h*p*s_x (x, y) + 2*b*g*n*s_x (B, C)
 + b*h*s_x (dt) + 3*h*4; GB/s = bytes / t and % of the 4.3 TB/s copy bandwidth measured on this H200
-(/work/.library/device/KINDS.md). bf16, headdim 64, d_state 128, in-place state update.
+(/work/.library/device/KINDS.md). bf16, in-place state update; shapes (batch, nheads, headdim, ngroups, d_state)
+in SHAPES (headdim 64 / d_state 128, and the hybrid models' head dims 80 / 128 and d_state 256).
 ms = median of eager calls and of CUDA-graph replays (triton.testing.do_bench), side by side.
 
 Implementations, in the same run: ``ssm_step`` (cuTile); the TensorRT JIT plugin's enqueue body
@@ -37,6 +38,12 @@ SHAPES = {  # name: (batch, nheads, headdim, ngroups, d_state)
     "B64_H80": (64, 80, 64, 1, 128),
     "B128_H80": (128, 80, 64, 1, 128),
     "B64_H128_G8": (64, 128, 64, 8, 128),
+    # issue 15's decode goal: head dims 80 / 128 and d_state 256 at batch >= 64 (the hybrid models' Mamba layers)
+    "B64_H128_P80_G8": (64, 128, 80, 8, 128),     # Nemotron-Nano-9B-v2
+    "B128_H128_P80_G8": (128, 128, 80, 8, 128),
+    "B64_H24_P128_N256": (64, 24, 128, 1, 256),   # Falcon-H1-7B
+    "B128_H24_P128_N256": (128, 24, 128, 1, 256),
+    "B64_H128_P64_G8": (64, 128, 64, 8, 128),     # Nemotron-H-8B
 }
 HBM = 4.3e12
 

@@ -115,6 +115,21 @@ def test_prefill_kernels_compile_split_headdim(merge):
         assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
+def test_prefill_kernels_compile_two_heads_per_block():
+    """heads_per_block 2 (Falcon-H1-7B's d_state 256, one group): pass 1 and pass 2 with TAIL_HEAD, the second
+    head's state on chip beside the first's."""
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 700, 8, 128, 1, 256, dtype="bfloat16")
+    plan = make_scan_plan(p, choose_config(p, nseg=2, heads_per_block=2), dt_softplus=True,
+                          dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=True)
+    for launch in plan.launches[1:]:
+        assert {a.name: a.value for a in launch.args if a.kind == "constant"}["TAIL_HEAD"] is True
+        assert _export_launch(launch)[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("block_p,d_state,occupancy", [(64, 128, 2), (8, 64, 8)])
 def test_step_kernel_compiles(block_p, d_state, occupancy):
     from m2export.contract import SSMScanProblem

@@ -255,6 +255,38 @@ def test_d_state_256_default_plan(dtype):
     _run_and_check(p, seed=stable_seed("n256-default", dtype))
 
 
+#: two heads per block (heads_per_block 2: heads h, h + 1 share the B/C loads and C @ B^T):
+#: (B, L, H, P, G, N, chunk, block_p, nseg, dtype, initial state, A range)
+TWO_HEAD_CASES = [
+    (2, 1, 8, 64, 2, 128, 64, 32, 1, "bfloat16", True, (0.5, 8.0)),
+    (2, 37, 8, 64, 2, 128, 64, 32, 1, "bfloat16", True, (0.5, 8.0)),
+    (2, 64, 8, 128, 2, 256, 64, 16, 1, "bfloat16", True, (0.5, 8.0)),
+    (2, 3 * 64 + 1, 8, 128, 1, 256, 64, 16, 2, "bfloat16", False, (0.5, 8.0)),
+    (2, 5 * 64 + 9, 8, 128, 2, 256, 64, 16, 3, "bfloat16", True, (0.01, 0.05)),
+    (1, 5 * 64 + 9, 8, 64, 2, 128, 64, 32, 3, "float16", True, (0.01, 0.05)),
+    (2, 5 * 32 + 1, 4, 64, 2, 64, 32, 32, 3, "float32", True, (0.01, 0.05)),
+    (2, 4 * 32 + 7, 8, 128, 2, 256, 32, 16, 2, "bfloat16", True, (0.5, 8.0)),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", TWO_HEAD_CASES,
+                         ids=[f"B{c[0]}_L{c[1]}_H{c[2]}_P{c[3]}_G{c[4]}_N{c[5]}_Q{c[6]}_T{c[7]}_s{c[8]}_{c[9]}"
+                              f"{'_init' if c[10] else ''}{'_slow' if c[11][1] < 1 else ''}" for c in TWO_HEAD_CASES])
+def test_two_heads_per_block(case):
+    """heads_per_block 2 vs the float64 oracle, NaN-poisoned outputs: L 1, < chunk, = chunk, k*chunk+1, split plans
+    (slow decay, so an error in the second head's segment fold shows), ngroups 1 and 2, with and without an
+    initial state, every dtype."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    b, L, h, hd, g, n, chunk, block_p, nseg, dtype, init, a_range = case
+    p = SSMScanProblem(b, L, h, hd, g, n, dtype=dtype)
+    cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=nseg, heads_per_block=2)
+    assert (cfg.heads_per_block, cfg.nseg) == (2, nseg)
+    _run_and_check(p, seed=stable_seed("two-heads", *case[:10]), config=cfg, init_state=init, A_range=a_range)
+
+
 @pytest.mark.gpu
 @gpu
 def test_chunk_size_attribute_128():

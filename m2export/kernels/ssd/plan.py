@@ -37,6 +37,8 @@ class ScanConfig:
     worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
     seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
     merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
+    heads_per_block: int = 1  # 2: a JIT-plan block owns the same headdim tile of heads h, h + 1 (one group), sharing
+    #                           the B/C loads and C @ B^T (no merged tail then)
 
     @property
     def plan(self) -> str:
@@ -154,7 +156,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None,
-                  merge_tail: bool | None = None) -> ScanConfig:
+                  merge_tail: bool | None = None, heads_per_block: int | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
@@ -175,9 +177,13 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
     state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
-    merge_tail = DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail
+    heads_per_block = heads_per_block or 1
+    if heads_per_block not in (1, 2) or problem.heads_per_group % heads_per_block:
+        raise ValueError(f"choose_config: heads_per_block {heads_per_block} (1, or 2 when heads per group "
+                         f"{problem.heads_per_group} is even)")
+    merge_tail = (DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail) and heads_per_block == 1
     nchunks = max(1, -(-problem.seqlen // chunk))
-    bases = [max(1, problem.batch * problem.nheads * pc.tiles)
+    bases = [max(1, problem.batch * problem.nheads // heads_per_block * pc.tiles)
              for pc, _ in launch_pieces(problem.headdim, block_p, merge_tail)]
     if nseg is None:
         slots = (occupancy or 1) * sm_count
@@ -191,9 +197,13 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nseg = -(-nchunks // cps)  # no empty segment
     if dt_pre is None:  # the pre-pass grid has the chunks on y (at most 65535: ~4M tokens at chunk 64)
         dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
+    if heads_per_block == 2 and nseg == 1 and not dt_pre:
+        raise ValueError("choose_config: heads_per_block 2 needs the two-kernel plan (dt_pre or nseg > 1); the "
+                         "single-launch fused kernel owns one head per block")
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
-                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail)
+                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail,
+                      heads_per_block=heads_per_block)
 
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:
