@@ -182,9 +182,9 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:heads]]]]]]]]
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail]]]]]]]
     (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
-    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default; heads: heads per block, 1 or 2)."""
+    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default)."""
     from m2export.kernels.ssd.plan import choose_config
 
     out = []
@@ -193,15 +193,14 @@ def cutile_variants(spec: str):
             out.append(("cutile", None))
             continue
         fields = item.split(":")
-        if len(fields) > 11:
-            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 11 "
+        if len(fields) > 10:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 10 "
                              "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy:"
-                             "merge_tail:heads)")
-        q, bp, ns, occ, st, su, pre, ww, so, mt, hb = (fields + [""] * 11)[:11]
+                             "merge_tail)")
+        q, bp, ns, occ, st, su, pre, ww, so, mt = (fields + [""] * 10)[:10]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
-                                        int(ww) if ww else None, int(so) if so else None, flag(mt),
-                                        int(hb) if hb else None)))
+                                        int(ww) if ww else None, int(so) if so else None, flag(mt))))
     return out, choose_config
 
 
@@ -211,13 +210,13 @@ def config_of(prob, v, sm: int = 132):
 
     if v is None:
         return choose_config(prob, sm_count=sm)
-    q, bp, ns, occ, st, su, pre, ww, so, mt, hb = v
+    q, bp, ns, occ, st, su, pre, ww, so, mt = v
     kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-              worker_warps=ww, seg_occupancy=so, merge_tail=mt, heads_per_block=hb)
+              worker_warps=ww, seg_occupancy=so, merge_tail=mt)
     if ns == "":  # the cost model's segment count for this chunk and tile
         return choose_config(prob, **kw)
     if ns.startswith("a"):  # about this many blocks per SM
-        base = prob.batch * prob.nheads // (hb or 1) * (prob.headdim // (bp or choose_config(prob, sm_count=sm).block_p))
+        base = prob.batch * prob.nheads * (prob.headdim // (bp or choose_config(prob, sm_count=sm).block_p))
         return choose_config(prob, nseg=min(64, max(1, -(-(int(ns[1:] or 8) * sm) // base))), **kw)
     return choose_config(prob, nseg=int(ns), **kw)
 

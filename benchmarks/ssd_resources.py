@@ -6,7 +6,7 @@ registers, stack frame, shared memory, threads per block, SASS instructions (all
 LDL/STL) and the blocks per SM those allow. Usage (the variant syntax is bench_ssd.py's --variants):
 
     CUOBJDUMP=/path/to/cuobjdump python benchmarks/ssd_resources.py --shape falcon_h1_7b \
-        --variants auto,64:16:2,64:16:2::::::::::2
+        --variants auto,64:16:2:2::::8
 
 Results on stdout, one line per (variant, kernel). Compiles are slow on a loaded CPU (~1-3 min each).
 """

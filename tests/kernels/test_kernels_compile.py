@@ -115,18 +115,19 @@ def test_prefill_kernels_compile_split_headdim(merge):
         assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
-def test_prefill_kernels_compile_two_heads_per_block():
-    """heads_per_block 2 (Falcon-H1-7B's d_state 256, one group): pass 1 and pass 2 with TAIL_HEAD, the second
-    head's state on chip beside the first's."""
+def test_d_state_256_default_plan_compiles():
+    """bf16 d_state 256 (Falcon-H1-7B): choose_config's own plan (chunk 64, 16-row tiles, the state as (headdim,
+    d_state)): pass 1 and pass 2."""
     from m2export.contract import SSMScanProblem
     from m2export.kernels.ssd.cutile import make_scan_plan
     from m2export.kernels.ssd.plan import choose_config
 
-    p = SSMScanProblem(2, 700, 8, 128, 1, 256, dtype="bfloat16")
-    plan = make_scan_plan(p, choose_config(p, nseg=2, heads_per_block=2), dt_softplus=True,
-                          dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=True)
+    p = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
+    cfg = choose_config(p)
+    assert (cfg.chunk, cfg.block_p, cfg.nseg, cfg.state_t) == (64, 16, 2, False)
+    plan = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
+                          has_init=True)
     for launch in plan.launches[1:]:
-        assert {a.name: a.value for a in launch.args if a.kind == "constant"}["TAIL_HEAD"] is True
         assert _export_launch(launch)[:4] == b"\x7fELF"
 
 

@@ -242,49 +242,51 @@ def test_d_state_256_plans(chunk, block_p, nseg):
     _run_and_check(p, seed=stable_seed("n256", chunk, block_p, nseg), config=cfg)
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_d_state_256_default_plan(dtype):
-    """ssm_scan's own plan for d_state 256 (choose_config: bf16 chunk 64 with 16-row tiles, 6 for headdim 96;
-    fp16 chunk 32 with 32-row tiles)."""
-    from m2export.kernels.ssd.plan import choose_config
-
-    p = SSMScanProblem(2, 2 * 64 + 5, 8, 96, 2, 256, dtype=dtype)
-    assert (choose_config(p).chunk, choose_config(p).block_p) == ((64, 16) if dtype == "bfloat16" else (32, 32))
-    _run_and_check(p, seed=stable_seed("n256-default", dtype))
-
-
-#: two heads per block (heads_per_block 2: heads h, h + 1 share the B/C loads and C @ B^T):
-#: (B, L, H, P, G, N, chunk, block_p, nseg, dtype, initial state, A range)
-TWO_HEAD_CASES = [
-    (2, 1, 8, 64, 2, 128, 64, 32, 1, "bfloat16", True, (0.5, 8.0)),
-    (2, 37, 8, 64, 2, 128, 64, 32, 1, "bfloat16", True, (0.5, 8.0)),
-    (2, 64, 8, 128, 2, 256, 64, 16, 1, "bfloat16", True, (0.5, 8.0)),
-    (2, 3 * 64 + 1, 8, 128, 1, 256, 64, 16, 2, "bfloat16", False, (0.5, 8.0)),
-    (2, 5 * 64 + 9, 8, 128, 2, 256, 64, 16, 3, "bfloat16", True, (0.01, 0.05)),
-    (1, 5 * 64 + 9, 8, 64, 2, 128, 64, 32, 3, "float16", True, (0.01, 0.05)),
-    (2, 5 * 32 + 1, 4, 64, 2, 64, 32, 32, 3, "float32", True, (0.01, 0.05)),
-    (2, 4 * 32 + 7, 8, 128, 2, 256, 32, 16, 2, "bfloat16", True, (0.5, 8.0)),
+#: d_state 256 plans with other compiler hints / layouts (the Falcon-H1-7B sweep of session 6):
+#: (seqlen, initial state, choose_config overrides)
+D_STATE_256_KNOBS = [
+    (5 * 64 + 3, True, dict(chunk=64, block_p=16, nseg=2, worker_warps=8)),
+    (5 * 64 + 3, False, dict(chunk=64, block_p=16, nseg=2, worker_warps=8)),
+    (37, True, dict(chunk=64, block_p=16, nseg=1, worker_warps=8)),
+    (5 * 64 + 3, True, dict(chunk=64, block_p=32, nseg=3, worker_warps=8)),
+    (5 * 64 + 3, True, dict(chunk=64, block_p=16, nseg=2, state_t=False)),
+    (3 * 64 + 1, False, dict(chunk=64, block_p=16, nseg=2, state_t=False)),
+    (64, True, dict(chunk=64, block_p=16, nseg=1, state_t=False)),
+    (37, True, dict(chunk=64, block_p=16, nseg=1, state_t=False)),
+    (5 * 64 + 3, True, dict(chunk=64, block_p=16, nseg=2, split_upd=True)),
 ]
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", TWO_HEAD_CASES,
-                         ids=[f"B{c[0]}_L{c[1]}_H{c[2]}_P{c[3]}_G{c[4]}_N{c[5]}_Q{c[6]}_T{c[7]}_s{c[8]}_{c[9]}"
-                              f"{'_init' if c[10] else ''}{'_slow' if c[11][1] < 1 else ''}" for c in TWO_HEAD_CASES])
-def test_two_heads_per_block(case):
-    """heads_per_block 2 vs the float64 oracle, NaN-poisoned outputs: L 1, < chunk, = chunk, k*chunk+1, split plans
-    (slow decay, so an error in the second head's segment fold shows), ngroups 1 and 2, with and without an
-    initial state, every dtype."""
+@pytest.mark.parametrize("seqlen,init,kw", D_STATE_256_KNOBS,
+                         ids=[f"L{a}{'_init' if b else ''}_" + "_".join(f"{k}{v}" for k, v in c.items())
+                              for a, b, c in D_STATE_256_KNOBS])
+def test_d_state_256_knobs(seqlen, init, kw):
+    """Headdim 128 / d_state 256 (bf16, ngroups 2) with 8 worker warps, the (headdim, d_state) state layout or the
+    split state update, vs the float64 oracle, NaN-poisoned outputs; with and without an initial state (two
+    different sm_90 builds)."""
     from m2export.kernels.ssd.plan import choose_config
 
-    b, L, h, hd, g, n, chunk, block_p, nseg, dtype, init, a_range = case
-    p = SSMScanProblem(b, L, h, hd, g, n, dtype=dtype)
-    cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=nseg, heads_per_block=2)
-    assert (cfg.heads_per_block, cfg.nseg) == (2, nseg)
-    _run_and_check(p, seed=stable_seed("two-heads", *case[:10]), config=cfg, init_state=init, A_range=a_range)
+    p = SSMScanProblem(2, seqlen, 8, 128, 2, 256, dtype="bfloat16")
+    cfg = choose_config(p, **kw)
+    assert all(getattr(cfg, k) == v for k, v in kw.items())
+    _run_and_check(p, seed=stable_seed("n256-knobs", seqlen, init, *sorted(kw.items())), config=cfg,
+                   init_state=init)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_d_state_256_default_plan(dtype):
+    """ssm_scan's own plan for d_state 256 (choose_config: bf16 chunk 64 with 16-row tiles, 6 for headdim 96, the
+    state as (headdim, d_state); fp16 chunk 32 with 32-row tiles, the state as (d_state, headdim))."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(2, 2 * 64 + 5, 8, 96, 2, 256, dtype=dtype)
+    cfg = choose_config(p)
+    assert (cfg.chunk, cfg.block_p, cfg.state_t) == ((64, 16, False) if dtype == "bfloat16" else (32, 32, True))
+    _run_and_check(p, seed=stable_seed("n256-default", dtype))
 
 
 @pytest.mark.gpu

@@ -57,9 +57,10 @@ def test_fp32_and_d_state_256_use_chunk_32():
     # the AOT kernel runs chunk 32; bf16 JIT plans chunk 64 with 16-row tiles (128 registers, measured faster)
     assert aot_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16")).chunk == 32
     cfg = choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16"))
-    assert (cfg.chunk, cfg.block_p) == (64, 16)
+    assert (cfg.chunk, cfg.block_p, cfg.state_t) == (64, 16, False)  # (headdim, d_state) state: measured faster
+    assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16"), state_t=True).state_t
     cfg = choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float16"))
-    assert (cfg.chunk, cfg.block_p) == (32, 32)
+    assert (cfg.chunk, cfg.block_p, cfg.state_t) == (32, 32, True)
     assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="bfloat16"), chunk=32).block_p == 32
     assert choose_config(SSMScanProblem(4, 7, 2, 128, 2, 256, dtype="float32")).chunk == 32
 
@@ -177,29 +178,3 @@ def test_plans_are_deterministic():
         for dtype in ("bfloat16", "float32"):
             p = SSMScanProblem(*dims, dtype=dtype)
             assert len({choose_config(p, sm_count=132) for _ in range(3)}) == 1
-
-
-def test_two_heads_per_block_halves_the_grid_and_is_refused_where_it_cannot_run():
-    """heads_per_block 2: the plan model counts half the blocks, the launches' grids have batch*nheads/2 rows with
-    the TAIL_HEAD constants, and odd heads per group, a merged tail or the single-launch plan are refused."""
-    from m2export.errors import ContractError
-    from m2export.kernels.ssd.cutile import make_scan_plan
-
-    p = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
-    cfg = choose_config(p, heads_per_block=2, nseg=2)
-    assert (cfg.heads_per_block, cfg.merge_tail) == (2, False)
-    plan_ = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
-                           has_init=True)
-    scan = [l for l in plan_.launches if l.name in ("ssd_segment_state_kernel", "ssd_scan_kernel")]
-    assert [l.grid for l in scan] == [(24, 1, 8), (24, 2, 8)]
-    for l in scan:
-        c = {a.name: a.value for a in l.args if a.kind == "constant"}
-        assert (c["HAS_TAIL"], c["TAIL_HEAD"], c["TAIL_P"]) == (True, True, 16)
-    with pytest.raises(ValueError, match="heads_per_block 2"):
-        choose_config(SSMScanProblem(1, 64, 6, 64, 2, 128, dtype="bfloat16"), heads_per_block=2)  # 3 heads/group
-    with pytest.raises(ValueError, match="two-kernel plan"):
-        choose_config(p, heads_per_block=2, nseg=1, dt_pre=False)
-    with pytest.raises(ContractError, match="heads_per_block"):
-        make_scan_plan(p, ScanConfig(64, 16, 1, 128, dt_pre=False, heads_per_block=2), dt_softplus=True,
-                       dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=True)
-    assert choose_config(p, heads_per_block=2) == choose_config(p, heads_per_block=2)  # deterministic

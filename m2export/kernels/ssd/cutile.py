@@ -48,7 +48,8 @@ Variants of the scan and fused kernels (compile-time flags, all tested; the segm
 always holds its state as (headdim, d_state)): ``STATE_T`` keeps the state as (d_state, headdim) so
 the inter-chunk product needs no transpose; ``SPLIT_UPD`` adds each chunk's contribution after
 its own product instead of accumulating onto the decayed state. Defaults (measured, see
-benchmarks/NOTES_ssd.md): STATE_T on, SPLIT_UPD off, chunk 64 (32 for fp32), occupancy hint 2.
+benchmarks/NOTES_ssd.md): STATE_T on (off for bf16 d_state 256 at 16-row tiles), SPLIT_UPD off, chunk 64 (32 for
+fp32), occupancy hint 2.
 Precision: matrix products take operands in the input dtype with fp32 accumulation (bf16/fp16:
 wgmma; fp32 inputs: FFMA in the sm_90 SASS, no TF32); the intra-chunk weights, x * delta,
 x * w and the state enter the products rounded to the input dtype (mamba_ssm rounds its scaled
@@ -83,15 +84,14 @@ _LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
 
 
 # ----------------------------------------------------------------------------- tile helpers
-def _ct_block_coords(x, heads_per_group, P_TILE0: ConstInt, HEADS: ConstInt):
-    """(b, h, g, pt, seqlen) of a block on a (batch*nheads/HEADS, *, headdim tiles) grid: batch, (first) head,
+def _ct_block_coords(x, heads_per_group, P_TILE0: ConstInt):
+    """(b, h, g, pt, seqlen) of a block on a (batch*nheads, *, headdim tiles) grid: batch, head,
     its group (contiguous heads per group), headdim tile (P_TILE0 + its index on the grid's axis 2,
-    in units of the block's tile width); x is (batch, seqlen, nheads, headdim). HEADS: heads per block
-    (2: heads h and h + 1, of one group)."""
+    in units of the block's tile width); x is (batch, seqlen, nheads, headdim)."""
     bh = ct.bid(0)
-    hp = x.shape[2] // HEADS
-    h = (bh % hp) * HEADS
-    return bh // hp, h, h // heads_per_group, ct.bid(2) + P_TILE0, x.shape[1]
+    nheads = x.shape[2]
+    h = bh % nheads
+    return bh // nheads, h, h // heads_per_group, ct.bid(2) + P_TILE0, x.shape[1]
 
 
 def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt):
@@ -237,16 +237,13 @@ def _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: Co
 def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
-                    DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
-                    TAIL_HEAD: ConstBool, h2, a_h2, d_h2, bias_h2):
+                    DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
 
-    HAS_TAIL: the block also owns a second set of rows with its own state ``state2``: either (TAIL_HEAD
-    False) the TAIL_P rows from row TAIL_TILE * TAIL_P of head h (a headdim's narrower last piece,
-    :func:`m2export.kernels.ssd.plan.launch_pieces`), sharing the chunk's coefficients, the B and C loads
-    and the masked, decayed C @ B^T; or (TAIL_HEAD) the same rows of head h2 (= h + 1, same group, scalars
-    a_h2, d_h2, bias_h2), sharing the B and C loads and the raw C @ B^T, with its own coefficients and
-    decay mask. Without it ``state2`` is returned untouched.
+    HAS_TAIL: the block also owns the TAIL_P rows from row TAIL_TILE * TAIL_P (a headdim's narrower last
+    piece, :func:`m2export.kernels.ssd.plan.launch_pieces`), with its own state ``state2``; they share
+    the chunk's coefficients, the B and C loads and the masked, decayed C @ B^T. Without it ``state2`` is
+    returned untouched.
 
     Per-token scalings are applied to the narrow operand: x (Q x P) is scaled by delta and by w
     before the products, and the inter-chunk output row by row by exp(cs) after its product,
@@ -261,11 +258,7 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
         C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
-        x2_c = x_c
-        if HAS_TAIL and TAIL_HEAD:
-            x2_c = _ct_chunk_rows(x, b, c, h2, pt, CHUNK, TAIL_P)
-        elif HAS_TAIL:
-            x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P)
+        x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P) if HAS_TAIL else x_c
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
@@ -275,17 +268,7 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
         acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
         ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
         state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
-        if HAS_TAIL and TAIL_HEAD:  # head h2's rows: its own coefficients and decay mask on the shared C @ B^T
-            dl2, hi2, r2, w2, ecs2, _hi_last2, ecs_last2 = _ct_chunk_coeffs(
-                dt, coef, b, c, h2, a_h2, bias_h2, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
-            seg2 = ct.where(causal, hi2[:, None] - hi2[None, :], -math.inf)
-            m2 = (cb * ct.exp2(seg2, flush_to_zero=True)).astype(DTYPE)
-            x2f = x2_c.astype(ct.float32)
-            acc2 = _ct_chunk_out(x2f, m2, C_c, state2, dl2, r2, ecs2, d_h2, CHUNK, TAIL_P, HAS_D, STATE_T)
-            ct.store(y, index=(b, c, h2, pt), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
-            state2 = _ct_chunk_state_update(state2, (x2f * w2[:, None]).astype(DTYPE), B_c, ecs_last2, STATE_T,
-                                            SPLIT_UPD)
-        elif HAS_TAIL:
+        if HAS_TAIL:
             x2f = x2_c.astype(ct.float32)
             acc2 = _ct_chunk_out(x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T)
             ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
@@ -389,13 +372,13 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     never stored; headdim rows are independent, so they cannot reach the others.
     Absent optional inputs (HAS_* False) are never read: pass any array there.
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0, 1)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
-                               SPLIT_UPD, False, False, BLOCK_P, 0, False, h, a_h, d_h, bias_h)
+                               SPLIT_UPD, False, False, BLOCK_P, 0)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
@@ -404,10 +387,8 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool,
-                             P_TILE0: ConstInt, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
-                             TAIL_HEAD: ConstBool):
-    """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim tiles of the piece); (batch*nheads/2, ...)
-    with TAIL_HEAD.
+                             P_TILE0: ConstInt, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+    """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim tiles of the piece).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
     chunks [s*chunks_per_seg, (s+1)*chunks_per_seg) -> seg_state[b, h, s, p-tile, :] (fp32), and
@@ -420,16 +401,11 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     pure accumulation into one product accumulator: no state multiply on the loop's dependency
     chain. The state is held as (headdim, d_state) (x_w^T @ B_c): measured faster here than the
     (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6). HAS_TAIL: the block also
-    computes the segment state of the TAIL_P rows from row TAIL_TILE * TAIL_P, or with TAIL_HEAD that of head
-    h + 1's rows of the same tile, sharing the B loads (see :func:`_ct_scan_chunks`).
+    computes the segment state of the TAIL_P rows from row TAIL_TILE * TAIL_P (see :func:`_ct_scan_chunks`).
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0, 2 if TAIL_HEAD else 1)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     a_h, _, bias_h = _ct_head_scalars(A, A, dt_bias, h, False, HAS_DT_BIAS)
-    h2 = h + 1 if TAIL_HEAD else h
-    t2 = pt if TAIL_HEAD else TAIL_TILE
-    a_h2, _, bias_h2 = _ct_head_scalars(A, A, dt_bias, h2, False, HAS_DT_BIAS)
-    later2 = ct.full((1,), 0.0, dtype=ct.float32)
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
@@ -445,24 +421,15 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
         wl = w * ct.exp2(later)
         x_w = (x_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
         state = ct.mma(x_w.transpose(), B_c, state)
-        if HAS_TAIL and TAIL_HEAD:
-            _dl2, _hi2, _r2, w2, _ecs2, hi_last2, _ecs_last2 = _ct_chunk_coeffs(
-                dt, coef, b, c, h2, a_h2, bias_h2, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
-            x2_c = _ct_chunk_rows(x, b, c, h2, pt, CHUNK, TAIL_P)
-            x2_w = (x2_c.astype(ct.float32) * (w2 * ct.exp2(later2))[:, None]).astype(x.dtype)
-            state2 = ct.mma(x2_w.transpose(), B_c, state2)
-            later2 = later2 + hi_last2
-        elif HAS_TAIL:
+        if HAS_TAIL:
             x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P)
             x2_w = (x2_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
             state2 = ct.mma(x2_w.transpose(), B_c, state2)
         later = later + hi_last
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, False)
     if HAS_TAIL:
-        _ct_store_seg_state(seg_state, b, h2, s, t2, state2, TAIL_P, D_STATE, False)
+        _ct_store_seg_state(seg_state, b, h, s, TAIL_TILE, state2, TAIL_P, D_STATE, False)
     ct.store(seg_logdecay, index=(b, h, s), tile=later.reshape((1, 1, 1)))
-    if TAIL_HEAD:
-        ct.store(seg_logdecay, index=(b, h2, s), tile=later2.reshape((1, 1, 1)))
 
 
 @ct.kernel
@@ -471,44 +438,35 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
-                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, TAIL_HEAD: ConstBool):
-    """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece); (batch*nheads/2, ...) with
-    TAIL_HEAD.
+                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+    """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
     0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
     over segment s's chunks, writing y; the last segment's block writes final_state. HAS_TAIL: the same for
-    the TAIL_P rows from row TAIL_TILE * TAIL_P, a second state on chip, or with TAIL_HEAD for head h + 1's rows of
-    the same tile (see :func:`_ct_scan_chunks`).
+    the TAIL_P rows from row TAIL_TILE * TAIL_P, a second state on chip (see :func:`_ct_scan_chunks`).
     """
-    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0, 2 if TAIL_HEAD else 1)
+    b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     nseg = ct.num_blocks(1)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    h2 = h + 1 if TAIL_HEAD else h
-    t2 = pt if TAIL_HEAD else TAIL_TILE
-    a_h2, d_h2, bias_h2 = _ct_head_scalars(A, D, dt_bias, h2, HAS_D, HAS_DT_BIAS)
     state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
-    state2 = _ct_initial_state(initial_state, b, h2, t2, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T)
+    state2 = _ct_initial_state(initial_state, b, h, TAIL_TILE, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T)
     for sp in range(s):
         ld = ct.exp2(ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,)))
         state = state * ld + _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
-        if HAS_TAIL and TAIL_HEAD:
-            ld2 = ct.exp2(ct.load(seg_logdecay, index=(b, h2, sp), shape=(1, 1, 1)).reshape((1,)))
-            state2 = state2 * ld2 + _ct_load_seg_state(seg_state, b, h2, sp, pt, TAIL_P, D_STATE, STATE_T)
-        elif HAS_TAIL:
+        if HAS_TAIL:
             state2 = state2 * ld + _ct_load_seg_state(seg_state, b, h, sp, TAIL_TILE, TAIL_P, D_STATE, STATE_T)
     nchunks = ct.cdiv(seqlen, CHUNK)
     c_begin = s * chunks_per_seg
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
     state, state2 = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h,
                                     bias_h, dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS,
-                                    STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE, TAIL_HEAD, h2, a_h2,
-                                    d_h2, bias_h2)
+                                    STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE)
     if s == nseg - 1:
         _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
         if HAS_TAIL:
-            _ct_store_state(final_state, b, h2, t2, state2, TAIL_P, D_STATE, STATE_T)
+            _ct_store_state(final_state, b, h, TAIL_TILE, state2, TAIL_P, D_STATE, STATE_T)
 
 
 # ----------------------------------------------------------------------------- launch descriptions
@@ -550,14 +508,11 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
     return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
-def _tail_constants(piece: HeaddimPiece, tail: HeaddimPiece | None, heads_per_block: int = 1) -> tuple:
-    """HAS_TAIL, TAIL_P, TAIL_TILE, TAIL_HEAD of a launch whose blocks also own ``tail`` (None: no tail; the widths
-    then repeat the piece's, never read), or with ``heads_per_block`` 2 the next head's rows of the same tile."""
-    if heads_per_block == 2:
-        return (L.constant("HAS_TAIL", True), L.constant("TAIL_P", piece.width), L.constant("TAIL_TILE", 0),
-                L.constant("TAIL_HEAD", True))
+def _tail_constants(piece: HeaddimPiece, tail: HeaddimPiece | None) -> tuple:
+    """HAS_TAIL, TAIL_P, TAIL_TILE of a launch whose blocks also own ``tail`` (None: no tail; the widths then
+    repeat the piece's, never read)."""
     return (L.constant("HAS_TAIL", tail is not None), L.constant("TAIL_P", (tail or piece).width),
-            L.constant("TAIL_TILE", tail.tile0 if tail else 0), L.constant("TAIL_HEAD", False))
+            L.constant("TAIL_TILE", tail.tile0 if tail else 0))
 
 
 def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, tail: HeaddimPiece | None = None, *,
@@ -571,10 +526,9 @@ def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, tai
             L.scalar("chunks_per_seg", "int32", cfg.chunks_per_seg),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0),
-            *_tail_constants(piece, tail, cfg.heads_per_block))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
     kernel = hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps)
-    return Launch(kernel, args, (p.batch * p.nheads // cfg.heads_per_block, cfg.nseg - 1, piece.tiles), cfg)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, piece.tiles), cfg)
 
 
 def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPiece, tail: HeaddimPiece | None = None,
@@ -592,10 +546,9 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0),
-            *_tail_constants(piece, tail, cfg.heads_per_block))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
-    return Launch(kernel, args, (p.batch * p.nheads // cfg.heads_per_block, cfg.nseg, piece.tiles), cfg)
+    return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
 
 @dataclass(frozen=True)
@@ -622,10 +575,6 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
         raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}); "
                             "make it with choose_config for this problem")
     kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias)
-    if cfg.heads_per_block != 1 and (cfg.heads_per_block != 2 or p.heads_per_group % 2 or cfg.merge_tail
-                                     or (cfg.nseg == 1 and not cfg.dt_pre)):
-        raise ContractError(f"config: heads_per_block {cfg.heads_per_block} needs 2 heads of one group per block "
-                            f"(heads per group {p.heads_per_group}), no merged tail and the two-kernel plan: {cfg}")
     if cfg.nseg == 1 and not cfg.dt_pre:  # the fused kernel has no tail: one launch per piece
         return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, **kw)
                               for pc in headdim_pieces(p.headdim, cfg.block_p)), (), cfg)

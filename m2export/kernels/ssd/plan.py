@@ -37,8 +37,6 @@ class ScanConfig:
     worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
     seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
     merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
-    heads_per_block: int = 1  # 2: a JIT-plan block owns the same headdim tile of heads h, h + 1 (one group), sharing
-    #                           the B/C loads and C @ B^T (no merged tail then)
 
     @property
     def plan(self) -> str:
@@ -57,7 +55,11 @@ def _default_chunk(problem: SSMScanProblem) -> int:
 # 113 KB shared memory, two blocks per SM) measured 0.670 ms against 0.715 for chunk 32 with 32-row tiles and
 # 0.838-1.05 for the other tiles/segment counts swept (Falcon-H1-7B's shape, H200, eager; benchmarks/NOTES_ssd.md).
 # fp16 keeps chunk 32 (this plan never ran on the GPU in fp16); the AOT kernel keeps _default_chunk/_default_block_p.
+# With these tiles the state is kept as (headdim, d_state) (state_t False): 0.595 ms against 0.669 for
+# (d_state, headdim), graph replay, same H200 run (session 6, 19:19 UTC; sm_90 build: 36 instead of 52 HGMMA per
+# chunk, 1,996 instead of 2,364 SASS instructions, 128 registers, 110 KB shared memory).
 _D_STATE_256_JIT_TILES = (64, 16)
+_D_STATE_256_JIT_STATE_T = False
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
@@ -156,11 +158,11 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None,
-                  merge_tail: bool | None = None, heads_per_block: int | None = None) -> ScanConfig:
+                  merge_tail: bool | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
-    bf16: chunk 64 and 16-row tiles, measured); nseg
+    bf16: chunk 64, 16-row tiles and the state as (headdim, d_state), measured); nseg
     minimising the sum of :func:`_plan_cost` over the launches of :func:`launch_pieces` (launches on one
     stream run one after the other: each pays its own waves), over 1..MAX_NSEG
     (wave quantisation matters: on the H200, shape d
@@ -172,18 +174,15 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     """
     if chunk is None and block_p is None and problem.d_state >= 256 and problem.dtype == "bfloat16":
         chunk, block_p = _D_STATE_256_JIT_TILES
+        state_t = _D_STATE_256_JIT_STATE_T if state_t is None else state_t
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
     state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
-    heads_per_block = heads_per_block or 1
-    if heads_per_block not in (1, 2) or problem.heads_per_group % heads_per_block:
-        raise ValueError(f"choose_config: heads_per_block {heads_per_block} (1, or 2 when heads per group "
-                         f"{problem.heads_per_group} is even)")
-    merge_tail = (DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail) and heads_per_block == 1
+    merge_tail = DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail
     nchunks = max(1, -(-problem.seqlen // chunk))
-    bases = [max(1, problem.batch * problem.nheads // heads_per_block * pc.tiles)
+    bases = [max(1, problem.batch * problem.nheads * pc.tiles)
              for pc, _ in launch_pieces(problem.headdim, block_p, merge_tail)]
     if nseg is None:
         slots = (occupancy or 1) * sm_count
@@ -197,13 +196,9 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nseg = -(-nchunks // cps)  # no empty segment
     if dt_pre is None:  # the pre-pass grid has the chunks on y (at most 65535: ~4M tokens at chunk 64)
         dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
-    if heads_per_block == 2 and nseg == 1 and not dt_pre:
-        raise ValueError("choose_config: heads_per_block 2 needs the two-kernel plan (dt_pre or nseg > 1); the "
-                         "single-launch fused kernel owns one head per block")
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
-                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail,
-                      heads_per_block=heads_per_block)
+                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail)
 
 
 def aot_config(problem: SSMScanProblem) -> ScanConfig:
