@@ -6,12 +6,12 @@ runs), the prefill graph took 108.8 ms (ssmscan flavour) / 157.0 ms (std) where 
 decode graph took 107.4 / 142.3 ms: within the run-to-run noise of that loaded machine (medians 128 vs 121
 / 197 vs 197 ms), so the second graph (and its copy of the weights) bought nothing.
 
-Steps (one progress-bar tick each): load the checkpoint in the export dtype; trace with
+Steps (one progress-bar tick each): load the checkpoint in the export dtype; compose the graph
+(:mod:`m2export.exporter.stamp`): the embedding, Mamba-2 layers, final norm and head built node by node
+(:mod:`m2export.exporter.build`; one ``m2export::SSMScan`` node per layer), any other piece traced with
 ``torch.onnx.export(..., dynamo=True)`` while :class:`Mamba2ModelPatcher` routes every scan through
-``torch.ops.m2export.ssm_scan`` (translated to one ``m2export::SSMScan`` node): the embedding, the head and
-each distinct layer kind once, every layer stamped from its kind's trace with its own weights
-(:mod:`m2export.exporter.stamp`; a 24-layer mamba2-130m export took half the CPU time of the whole-model
-trace, benchmarks/RESULTS.md); optimise the composed graph (constant folding, CSE); attach the model-local
+``torch.ops.m2export.ssm_scan``, once per distinct layer kind, every layer stamped from its kind's trace with
+its own weights; optimise the composed graph when something was traced (constant folding, CSE); attach the model-local
 function body; save; for the ``std`` flavour inline the function (standard ops only); ``onnx.checker``
 full check of every file; write the manifest. Weights are stored once, in ``model.onnx.data``
 (:class:`SharedWeights`), which every graph of the folder references (both flavours included). Everything
@@ -122,24 +122,39 @@ def example_inputs(io: GraphIO):
     return ids, states, {"input_ids": dyn_ids, "states": dyn_states}
 
 
-def _trace(model, io: GraphIO, opset: int):
+def _trace(model, io: GraphIO, opset: int, *, build_pieces: bool = True):
     """The ONNX graph of one model (onnx_ir Model; SSMScan nodes, no function yet), optimised.
 
-    Traced piecewise (:func:`m2export.exporter.stamp.trace_stamped`: each distinct layer kind once, stamped
-    with every layer's weights); a model without that structure is traced whole."""
-    from m2export.exporter.patcher import Mamba2ModelPatcher
+    Composed piecewise (:func:`m2export.exporter.stamp.trace_stamped`): the pieces with a builder
+    (:mod:`m2export.exporter.build`) built directly, the others traced once per distinct layer kind and
+    stamped with every layer's weights; a model without that structure is traced whole. The patcher, the
+    shared torchlib registry and the optimisation passes are entered only when something is traced (a built
+    graph has nothing to fold: a pure Mamba-2 export never imports torch.export's tracer or onnxscript).
+    ``build_pieces=False`` traces every piece (tests compare both)."""
     from m2export.exporter.stamp import CannotStamp, trace_stamped
 
-    with Mamba2ModelPatcher(model), _one_torchlib_registry():
+    with contextlib.ExitStack() as stack:
+        entered = []
+
+        def trace_module(*args):
+            if not entered:  # first trace: patch the mixers, share one registry
+                from m2export.exporter.patcher import Mamba2ModelPatcher
+
+                stack.enter_context(Mamba2ModelPatcher(model))
+                stack.enter_context(_one_torchlib_registry())
+                entered.append(True)
+            return _trace_module(*args)
+
         try:
-            model_ir = trace_stamped(model, io, opset, _trace_module)
+            model_ir, traced = trace_stamped(model, io, opset, trace_module, build_pieces=build_pieces)
         except CannotStamp as e:
             log.debug("export: tracing the whole model (%s)", e)
             ids, states, dyn = example_inputs(io)
-            model_ir = _trace_module(_GraphModule.make(model), (ids, states), dyn, io.input_names(),
-                                     io.output_names(), opset)
-    _optimize(model_ir)
-    _share_tied_embedding(model_ir)
+            model_ir, traced = trace_module(_GraphModule.make(model), (ids, states), dyn, io.input_names(),
+                                            io.output_names(), opset), 1
+    if traced:
+        _optimize(model_ir)
+        _share_tied_embedding(model_ir)
     return model_ir
 
 
@@ -561,7 +576,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite)
         graphs: list[GraphEntry] = []
         io = GraphIO.for_model(ck.spec, dtype)
-        bar.step("tracing the graph (torch.onnx dynamo)")
+        bar.step("building the graph")
         model = _export_step(ck.model, io, opset)
         _rename_dims(model, io)
         bar.step("attaching the SSMScan function")

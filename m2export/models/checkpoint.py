@@ -304,9 +304,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     plan = plan_weights(family, spec, sorted(shapes))
     where = ", ".join(str(f) for f in files)
     _check_layer_count(shapes, spec.n_layer, where)
-    try:
-        with torch.device("meta"):  # shapes only: no memory, whatever config.json claims
-            expected = {k: tuple(v.shape) for k, v in _build(spec, cfg).state_dict().items()}
+    try:  # shapes only: no memory, whatever config.json claims; the same meta model receives the tensors below
+        model = _meta_model(spec, cfg, dtype)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     except (RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: config.json declares sizes no model can have ({str(e).splitlines()[0]})",
                               hint="compare its d_model/hidden_size, d_state, vocab_size with the weight files") \
@@ -343,8 +343,6 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         sd = _read_tensors(files, wm)
     if not allow_nonfinite:
         check_weights(sd, dtype, where)
-    with torch.device("meta"):  # the checkpoint's tensors become the parameters: no second copy, no random init
-        model = _built_in(dtype, lambda: _build(spec, cfg))  # no fp32 copy of a large model (2.7B: 10.8 GB)
     for m in model.modules():
         if isinstance(m, Router):
             m.float()
@@ -406,6 +404,32 @@ def _assign_state(model: HybridLM, tensors: dict[str, torch.Tensor]) -> None:
 
 def _build(spec: ModelSpec, cfg: Mamba2Config | None) -> HybridLM:
     return Mamba2LMHeadModel(cfg) if cfg is not None else HybridLM(spec)
+
+
+#: the in-place initialisers of ``torch.nn.init`` that module constructors call (``reset_parameters``)
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+
+
+def _meta_model(spec: ModelSpec, cfg: Mamba2Config | None, dtype: torch.dtype | None) -> HybridLM:
+    """The model on the meta device in ``dtype`` (no memory, no float32 copy of a large model: 2.7B would be
+    10.8 GB), its parameters left uninitialised: the checkpoint's tensors replace them (:func:`_assign_state`).
+
+    The ``torch.nn.init`` functions are no-ops while it is built: on the meta device they have nothing to fill,
+    yet ``normal_`` runs torch's Python reference decomposition, whose first call imports ``torch._dynamo``
+    (~2 s of CPU, measured on the 130m export; issue 16 item 5)."""
+    import torch.nn.init as init
+
+    saved = {n: getattr(init, n) for n in _INIT_FUNCTIONS if hasattr(init, n)}
+    try:
+        for n in saved:
+            setattr(init, n, lambda tensor, *a, **k: tensor)
+        with torch.device("meta"):
+            return _built_in(dtype, lambda: _build(spec, cfg))
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
 
 
 def _check_layer_count(names, n_layer: int, where: str) -> None:

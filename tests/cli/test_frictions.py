@@ -35,7 +35,7 @@ def test_export_results_on_stdout_steps_with_v(tiny_ck, tmp_path, capsys, caplog
     out, err = capsys.readouterr()
     assert out.startswith(f"wrote {tmp_path / 'o'}: model.onnx (") and (" kB)" in out or " MB)" in out), out
     assert "m2export.json" in out and "wrote" not in err
-    assert "export: tracing the graph" in caplog.text and "done in" in caplog.text  # -v: m2export's debug log
+    assert "export: building the graph" in caplog.text and "done in" in caplog.text  # -v: m2export's debug log
 
 
 def test_generate_zero_new_tokens(tiny_out, capsys):
