@@ -58,6 +58,7 @@ class Timeline:
         self.samples: list[tuple[float, int]] = []
         self.peak_anon = self.peak_file = 0
         self.infer_s: dict[str, float] = {}  # wall seconds inside each runner's infer()
+        self.mark_infer = False  # mark every infer() on the timeline (--mark-infer)
         self.events: list[tuple[float, int, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -109,6 +110,8 @@ def _instrument(tl: Timeline):
             return infer(self, *args, **kwargs)
         finally:
             tl.infer_s[self.name] = tl.infer_s.get(self.name, 0.0) + time.perf_counter() - t
+            if tl.mark_infer:
+                tl.mark(f"    {self.name} infer done")
 
     BaseRunner.activate, BaseRunner.deactivate, BaseRunner.infer = activate, deactivate, timed_infer
     orig = console.progress_bars
@@ -139,6 +142,7 @@ def main() -> int:
     p.add_argument("--sweep-feeds", type=int, metavar="N",
                    help="keep only the first N vocabulary-sweep feeds (every sweep feed has the same shape, so the "
                         "peak is the same; a 50k vocabulary has ~150 of them). Not the check's default: say so")
+    p.add_argument("--mark-infer", action="store_true", help="also mark the end of every runner's infer() call")
     args, check_args = p.parse_known_args()
     from m2export.cli.main import main as cli_main
 
@@ -148,6 +152,7 @@ def main() -> int:
         full = data.vocab_sweep_windows
         data.vocab_sweep_windows = lambda *a, **k: full(*a, **k)[:args.sweep_feeds]
     tl = Timeline(args.interval).start()
+    tl.mark_infer = args.mark_infer
     _instrument(tl)
     t = time.perf_counter()
     if args.profile:
