@@ -5,7 +5,8 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
 
 * every ``m2export::SSMScan`` call is inlined with a body built for its attribute values, its sizes and the
   dtype of ``x`` (:func:`~m2export.exporter.ssm_scan_op.native_ssm_scan_function`): ``Softplus`` for the step
-  size, then ``If(seqlen == 1)`` one recurrence step, else ORT's ``com.microsoft::LinearAttention``; every
+  size, then ``If(seqlen == 1)`` one recurrence step (its state update one ``LinearAttention`` token in the
+  state's own layout, k and v swapped, then ``y = h C``), else ORT's ``com.microsoft::LinearAttention``; every
   reshape a constant;
 * every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
   the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
@@ -68,9 +69,10 @@ def to_native_ort(model, nheads: int, n_layer: int, inline):
     import onnx_ir as ir
 
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
-    if not (n_scan == fused == n_la == n_layer):
-        raise ExportError(f"internal: the native flavour expected {n_layer} scans and causal convs, found "
-                          f"{n_scan} SSMScan nodes, {fused} convs and {n_la} LinearAttention nodes")
+    if not (n_scan == fused == n_layer and n_la == 2 * n_layer):  # LinearAttention in both branches of each scan
+        raise ExportError(f"internal: the native flavour expected {n_layer} scans and causal convs and "
+                          f"{2 * n_layer} LinearAttention nodes, found {n_scan} SSMScan nodes, {fused} convs and "
+                          f"{n_la} LinearAttention nodes")
     return out
 
 
