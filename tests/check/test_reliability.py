@@ -99,7 +99,8 @@ def _embedding_name(path) -> str:
     import onnx
 
     m = onnx.load(str(path))
-    return next(t.name for t in m.graph.initializer if len(t.dims) == 2 and t.dims[0] == 256)  # (vocab, d_model)
+    # the tied embedding: (vocab, d_model), or stored once as the head's (d_model, vocab) (a built graph)
+    return next(t.name for t in m.graph.initializer if len(t.dims) == 2 and 256 in t.dims)
 
 
 def test_tiny_temperature_samples_the_argmax():
