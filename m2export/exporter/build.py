@@ -16,7 +16,7 @@ instead of at the traced ``sequence_length``. Weights are the model's tensors wi
 weights are numpy views, written in blocks when saved); derived constants (``A = -exp(A_log)``, float32
 copies of a float16 model's norm weights, ``D`` and ``dt_bias``) are computed with torch, as the model does.
 
-Tested against the traced graph and PyTorch in ONNX Runtime (tests/exporter/test_build.py).
+Tested against the traced graph and PyTorch in ONNX Runtime (tests/exporter/test_graph_build.py).
 """
 
 from __future__ import annotations
