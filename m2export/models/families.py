@@ -689,12 +689,13 @@ def read_zamba2(raw: dict[str, Any], source: str = "config.json") -> ModelSpec:
     layers = tuple(LayerSpec(mixer=mamba, norm_epsilon=eps,
                              shared=SharedCallSpec(block=call[i] % n_blocks) if i in call else None)
                    for i in range(len(kinds)))
+    # blocks that have a caller: transformers builds (and saves) min(num_mem_blocks, hybrid layers) of them
     r.known("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "time_step_limit")
     if r.has("time_step_limit"):
         raise r.error("time_step_limit is not a Zamba2 field (transformers ignores it); remove it")
     spec = _with(r, lambda: ModelSpec(
         family="zamba2", d_model=d, vocab_size=r.dim("vocab_size", 32000), layers=layers, norm_epsilon=eps,
-        tie_embeddings=r.bool("tie_word_embeddings", True), shared_blocks=(block,) * n_blocks))
+        tie_embeddings=r.bool("tie_word_embeddings", True), shared_blocks=(block,) * min(n_blocks, len(hybrid))))
     r.finish()
     return spec
 

@@ -272,6 +272,24 @@ def test_zamba2_shared_blocks_stored_once(tmp_path):
     assert len({id(a) for a in adapters}) == 3 and adapters[0].q is not None
 
 
+def test_zamba2_more_memory_blocks_than_hybrid_layers(tmp_path):
+    """num_mem_blocks 2 with one hybrid layer: transformers builds (and saves) one shared block; so does m2export
+    (it used to describe two, so loading found no weights for the second and random-checkpoint's save crashed
+    with an IndexError). Logits equal transformers'; a random checkpoint of the same config round-trips."""
+    from m2export.models.checkpoint import random_checkpoint
+
+    path, hf = make("zamba2", tmp_path / "z", num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"])
+    model = load_checkpoint(path).model
+    assert len(model.backbone.shared_blocks) == 1
+    ids = _ids(model.spec.vocab_size, 2, 19, seed=5)
+    with torch.no_grad():
+        err = (model.forward_states(ids).logits - hf_logits(hf, ids)).abs().max().item()
+    assert err <= ATOL, f"max |ours - transformers| = {err:.3g}"
+    cfg = json.loads((path / "config.json").read_text())
+    out = random_checkpoint(tmp_path / "r", config_json=cfg)
+    assert len(load_checkpoint(out).model.backbone.shared_blocks) == 1
+
+
 def test_zamba2_untied_blocks_refused(tmp_path):
     """transformers 5.24 unties Zamba2's shared blocks when tie_word_embeddings is false; m2export refuses
     such a checkpoint rather than load one copy and drop the others."""
