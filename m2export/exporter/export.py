@@ -447,22 +447,35 @@ def _merge_equal_initializers(model) -> int:
     bytes once. Graph inputs and outputs are left alone. The first initializer (in graph order) of equal ones
     is kept. Candidates are found by :meth:`_Bits.key` (dtype, shape, sampled elements) and confirmed by an
     exact comparison of their bytes: no tensor is copied or hashed whole."""
+    import onnx_ir as ir
+
     seen: dict[tuple, list] = {}
+    slots: dict[tuple, object] = {}
     dropped = 0
     for name, v in list(model.graph.initializers.items()):
         t = v.const_value
         if t is None or v.is_graph_input() or v.is_graph_output():
             continue
-        bits = _Bits(t)
-        same = seen.setdefault(bits.key(), [])
-        keep = next((k for k, kb in same if kb.equals(bits)), None)
-        if keep is None:
-            same.append((v, bits))
+        if isinstance(t, ir.ExternalTensor):
+            # already in an external-data file (a second flavour's graph after the first was saved): the same
+            # slot is the same bytes, so no byte is read back (reading maps and touches the whole tensor, which
+            # made a three-flavour Zamba2 export peak at 2x its weights); different slots are left apart (in
+            # SharedWeights' file equal contents share one slot, so nothing is missed there)
+            key = (str(t.path), t.offset, t.length, t.dtype, tuple(t.shape))
+            keep = slots.setdefault(key, v)
         else:
+            bits = _Bits(t)
+            same = seen.setdefault(bits.key(), [])
+            keep = next((k for k, kb in same if kb.equals(bits)), None)
+            if keep is None:
+                same.append((v, bits))
+                keep = v
+            del bits, same
+        if keep is not v:
             v.replace_all_uses_with(keep)
             del model.graph.initializers[name]
             dropped += 1
-    del seen, same, bits, keep
+    del seen, slots
     _release_mapped(model)
     return dropped
 
@@ -486,6 +499,7 @@ def _save(model, path: Path, weights: SharedWeights) -> list[str]:
 
     _merge_equal_initializers(model)
     used = weights.externalize(model)
+    _merge_equal_initializers(model)  # an in-memory tensor equal to one already stored now shares its slot
     ir.save(model, path)
     return [weights.name] if used else []
 

@@ -137,3 +137,41 @@ def test_shared_weights_file_round_trips_views_and_dedupes(tmp_path, dtype):
     eb = second.graph.initializers["b_again"].const_value
     assert eb.offset == first.graph.initializers["b"].const_value.offset  # stored once
     assert eb.tobytes() == TorchTensor(b).tobytes()
+
+
+def test_merge_of_stored_initializers_reads_no_bytes(tmp_path, monkeypatch):
+    """Initializers already in the shared weights file (a second flavour's graph) merge by their slot without
+    reading a byte back (the read mapped and touched each tensor: a three-flavour Zamba2 export peaked at 2x
+    its weights there); different slots stay apart; an in-memory tensor equal to a stored one is merged after
+    it is written (it then shares the slot)."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2))
+    w = E.SharedWeights(tmp_path)
+    try:
+        first = _model({"a": a, "b": b})
+        assert w.externalize(first)
+        slot = {n: v.const_value for n, v in first.graph.initializers.items()}
+        second = _model({"x": np.zeros(1, np.float32)})
+        second.graph.initializers.clear()
+        for name, t in (("a1", slot["a"]), ("a2", slot["a"]), ("b1", slot["b"])):
+            v = ir.Value(name=name, shape=t.shape, type=ir.TensorType(t.dtype),
+                         const_value=ir.ExternalTensor(t.location, t.offset, t.length, t.dtype, shape=t.shape,
+                                                       name=name, base_dir=t.base_dir))
+            second.graph.register_initializer(v)
+        second.graph.register_initializer(ir.Value(name="a_mem", shape=ir.Shape(a.shape),
+                                                   type=ir.TensorType(ir.DataType.FLOAT),
+                                                   const_value=ir.tensor(a.copy(), name="a_mem")))
+
+        def no_read(self, *args, **kwargs):
+            raise AssertionError(f"read back {self.name}")
+
+        with monkeypatch.context() as m:
+            for attr in ("numpy", "tobytes", "_load"):
+                m.setattr(ir.ExternalTensor, attr, no_read)
+            assert E._merge_equal_initializers(second) == 1  # a2 -> a1; b1 and the in-memory a_mem stay
+        assert set(second.graph.initializers) == {"a1", "b1", "a_mem"}
+        assert w.externalize(second)
+        assert E._merge_equal_initializers(second) == 1  # a_mem now shares a's slot
+        assert set(second.graph.initializers) == {"a1", "b1"}
+    finally:
+        w.close()
