@@ -81,10 +81,10 @@ def run(args) -> int:
                      allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet)
     out = Path(args.output)
     files = []
-    for g in m.graphs:  # each graph with its external-data files, and their sizes
-        for f in (g.file, *g.external_data):
-            p = out / f
-            files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
+    names = dict.fromkeys(f for g in m.graphs for f in (g.file, *g.external_data))  # a shared weights file once
+    for f in names:  # each graph with its external-data files, and their sizes
+        p = out / f
+        files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
     if not args.quiet:
         write_stdout(f"wrote {args.output}: {', '.join(files)}, m2export.json (dtype {m.dtype}, opset {m.opset})\n")
     return 0

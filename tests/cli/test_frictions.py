@@ -31,9 +31,10 @@ def test_unknown_flag_shows_the_verbs_usage(tiny_out, capsys):
 
 
 def test_export_results_on_stdout_steps_with_v(tiny_ck, tmp_path, capsys, caplog):
-    assert main(["export", str(tiny_ck), "-o", str(tmp_path / "o"), "--no-check", "-v"]) == 0
+    assert main(["export", str(tiny_ck), "-o", str(tmp_path / "o"), "--no-check", "-v", "--ssm-impl", "both"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith(f"wrote {tmp_path / 'o'}: model.onnx (") and (" kB)" in out or " MB)" in out), out
+    assert out.count("model.onnx.data") == 1, out  # both graphs use the one weights file: listed once
     assert "m2export.json" in out and "wrote" not in err
     assert "export: building the graph" in caplog.text and "done in" in caplog.text  # -v: m2export's debug log
 
