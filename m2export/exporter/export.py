@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -213,7 +214,40 @@ def _trace_module(module, args: tuple, dynamic_shapes, input_names: list[str], o
             module, args, dynamo=True, opset_version=opset, input_names=input_names, output_names=output_names,
             dynamic_shapes=dynamic_shapes, custom_translation_table=custom_translation_table(), verbose=False,
             optimize=False)
+    _portable_stack_traces(prog.model)
     return prog.model
+
+
+#: the node metadata key under which torch.onnx records the Python stack that created a node
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+_FRAME_FILE = re.compile(r'File "([^"]+)"')
+
+
+def portable_path(path: str) -> str:
+    """A source path as recorded in an export: relative to the checkout for m2export's own files
+    (``m2export/exporter/stamp.py``), from ``site-packages/`` for installed packages, else the file name alone.
+    Keeps exports of one model equal across checkouts and machines, and keeps the exporting user's
+    directories out of files that travel."""
+    parts = Path(path).parts
+    if "site-packages" in parts:
+        return "/".join(("site-packages",) + parts[parts.index("site-packages") + 1:])
+    package_root = Path(__file__).resolve().parents[2]  # the folder holding m2export/
+    try:
+        return Path(path).resolve().relative_to(package_root).as_posix()
+    except ValueError:
+        return Path(path).name
+
+
+def _portable_stack_traces(model) -> None:
+    """Rewrite, in place, the file paths in every traced node's stack-trace metadata with
+    :func:`portable_path` (torch.onnx writes absolute paths)."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        trace = node.metadata_props.get(STACK_TRACE_KEY)
+        if trace:
+            node.metadata_props[STACK_TRACE_KEY] = _FRAME_FILE.sub(
+                lambda m: f'File "{portable_path(m.group(1))}"', trace)
 
 
 def _optimize(model) -> None:

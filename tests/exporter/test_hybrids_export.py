@@ -83,6 +83,36 @@ def test_graph_io_has_kv_caches_and_mamba_states(exported):
     assert (out / "tokenizer.json").is_file() and m.tokenizer == ["tokenizer.json"]
 
 
+def test_traced_nodes_name_no_absolute_paths(exported):
+    """The stack traces torch.onnx records on traced nodes (attention, MLP, MoE pieces) name source files
+    relative to the checkout or site-packages: no directory of the exporting machine travels with the export."""
+    from pathlib import Path
+
+    import m2export
+    from m2export.exporter.export import STACK_TRACE_KEY
+
+    _, _, _, out = exported
+    checkout = str(Path(m2export.__file__).resolve().parents[1])
+    traces = [p.value for f in sorted(out.glob("*.onnx")) for n in _all_nodes(onnx.load(f, load_external_data=False))
+              for p in n.metadata_props if p.key == STACK_TRACE_KEY]
+    assert traces, "no traced node kept its stack trace (the test would check nothing)"
+    assert not [t for t in traces if checkout in t or 'File "/' in t]
+    assert any('File "m2export/' in t for t in traces)
+
+
+def _all_nodes(model):
+    def walk(graph):
+        for n in graph.node:
+            yield n
+            for a in n.attribute:
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from walk(g)
+    yield from walk(model.graph)
+    for f in model.functions:
+        for n in f.node:
+            yield n
+
+
 def test_logits_match_transformers(exported):
     name, ck, hf, out = exported
     assert sorted(_impls(out)) == sorted(["ssmscan", "std", "native"] if name in PART2 else ["ssmscan", "std"])
