@@ -491,14 +491,16 @@ def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: s
 
 @functools.lru_cache(maxsize=32)
 def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dtype: str, attrs: SSMScanAttrs,
-                       gpu_code: str, ptx_isa: tuple[int, int] | None = None, decode: bool = False) -> AotKernel:
+                       gpu_code: str, ptx_isa: tuple[int, int] | None = None, decode: bool = False,
+                       tiles: Any = None) -> AotKernel:
     """Export the cuTile kernel for these static sizes and return it as an :class:`AotKernel`.
 
     ``decode`` (the graph's seqlen is the constant 1): the decode-step kernel
     (:func:`m2export.kernels.ssd_step.cutile.aot_spec`); otherwise the single-launch SSD kernel
     (:func:`m2export.kernels.ssd.cutile.aot_spec`). batch (and seqlen) are runtime extents, so one
     export serves every profile; the result is cached per (sizes, dtype, attributes, target, decode),
-    since TensorRT asks once per layer and tactic.
+    since TensorRT asks once per layer and tactic. ``tiles``: a tactic's
+    :class:`~m2export.kernels.ssd.plan.TileFamily` (prefill only; None: the default tiles).
     """
     if decode:
         from m2export.kernels.ssd_step.cutile import aot_spec
@@ -507,7 +509,7 @@ def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dt
 
     problem = SSMScanProblem(batch=1, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups,
                              d_state=d_state, dtype=dtype)
-    spec = aot_spec(problem, attrs)
+    spec = aot_spec(problem, attrs) if tiles is None else aot_spec(problem, attrs, tiles=tiles)
     cubin, symbol = _export_cubin(spec, gpu_code)
     return build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code, ptx_isa=ptx_isa)
 

@@ -25,7 +25,7 @@ import logging
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
 from m2export import backends, contract
-from m2export.contract import SSMScanAttrs
+from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import BackendUnavailable, InternalError
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,44 @@ def autotune_io_types(packed: bool = False) -> List[str]:
     names = sum(_names(packed), ())
     return [", ".join(TRT_TYPE_NAMES[combo[n]] for n in names)
             for combo in contract.input_dtype_combinations(packed)]
+
+
+def layer_tile_families(x_shape: Sequence[Any], B_shape: Sequence[Any], dtype: Any) -> tuple:
+    """The prefill kernels' tuning space for a layer (:func:`m2export.kernels.ssd.plan.tile_families`): what the
+    plugin's tactics ``1..n`` select. Empty when nheads/headdim/ngroups/d_state are not static, or seqlen is the
+    constant 1 (a decode graph runs the step kernel, which has no tiles to choose)."""
+    from m2export.kernels.ssd.plan import tile_families
+    from m2export.plugins.aot import constant_size
+
+    nheads, headdim, ngroups, d_state = (constant_size(v) for v in (x_shape[2], x_shape[3], B_shape[2], B_shape[3]))
+    if None in (nheads, headdim, ngroups, d_state) or constant_size(x_shape[1]) == 1:
+        return ()
+    return tile_families(SSMScanProblem(batch=1, seqlen=2, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                                        d_state=d_state, dtype=contract.dtype_name(dtype)))
+
+
+def autotune_combinations(x_shape: Sequence[Any], B_shape: Sequence[Any], packed: bool = False
+                          ) -> List[Tuple[str, List[int]]]:
+    """``(io_types, tactics)`` per :func:`autotune_io_types` entry: tactic ``i`` (1-based) runs the layer's
+    ``i``-th tile family, so TensorRT times each candidate at build time and the engine keeps the fastest
+    (tactic 0, TensorRT's default, runs the heuristic plan). No tactics where there is nothing to choose."""
+    out = []
+    for types, combo in zip(autotune_io_types(packed), contract.input_dtype_combinations(packed)):
+        n = len(layer_tile_families(x_shape, B_shape, combo["x"]))
+        out.append((types, list(range(1, n + 1)) if n > 1 else []))
+    return out
+
+
+def tiles_for_tactic(tactic: Any, x_shape: Sequence[Any], B_shape: Sequence[Any], dtype: Any):
+    """The :class:`~m2export.kernels.ssd.plan.TileFamily` of ``tactic`` (None for 0/None: the heuristic).
+    Raises InternalError for a tactic this layer never advertised."""
+    if not tactic:
+        return None
+    families = layer_tile_families(x_shape, B_shape, dtype)
+    if not 1 <= int(tactic) <= len(families):
+        raise InternalError(f"SSMScan plugin: tactic {tactic} not among the {len(families)} advertised for x "
+                            f"{tuple(x_shape)}, B {tuple(B_shape)}")
+    return families[int(tactic) - 1]
 
 
 def _names(packed: bool) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -154,7 +192,7 @@ def cached_torch_view(t: Any):
 
 def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, stream: int, *,
             backend: str = "cutile", as_tensor: Callable[[Any], Any] = cached_torch_view,
-            packed: bool = False) -> None:
+            packed: bool = False, tactic: int = 0) -> None:
     """The ``@impl`` body: SSMScan of TensorRT's ``inputs`` into its ``outputs`` on ``stream``.
 
     ``inputs`` in contract order (x, dt, A, B, C, D, dt_bias, initial_state; ``packed``: then cu_seqlens,
@@ -162,6 +200,7 @@ def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, 
     ``data_ptr``/``shape``/``strides``/``dtype`` (TensorRT's ``trtp.Tensor``), turned into torch views by
     ``as_tensor``. The kernel writes the outputs in place, launched on the raw ``cudaStream_t`` TensorRT
     passes. The packed form reads ``cu_seqlens`` on the host (one device-to-host copy per call).
+    ``tactic``: the one TensorRT chose at build time (:func:`tiles_for_tactic`; 0: the heuristic plan).
     """
     from m2export.kernels.ssd import ssm_scan
 
@@ -175,14 +214,15 @@ def run_jit(inputs: Sequence[Any], outputs: Sequence[Any], attrs: SSMScanAttrs, 
     y, final_state = (as_tensor(t) for t in outputs)
     # ssm_scan resolves the raw handle (0 = the legacy default stream) and makes it torch's current
     # stream for the call, so scratch from torch's caching allocator is ordered on TensorRT's stream
+    tiles = tiles_for_tactic(tactic, x.shape, B.shape, x.dtype)
     ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=attrs.chunk_size,
              dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend,
-             out=y, final_state_out=final_state, stream=int(stream), **packing)
+             out=y, final_state_out=final_state, stream=int(stream), tiles=tiles, **packing)
 
 
 # ----------------------------------------------------------------------------- AOT impl
 def aot_launch(shapes: dict, x_dtype: Any, attrs: SSMScanAttrs, *, gpu_code: str,
-               ptx_isa: Tuple[int, int] = None, compile_kernel: Callable = None) -> dict:
+               ptx_isa: Tuple[int, int] = None, compile_kernel: Callable = None, tactic: int = 0) -> dict:
     """The ``@aot_impl`` body, free of TensorRT types.
 
     Args:
@@ -191,6 +231,7 @@ def aot_launch(shapes: dict, x_dtype: Any, attrs: SSMScanAttrs, *, gpu_code: str
         gpu_code: ``sm_XY`` of the build GPU (pinned by the caller; see :func:`aot.check_target`).
         ptx_isa: explicit PTX ISA override (``--aot-ptx-isa``), else what tileiras emits.
         compile_kernel: :func:`m2export.plugins.aot.compile_aot_kernel` (injectable for tests).
+        tactic: TensorRT's tactic (:func:`tiles_for_tactic`; 0: the default tiles).
 
     Returns:
         dict(name, ptx, grid (3 dims), block (3 ints), shared_mem, extra_args (values in slot order),
@@ -207,7 +248,10 @@ def aot_launch(shapes: dict, x_dtype: Any, attrs: SSMScanAttrs, *, gpu_code: str
     dtype = contract.dtype_name(x_dtype)
     # a decode engine (seqlen the constant 1) runs the memory-bound step kernel, not the chunked scan
     decode = aot.constant_size(x_shape[1]) == 1
-    kernel = compile_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode)
+    tiles = None if decode else tiles_for_tactic(tactic, x_shape, B_shape, dtype)
+    kernel = (compile_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode)
+              if tiles is None else
+              compile_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode, tiles))
     extras = aot.extra_arg_values(kernel.amap, shapes, kernel.scalars)
     grid = kernel.grid(x_shape[0], nheads, headdim)
     return dict(name=kernel.name, ptx=kernel.ptx, grid=tuple(grid), block=kernel.block, shared_mem=0,
@@ -238,7 +282,7 @@ def configure_aot(*, ptx_isa: Union[Tuple[int, int], None] = None) -> None:
 @functools.lru_cache(maxsize=32)
 def compile_checked_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dtype: str,
                            attrs: SSMScanAttrs, gpu_code: str, ptx_isa: Union[Tuple[int, int], None] = None,
-                           decode: bool = False):
+                           decode: bool = False, tiles: Any = None):
     """:func:`aot.compile_aot_kernel`, then :func:`aot.check_target` on the build GPU (once per kernel).
 
     The check JIT-compiles the PTX with the driver, exactly what TensorRT does when it loads the engine;
@@ -246,7 +290,8 @@ def compile_checked_kernel(nheads: int, headdim: int, ngroups: int, d_state: int
     """
     from m2export.plugins import _cuda, aot
 
-    kernel = aot.compile_aot_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode)
+    kernel = aot.compile_aot_kernel(nheads, headdim, ngroups, d_state, dtype, attrs, gpu_code, ptx_isa, decode,
+                                    tiles)
     cc, driver = _cuda.compute_capability(), _cuda.driver_version()
     if aot.gpu_code_for(cc) != gpu_code:
         raise InternalError(f"AOT kernel compiled for {gpu_code} but the current GPU is sm_{cc[0]}{cc[1]}")
@@ -313,17 +358,18 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
                           C: trtp.TensorDesc, D: trtp.TensorDesc, dt_bias: trtp.TensorDesc,
                           initial_state: trtp.TensorDesc,
                           outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
-        return [trtp.AutoTuneCombination(types, "LINEAR") for types in autotune_io_types()]
+        return [trtp.AutoTuneCombination(types, "LINEAR", tactics or None)
+                for types, tactics in autotune_combinations(x.shape_expr, B.shape_expr)]
 
     @trtp.impl(PLUGIN_ID)
     def ssm_scan_impl(x: trtp.Tensor, dt: trtp.Tensor, A: trtp.Tensor, B: trtp.Tensor, C: trtp.Tensor,
                       D: trtp.Tensor, dt_bias: trtp.Tensor, initial_state: trtp.Tensor, chunk_size: int,
                       dt_softplus: int, dt_min: float, dt_max: float,
-                      outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int) -> None:
+                      outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int, tactic: int) -> None:
         _recorded("JIT impl", run_jit, (x, dt, A, B, C, D, dt_bias, initial_state), outputs,
-                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream)
+                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream, tactic=tactic)
 
-    for fn, extra in ((ssm_scan_desc, ()), (ssm_scan_impl, ("outputs", "stream"))):
+    for fn, extra in ((ssm_scan_desc, ()), (ssm_scan_impl, ("outputs", "stream", "tactic"))):
         check_plugin_signature(_param_names(fn), extra=extra)
 
     if has_aot:
@@ -342,7 +388,7 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
                 return aot_launch({k: v.shape_expr for k, v in descs.items()}, x.dtype,
                                   attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max),
                                   gpu_code=gpu_code, ptx_isa=_AOT_OPTIONS["ptx_isa"],
-                                  compile_kernel=compile_checked_kernel)
+                                  compile_kernel=compile_checked_kernel, tactic=tactic)
 
             launch = _recorded("AOT impl", describe)
             params = trtp.KernelLaunchParams()
@@ -372,17 +418,19 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
                                  dt_bias: trtp.TensorDesc, initial_state: trtp.TensorDesc,
                                  cu_seqlens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc]
                                  ) -> List[trtp.AutoTuneCombination]:
-        return [trtp.AutoTuneCombination(types, "LINEAR") for types in autotune_io_types(packed=True)]
+        return [trtp.AutoTuneCombination(types, "LINEAR", tactics or None)
+                for types, tactics in autotune_combinations(x.shape_expr, B.shape_expr, packed=True)]
 
     @trtp.impl(PACKED_PLUGIN_ID)
     def ssm_scan_packed_impl(x: trtp.Tensor, dt: trtp.Tensor, A: trtp.Tensor, B: trtp.Tensor, C: trtp.Tensor,
                              D: trtp.Tensor, dt_bias: trtp.Tensor, initial_state: trtp.Tensor,
                              cu_seqlens: trtp.Tensor, chunk_size: int, dt_softplus: int, dt_min: float,
-                             dt_max: float, outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int) -> None:
+                             dt_max: float, outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int,
+                             tactic: int) -> None:
         _recorded("JIT impl (packed)", run_jit, (x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens), outputs,
-                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream, packed=True)
+                  attrs_from_plugin(chunk_size, dt_softplus, dt_min, dt_max), stream, packed=True, tactic=tactic)
 
-    for fn, extra in ((ssm_scan_packed_desc, ()), (ssm_scan_packed_impl, ("outputs", "stream"))):
+    for fn, extra in ((ssm_scan_packed_desc, ()), (ssm_scan_packed_impl, ("outputs", "stream", "tactic"))):
         check_plugin_signature(_param_names(fn), extra=extra, packed=True)
 
     _REGISTERED.update(jit=True, aot=has_aot)

@@ -173,3 +173,25 @@ def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
     kernel = K.hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
     cubin = _export(kernel, [_arr(dt, 2), _arr(dt, 2), _arr(dt, 1), _arr(dt, 2), _i32(), _f32(), *tiles, norm_before_gate])
     assert cubin[:4] == b"\x7fELF"
+
+
+# every candidate of the tuning space (kernels/ssd/plan.py tile_families) on a Mamba-2 / Nemotron-H shape
+# (bf16, d_state 128), Falcon-H1-7B's (bf16, d_state 256, headdim 128) and an fp32 one: what TensorRT's
+# build-time autotune and M2EXPORT_AUTOTUNE=1 may launch must compile
+_FAMILY_SHAPES = [(64, 128, "bfloat16"), (128, 256, "bfloat16"), (64, 64, "float32")]
+
+
+@pytest.mark.parametrize("headdim,d_state,dt", _FAMILY_SHAPES, ids=[f"P{p}_N{n}_{d}" for p, n, d in _FAMILY_SHAPES])
+def test_every_tile_family_compiles(headdim, d_state, dt):
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import config_for, tile_families
+
+    p = SSMScanProblem(2, 700, 8, headdim, 2, d_state, dtype=dt)
+    for fam in tile_families(p):
+        plan = make_scan_plan(p, config_for(p, fam), dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
+                              has_dt_bias=True, has_init=True)
+        scan = [launch for launch in plan.launches if launch.name == "ssd_scan_kernel"]
+        assert scan, plan.launches
+        for launch in scan[:1]:
+            assert _export_launch(launch)[:4] == b"\x7fELF", fam

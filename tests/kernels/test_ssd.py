@@ -508,3 +508,52 @@ def test_torch_backend_matches_oracle_and_fills_out():
     assert res.y is y
     assert_close("y", ref.y, y, rel=1e-5)
     assert_close("final_state", ref.final_state, res.final_state, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- tuning space and autotuner
+# every tile family (kernels/ssd/plan.py tile_families: what TensorRT's tactics and M2EXPORT_AUTOTUNE=1 launch,
+# chunk 128 included) vs the oracle, at lengths around its own chunk, in the split plan and the AOT kernel
+_FAMILY_CASES = [("bfloat16", 64, 128, 2), ("float16", 80, 128, 2), ("bfloat16", 128, 256, 1), ("float32", 64, 64, 2)]
+
+
+def _family_params():
+    from m2export.kernels.ssd.plan import tile_families
+
+    out = []
+    for dtype, headdim, d_state, ngroups in _FAMILY_CASES:
+        for fam in tile_families(SSMScanProblem(1, 2, 8, headdim, ngroups, d_state, dtype=dtype)):
+            out.append(pytest.param(dtype, headdim, d_state, ngroups, fam, id=f"{dtype}_P{headdim}_N{d_state}_"
+                                    f"G{ngroups}_Q{fam.chunk}_p{fam.block_p}_{'T' if fam.state_t else 'S'}"))
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,headdim,d_state,ngroups,fam", _family_params())
+def test_every_tile_family(dtype, headdim, d_state, ngroups, fam):
+    from m2export.kernels.ssd.plan import aot_config, config_for
+
+    for seqlen in (fam.chunk - 3, 9 * fam.chunk + 5):
+        p = SSMScanProblem(2, seqlen, 8, headdim, ngroups, d_state, dtype=dtype)
+        seed = stable_seed("family", dtype, headdim, d_state, fam.chunk, fam.block_p, fam.state_t, seqlen)
+        _run_and_check(p, seed=seed, config=config_for(p, fam, sm_count=4))  # few SMs: a split plan at 9 chunks
+    _run_and_check(p, seed=seed + 1, config=aot_config(p, fam))
+
+
+@pytest.mark.gpu
+@gpu
+def test_autotuned_scan(monkeypatch):
+    """M2EXPORT_AUTOTUNE=1: the first call of a signature times every candidate (into scratch buffers) and keeps
+    the fastest; the result equals the oracle; the second call reuses the choice (no new trials)."""
+    from m2export.kernels import _tune
+
+    monkeypatch.setenv(_tune.ENV, "1")
+    monkeypatch.setattr(_tune, "TUNER", _tune.Autotuner())
+    p = SSMScanProblem(2, 3 * 64 + 1, 8, 64, 2, 128, dtype="bfloat16")
+    _run_and_check(p, seed=stable_seed("autotune", 1))
+    (key, trials), = _tune.TUNER.trials.items()
+    assert len(trials) > 1 and all(ms is not None and ms > 0 for _, ms in trials)
+    chosen = _tune.TUNER.cached(key)
+    assert chosen == min(trials, key=lambda t: t[1])[0]
+    _run_and_check(p, seed=stable_seed("autotune", 2))
+    assert len(_tune.TUNER.trials) == 1

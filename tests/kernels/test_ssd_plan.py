@@ -178,3 +178,45 @@ def test_plans_are_deterministic():
         for dtype in ("bfloat16", "float32"):
             p = SSMScanProblem(*dims, dtype=dtype)
             assert len({choose_config(p, sm_count=132) for _ in range(3)}) == 1
+
+
+# ----------------------------------------------------------------------------- tuning space
+_TUNE_SHAPES = [SSMScanProblem(1, 8192, 128, 64, 8, 128, dtype="bfloat16"),  # (B, L, H, P, G, N)
+                SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16"),
+                SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="float16"),
+                SSMScanProblem(2, 100, 8, 64, 2, 64, dtype="float32"),
+                SSMScanProblem(1, 33, 4, 16, 1, 32, dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("p", _TUNE_SHAPES, ids=lambda p: f"P{p.headdim}_N{p.d_state}_{p.dtype}")
+def test_tile_families_start_with_the_heuristic_and_stay_in_budget(p):
+    from dataclasses import replace
+
+    from m2export.kernels.ssd.plan import MAX_FAMILIES, config_for, tile_families
+
+    fams = tile_families(p)
+    cfg = choose_config(p)
+    assert (fams[0].chunk, fams[0].block_p, fams[0].state_t) == (cfg.chunk, cfg.block_p, cfg.state_t)
+    assert 1 <= len(fams) <= MAX_FAMILIES and len(set(fams)) == len(fams)
+    assert tile_families(p) == fams  # deterministic
+    assert tile_families(replace(p, batch=7, seqlen=3)) == fams  # one space for every shape of the layer
+    widest = 1 << (p.headdim.bit_length() - 1)
+    for f in fams:
+        assert f.block_p <= widest and f.block_p * p.d_state <= 8192
+        assert f.chunk <= 64 or (p.dtype != "float32" and p.d_state <= 128)
+        c = config_for(p, f)
+        assert (c.chunk, c.block_p, c.state_t) == (f.chunk, f.block_p, f.state_t)
+        nchunks = -(-p.seqlen // c.chunk)
+        assert (c.nseg - 1) * c.chunks_per_seg < nchunks <= c.nseg * c.chunks_per_seg  # covers the sequence
+    if p.headdim >= 64 and p.d_state <= 128:
+        assert len(fams) > 2  # there is something to choose
+
+
+def test_aot_config_takes_a_tactics_tiles():
+    from m2export.kernels.ssd.plan import tile_families
+
+    p = SSMScanProblem(2, 1000, 8, 64, 2, 128, dtype="bfloat16")
+    for f in tile_families(p):
+        c = aot_config(p, f)
+        assert (c.chunk, c.block_p, c.state_t, c.nseg, c.dt_pre) == (f.chunk, f.block_p, f.state_t, 1, False)
+    assert aot_config(p, None) == aot_config(p)

@@ -143,7 +143,8 @@ def fake_tensorrt(version: str = "10.13.0", *, aot: bool = True):
             def deco(fn):
                 assert plugin_id in defs, f"{plugin_id}: @{role} before @register"
                 names = list(_params(fn))
-                assert names[-len(last):] == list(last), f"@{role}: parameters must end with {last}, got {names}"
+                ends = [list(last)] + ([list(last) + ["tactic"]] if role in ("impl",) else [])
+                assert any(names[-len(e):] == e for e in ends), f"@{role}: parameters must end with {ends}, got {names}"
                 if role == "aot_impl":
                     ret = inspect.signature(fn).return_annotation
                     args = typing.get_args(ret)

@@ -152,11 +152,18 @@ def test_register_with_tensorrt_stand_ins(fresh_registry, monkeypatch):
 
     combos = d["autotune"](*ins, outputs=(y, fs))
     assert [c.io_types for c in combos] == plug.autotune_io_types() and {c.layouts for c in combos} == {"LINEAR"}
+    # one tactic per tile family of the layer's dtype (what TensorRT times at build time)
+    from m2export.kernels.ssd.plan import tile_families
+
+    for c, combo in zip(combos, contract.input_dtype_combinations()):
+        fams = tile_families(SSMScanProblem(1, 2, p.nheads, p.headdim, p.ngroups, p.d_state, combo["x"]))
+        assert len(fams) > 1 and c.tactics == list(range(1, len(fams) + 1))
 
     seen = {}
-    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s: seen.update(inputs=i, outputs=o, attrs=a, stream=s))
-    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=1234)
-    assert seen == dict(inputs=tuple(ins), outputs=("Y", "FS"), attrs=SSMScanAttrs(), stream=1234)
+    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s, tactic: seen.update(inputs=i, outputs=o, attrs=a, stream=s,
+                                                                                tactic=tactic))
+    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=1234, tactic=3)
+    assert seen == dict(inputs=tuple(ins), outputs=("Y", "FS"), attrs=SSMScanAttrs(), stream=1234, tactic=3)
 
     from tests.plugins.test_aot import META, fixture_cubin, fixture_spec
     from m2export.plugins import aot
@@ -322,8 +329,9 @@ def test_packed_plugin_rules_and_registration(fresh_registry, monkeypatch):
     assert types == [c.io_types for c in d["autotune"](*ins, outputs=(y, fs))]
     assert all(t.split(", ")[8] == "INT32" and len(t.split(", ")) == 11 for t in types)
     seen = {}
-    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s, packed: seen.update(inputs=i, attrs=a, packed=packed))
-    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=7)
+    monkeypatch.setattr(plug, "run_jit", lambda i, o, a, s, packed, tactic: seen.update(inputs=i, attrs=a,
+                                                                                        packed=packed))
+    d["impl"](*ins, **attrs, outputs=("Y", "FS"), stream=7, tactic=0)
     assert seen == dict(inputs=tuple(ins), attrs=SSMScanAttrs(chunk_size=64), packed=True)
 
 
@@ -365,3 +373,49 @@ def test_jit_impl_packed_vs_oracle(dtype):
     stream.synchronize()
     assert_close("y", ref.y, y.float().cpu(), rel=Y_REL[dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[dtype])
+
+
+# ----------------------------------------------------------------------------- tactics (build-time autotune)
+def test_tactics_select_tile_families_and_reach_the_kernel(monkeypatch):
+    """Tactic i runs the layer's i-th tile family in ssm_scan (JIT) and in the AOT kernel's compile; tactic 0 is the
+    heuristic; a tactic never advertised is an InternalError; a decode graph (seqlen the constant 1) and dynamic
+    sizes advertise none."""
+    from m2export.errors import InternalError
+    from m2export.kernels.ssd.plan import tile_families
+
+    p = SSMScanProblem(2, 100, 8, 64, 2, 128, "bfloat16")
+    fams = tile_families(p)
+    x_sym, B_sym = _sym(p, "x"), _sym(p, "B")
+    assert plug.tiles_for_tactic(0, x_sym, B_sym, "bfloat16") is None
+    assert [plug.tiles_for_tactic(i, x_sym, B_sym, "bfloat16") for i in range(1, len(fams) + 1)] == list(fams)
+    with pytest.raises(InternalError, match="tactic 99 not among"):
+        plug.tiles_for_tactic(99, x_sym, B_sym, "bfloat16")
+    decode_x = (Expr("batch"), Expr(1), *x_sym[2:])
+    assert plug.layer_tile_families(decode_x, B_sym, "bfloat16") == ()
+    assert plug.layer_tile_families((*x_sym[:3], Expr("headdim")), B_sym, "bfloat16") == ()
+    assert all(t == [] for _, t in plug.autotune_combinations(decode_x, B_sym))
+
+    seen = []
+    import m2export.kernels.ssd as ssd
+
+    monkeypatch.setattr(ssd, "ssm_scan", lambda *a, **kw: seen.append(kw["tiles"]))
+    inp = {n: torch.zeros(p.shape_of(n), dtype=torch.float32 if p.dtype_of(n) == "float32" else torch.bfloat16)
+           for n in INPUT_NAMES}
+    y, fs = torch.empty(p.shape_of("y"), dtype=torch.bfloat16), torch.empty(p.shape_of("final_state"))
+    for tactic in (0, 2):
+        plug.run_jit([FakeTensor(inp[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], SSMScanAttrs(), 0,
+                     tactic=tactic, as_tensor=lambda t: t.tensor)
+    assert seen == [None, fams[1]]
+
+    calls = []
+
+    def compile_kernel(*args):
+        calls.append(args)
+        raise RuntimeError("stop after the call")  # the arguments are what this test checks
+
+    shapes = {n: _sym(p, n) for n in INPUT_NAMES + OUTPUT_NAMES}
+    for tactic in (0, 3):
+        with pytest.raises(RuntimeError, match="stop"):
+            plug.aot_launch(shapes, "bfloat16", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=compile_kernel,
+                            tactic=tactic)
+    assert len(calls[0]) == 9 and calls[1][9] == fams[2]

@@ -20,7 +20,7 @@ __all__ = ["ssm_scan", "SSMScanOutput", "ssm_scan_chunked", "ssm_scan_recurrent"
 
 def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size: int = 256,
              dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf), backend: str = "cutile",
-             out=None, final_state_out=None, stream=None, cu_seqlens=None) -> SSMScanOutput:
+             out=None, final_state_out=None, stream=None, cu_seqlens=None, tiles=None) -> SSMScanOutput:
     """Chunked selective scan (SSD) of one Mamba-2 layer; the semantics of ONNX op m2export::SSMScan v1.
 
     Per head h and token t, with dt_t = clamp(softplus(dt_t + dt_bias_h), *dt_limit)::
@@ -49,6 +49,10 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
             offsets into the token axis of a batch-1 x; initial_state and final_state are then
             (nseq, nheads, headdim, d_state). The offsets are read on the host (a device sync when
             they live on the GPU).
+        tiles: the cuTile prefill kernels' tiles, one of :func:`m2export.kernels.ssd.plan.tile_families` of this
+            problem (the TensorRT plugin passes its tactic's), or None: the heuristic plan, or with
+            ``M2EXPORT_AUTOTUNE=1`` the fastest candidate measured on the first call of each signature
+            (:mod:`m2export.kernels._tune`). Changes speed only; ignored by the "torch" backend and at seqlen 1.
 
     Returns:
         SSMScanOutput(y, final_state): y (batch, seqlen, nheads, headdim) in x.dtype (``out`` if given);
@@ -72,7 +76,8 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
     attrs = SSMScanAttrs.make(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
     if cu_seqlens is not None:
         return _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens, attrs=attrs,
-                                backend=backend, out=out, final_state_out=final_state_out, stream=stream)
+                                backend=backend, out=out, final_state_out=final_state_out, stream=stream,
+                                tiles=tiles)
     problem = validated(x, dt, A, B, C, D, dt_bias, initial_state)
     if backend == "torch":
         out_buffers(x, problem.shape_of("final_state"), out, final_state_out)
@@ -94,11 +99,12 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
     from m2export.kernels.ssd.cutile import ssm_scan_cutile
 
     return ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, problem=problem, dt_softplus=dt_softplus,
-                           dt_limit=attrs.dt_limit, out=out, final_state_out=final_state_out, stream=stream)
+                           dt_limit=attrs.dt_limit, out=out, final_state_out=final_state_out, stream=stream,
+                           tiles=tiles)
 
 
 def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, attrs: SSMScanAttrs, backend: str,
-                     out, final_state_out, stream) -> SSMScanOutput:
+                     out, final_state_out, stream, tiles=None) -> SSMScanOutput:
     """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" scans
     each sequence's slice of the packed tensors in place (views; seqlen 1 takes the decode-step kernel), so
     no chunk of the kernel ever spans a boundary. One launch group per non-empty sequence."""
@@ -133,5 +139,5 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
                 continue
             ssm_scan(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], D, dt_bias, h0, chunk_size=attrs.chunk_size,
                      dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend, out=y[:, a:b],
-                     final_state_out=fs[s:s + 1], stream=ls)
+                     final_state_out=fs[s:s + 1], stream=ls, tiles=tiles)
     return SSMScanOutput(y, fs)

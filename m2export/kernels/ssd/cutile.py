@@ -73,8 +73,9 @@ from m2export.kernels import launch as L
 from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
-from m2export.kernels.ssd.plan import (HeaddimPiece, ScanConfig, aot_config, choose_config, headdim_pieces,
-                                      launch_pieces)
+from m2export.kernels import _tune
+from m2export.kernels.ssd.plan import (HeaddimPiece, ScanConfig, TileFamily, aot_config, choose_config, config_for,
+                                      headdim_pieces, launch_pieces, tile_families)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -621,11 +622,13 @@ def run_scan_plan(plan: ScanPlan, tensors: dict, stream: int, device: torch.devi
 
 def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMScanProblem, dt_softplus: bool,
                     dt_limit: tuple[float, float], out=None, final_state_out=None, stream=None,
-                    config: ScanConfig | None = None) -> SSMScanOutput:
+                    config: ScanConfig | None = None, tiles: TileFamily | None = None) -> SSMScanOutput:
     """cuTile SSMScan on validated arguments (see :func:`m2export.kernels.ssd.ssm_scan`).
 
     Inputs are made contiguous (a copy when they are not); ``out``/``final_state_out`` must be
-    contiguous and are written in full. ``config`` overrides :func:`choose_config`. All work is
+    contiguous and are written in full. The plan: ``config`` if given, else ``tiles`` (one of
+    :func:`tile_families`, e.g. a TensorRT tactic) with the modelled segment count, else the autotuner's
+    choice when ``M2EXPORT_AUTOTUNE=1`` (:mod:`m2export.kernels._tune`), else :func:`choose_config`. All work is
     queued on ``stream``; inputs produced on another stream must be ordered by the caller.
     """
     dev = x.device
@@ -642,27 +645,58 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
         if p.seqlen == 0:  # nothing to scan: final_state = initial_state (or zeros)
             final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
             return SSMScanOutput(y, final_state)
-        plan = scan_plan(p, device=dev, dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=D is not None,
-                         has_dt_bias=dt_bias is not None, has_init=initial_state is not None, config=config)
-        run_scan_plan(plan, dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state,
-                                 y=y, final_state=final_state), int(ls.cuda_stream), dev)
+        flags = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=D is not None,
+                     has_dt_bias=dt_bias is not None, has_init=initial_state is not None)
+        inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state)
+        if config is None and tiles is not None:
+            config = config_for(p, tiles, sm_count=sm_count(dev))
+        elif config is None and _tune.enabled():
+            config = _tuned_config(p, inputs, flags, ls, dev)
+        plan = scan_plan(p, device=dev, config=config, **flags)
+        run_scan_plan(plan, dict(inputs, y=y, final_state=final_state), int(ls.cuda_stream), dev)
     return SSMScanOutput(y, final_state)
+
+
+#: bump when a kernel change can change which candidate is fastest (part of every tuning key)
+KERNEL_VERSION = "ssd-2026-12-01"
+
+
+def _tuned_config(p: SSMScanProblem, inputs: dict, flags: dict, ls, dev) -> ScanConfig:
+    """The fastest :func:`tile_families` candidate for this call (:data:`m2export.kernels._tune.TUNER`), timed on
+    the call's inputs into scratch outputs (the caller's buffers, which may alias an input, are not touched)."""
+    key = _tune.tuning_key("ssm_scan", KERNEL_VERSION, inputs, device=dev,
+                           flags=(flags["dt_softplus"], *map(float, flags["dt_limit"])))
+    hit = _tune.TUNER.cached(key)
+    if hit is not None:
+        return hit
+    sms = sm_count(dev)
+    candidates = [config_for(p, f, sm_count=sms) for f in tile_families(p)]
+    scratch = dict(inputs, y=torch.empty_like(inputs["x"]),
+                   final_state=torch.empty(p.shape_of("final_state"), dtype=torch.float32, device=dev))
+
+    def run(cfg: ScanConfig) -> None:
+        with ct.compiler_timeout(_tune.COMPILE_TIMEOUT_S):
+            run_scan_plan(scan_plan(p, device=dev, config=cfg, **flags), dict(scratch), int(ls.cuda_stream), dev)
+
+    return _tune.TUNER.choose(key, candidates, run, _tune.cuda_timer(ls))
 
 
 # ----------------------------------------------------------------------------- AOT (TensorRT plugin)
 def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True, has_dt_bias: bool = True,
-             has_initial_state: bool = True, config: ScanConfig | None = None) -> Launch:
+             has_initial_state: bool = True, config: ScanConfig | None = None,
+             tiles: TileFamily | None = None) -> Launch:
     """The single-launch kernel for ``problem``'s headdim/d_state/ngroups/dtype, for the TensorRT AOT plugin.
 
     Only headdim, d_state, nheads // ngroups and the dtype are compiled in; batch and seqlen are
     runtime extents, so one export serves every batch and seqlen. ``grid(batch, nheads, headdim)``
     is symbolic. In an ONNX graph D, dt_bias and initial_state are always present (``has_*`` default
-    True). Exported by :mod:`m2export.plugins.aot` (the one AOT export path); the entry takes 73
+    True). ``tiles``: one of :func:`tile_families` (a TensorRT tactic) instead of the default tiles.
+    Exported by :mod:`m2export.plugins.aot` (the one AOT export path); the entry takes 73
     parameters (x 9, dt 7, A 3, B 9, C 9, D 3, dt_bias 3, initial_state 9, y 9, final_state 9,
     dt_min, dt_max, heads_per_group).
     """
     check_supported(problem, hint='pad the model or use backend="torch"')
-    cfg = config or aot_config(problem)
+    cfg = config or aot_config(problem, tiles)
     tiles = -(-problem.headdim // cfg.block_p)  # headdim is compiled in; a last tile block_p does not fill is masked
     return fused_launch(problem, cfg, dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, has_D=has_D,
                         has_dt_bias=has_dt_bias, has_init=has_initial_state,

@@ -7,7 +7,7 @@ Measurements behind the defaults and the cost model: ``benchmarks/NOTES_ssd.md``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from m2export.contract import SSMScanProblem
@@ -201,8 +201,68 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                       worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail)
 
 
-def aot_config(problem: SSMScanProblem) -> ScanConfig:
-    """The single-launch configuration the AOT plugin compiles (nseg 1, the measured defaults)."""
-    return ScanConfig(chunk=_default_chunk(problem), block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
-                      chunks_per_seg=0, occupancy=DEFAULT_OCCUPANCY, state_t=DEFAULT_STATE_T,
-                      split_upd=DEFAULT_SPLIT_UPD)
+def aot_config(problem: SSMScanProblem, tiles: "TileFamily | None" = None) -> ScanConfig:
+    """The single-launch configuration the AOT plugin compiles (nseg 1, the measured defaults; ``tiles``, a
+    TensorRT tactic's :class:`TileFamily`, replaces chunk, block_p and the state layout)."""
+    cfg = ScanConfig(chunk=_default_chunk(problem), block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
+                     chunks_per_seg=0, occupancy=DEFAULT_OCCUPANCY, state_t=DEFAULT_STATE_T,
+                     split_upd=DEFAULT_SPLIT_UPD)
+    return cfg if tiles is None else replace(cfg, chunk=tiles.chunk, block_p=tiles.block_p, state_t=tiles.state_t)
+
+
+# ----------------------------------------------------------------------------- tuning space
+@dataclass(frozen=True)
+class TileFamily:
+    """The part of a :class:`ScanConfig` a tuner chooses: chunk, headdim tile rows and the on-chip state layout.
+
+    Independent of batch and seqlen (the segment count is modelled per call by :func:`choose_config`), so one
+    choice serves every shape of a layer: the TensorRT plugin's tactic ``i`` is ``tile_families(problem)[i - 1]``.
+    """
+
+    chunk: int
+    block_p: int
+    state_t: bool
+
+
+#: at most this many candidates per problem (each is a compile: bounded tuning time)
+MAX_FAMILIES = 6
+_CHUNKS = (32, 64, 128)
+_BLOCK_PS = (16, 32, 64)
+
+
+def _family(cfg: ScanConfig) -> TileFamily:
+    return TileFamily(cfg.chunk, cfg.block_p, cfg.state_t)
+
+
+def tile_families(problem: SSMScanProblem) -> tuple[TileFamily, ...]:
+    """The tuning space of ``problem``: the heuristic's family first, then one knob changed at a time (chunk,
+    then headdim tile, then the state layout), at most :data:`MAX_FAMILIES`, deterministic.
+
+    Depends only on headdim, d_state and the dtype. Every family keeps the fp32 state tile within the
+    heuristic's register budget (block_p x d_state <= 8192 elements, block_p no wider than headdim's largest
+    power of two); chunk 128 only for 16-bit inputs with d_state <= 128 (fp32 and d_state 256 spill already at
+    64: :func:`_default_chunk`).
+    """
+    base = _family(choose_config(replace(problem, batch=1, seqlen=1)))
+    widest = 1 << (problem.headdim.bit_length() - 1)
+    wide_ok = problem.dtype != "float32" and problem.d_state <= 128
+
+    def ok(f: TileFamily) -> bool:
+        return (f.block_p <= widest and f.block_p * problem.d_state <= 8192 and (f.chunk <= 64 or wide_ok))
+
+    out = [base]
+    variants = ([replace(base, chunk=c) for c in _CHUNKS] + [replace(base, block_p=b) for b in _BLOCK_PS]
+                + [replace(base, state_t=not base.state_t)]
+                + [replace(base, chunk=c, state_t=not base.state_t) for c in _CHUNKS])
+    for f in variants:
+        if len(out) == MAX_FAMILIES:
+            break
+        if f not in out and ok(f):
+            out.append(f)
+    return tuple(out)
+
+
+def config_for(problem: SSMScanProblem, family: TileFamily, *, sm_count: int = _DEFAULT_SM_COUNT) -> ScanConfig:
+    """:func:`choose_config` with ``family``'s tiles (segment count, hints and pre-pass as the heuristic picks)."""
+    return choose_config(problem, sm_count=sm_count, chunk=family.chunk, block_p=family.block_p,
+                         state_t=family.state_t)
