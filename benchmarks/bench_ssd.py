@@ -50,6 +50,7 @@ import argparse
 import datetime
 import math
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def cutile_variants(spec: str):
-    """'auto' (choose_config's defaults) or comma list of
+    """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families) or comma list of
     chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail]]]]]]]
     (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
     state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default)."""
@@ -191,6 +192,9 @@ def cutile_variants(spec: str):
     for item in spec.split(","):
         if item == "auto":
             out.append(("cutile", None))
+            continue
+        if item == "tuned":  # the autotuner's pick (m2export/kernels/_tune.py) on this shape, tuned outside the timing
+            out.append(("cutile[tuned]", "tuned"))
             continue
         fields = item.split(":")
         if len(fields) > 10:
@@ -305,7 +309,18 @@ def main(argv=None):
         prob = validate(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], init)
         impls = []
         for label, v in variants:
-            cfg = config_of(prob, v, sm)
+            if v == "tuned":
+                from m2export.kernels.ssd.cutile import tuned_config
+
+                t0 = time.perf_counter()
+                cfg = tuned_config(prob, dict(x=inp["x"], dt=inp["dt"], A=inp["A"], B=inp["B"], C=inp["C"], D=inp["D"],
+                                              dt_bias=inp["dt_bias"], initial_state=init),
+                                   dict(dt_softplus=True, dt_limit=(0.0, math.inf), has_D=True, has_dt_bias=True,
+                                        has_init=init is not None), torch.cuda.current_stream(), inp["x"].device)
+                label = f"cutile[tuned Q{cfg.chunk} p{cfg.block_p} {'T' if cfg.state_t else 'S'}]"
+                print(f"  {name}: tuned in {time.perf_counter() - t0:.1f} s -> {cfg}", flush=True)
+            else:
+                cfg = config_of(prob, v, sm)
             y = torch.empty_like(inp["x"])
             fs = torch.empty(b, h, p, n, dtype=torch.float32, device="cuda")
 

@@ -651,7 +651,7 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
         if config is None and tiles is not None:
             config = config_for(p, tiles, sm_count=sm_count(dev))
         elif config is None and _tune.enabled():
-            config = _tuned_config(p, inputs, flags, ls, dev)
+            config = tuned_config(p, inputs, flags, ls, dev)
         plan = scan_plan(p, device=dev, config=config, **flags)
         run_scan_plan(plan, dict(inputs, y=y, final_state=final_state), int(ls.cuda_stream), dev)
     return SSMScanOutput(y, final_state)
@@ -661,7 +661,7 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
 KERNEL_VERSION = "ssd-2026-12-01"
 
 
-def _tuned_config(p: SSMScanProblem, inputs: dict, flags: dict, ls, dev) -> ScanConfig:
+def tuned_config(p: SSMScanProblem, inputs: dict, flags: dict, ls, dev) -> ScanConfig:
     """The fastest :func:`tile_families` candidate for this call (:data:`m2export.kernels._tune.TUNER`), timed on
     the call's inputs into scratch outputs (the caller's buffers, which may alias an input, are not touched)."""
     key = _tune.tuning_key("ssm_scan", KERNEL_VERSION, inputs, device=dev,
