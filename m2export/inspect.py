@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from m2export.contract import OP_DOMAIN, OP_NAME
+from m2export.contract import OP_DOMAIN, OP_NAME, PACKED_OP_NAME
 from m2export import backends
 from m2export.errors import ExportFolderError, RuntimeLoadError
 from m2export.exporter.configs import MANIFEST_FILE
@@ -65,7 +65,8 @@ def load_onnx_structure(path: str | Path):
 
 
 def describe_onnx(path: str | Path) -> dict[str, Any]:
-    """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan nodes with attributes, local functions."""
+    """Inputs/outputs (dtype, shape), opsets, op counts, SSMScan (and SSMScanPacked) nodes with attributes, local
+    functions."""
     from onnx import __version__ as onnx_version
     from onnx import helper
 
@@ -91,7 +92,7 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
 
     scans = [{"name": n.name, "inputs": list(n.input), "outputs": list(n.output),
               "attributes": {a.name: attr(a) for a in n.attribute}}
-             for n in m.graph.node if n.op_type == OP_NAME and n.domain == OP_DOMAIN]
+             for n in m.graph.node if n.op_type in (OP_NAME, PACKED_OP_NAME) and n.domain == OP_DOMAIN]
     for sc in scans:  # the contract, not just the names: chunk_size 0, plugin_version "2" ... are errors
         from m2export.contract import SSMScanAttrs
         from m2export.errors import ContractError

@@ -12,6 +12,9 @@ Granite 4.0-H, Bamba) to ONNX:
   OUTDIR/m2export.json    manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
   OUTDIR/*.std.onnx       the std flavour as well, with --ssm-impl both or all
   OUTDIR/*.native.onnx    the native flavour as well, with --ssm-impl all
+  OUTDIR/model.packed.onnx  with --packed-prefill: several sequences prefilled in one call (input_ids
+                          [1, total_tokens], cu_seqlens [num_sequences + 1] int32 offsets, states per sequence);
+                          pure Mamba-2 models only
   OUTDIR/genai_config.json  onnxruntime-genai's config, and the checkpoint's tokenizer files (generate uses
                           tokenizer.json)
 
@@ -68,6 +71,9 @@ def add_arguments(p):
                    help="export NaN/Inf weights, and weights beyond the fp16/bf16 range for --dtype fp16/bf16 "
                         "(refused by default)")
     g.add_argument("--no-check", action="store_true", help="skip onnx.checker full check of the written graphs")
+    g.add_argument("--packed-prefill", action="store_true",
+                   help="also write model.packed.onnx: variable-length sequences packed in one prefill call "
+                        "(cu_seqlens, states per sequence; SSMScanPacked nodes); pure Mamba-2 models only")
 
 
 def run(args) -> int:
@@ -78,7 +84,8 @@ def run(args) -> int:
 
     m = export_model(args.checkpoint, args.output, ssm_impl=args.ssm_impl, dtype=args.dtype, opset=args.opset,
                      force=args.force, force_foreign=args.force_foreign,
-                     allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet)
+                     allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet,
+                     packed_prefill=args.packed_prefill)
     out = Path(args.output)
     files = []
     names = dict.fromkeys(f for g in m.graphs for f in (g.file, *g.external_data))  # a shared weights file once

@@ -193,13 +193,16 @@ def head(b: Builder, model, h):
                 dtype=dtype_of(W))
 
 
-def mamba_layer(b: Builder, layer, h, states: list, prefix: str):
+def mamba_layer(b: Builder, layer, h, states: list, prefix: str, packing=None):
     """One :class:`~m2export.models.mamba2.Layer` with a Mamba-2 mixer (``can_build_layer``):
     ``h + mixer(norm(h))``, the mixer as :meth:`Mamba2Mixer.forward` with its scan as one ``m2export::SSMScan``.
 
     Args:
         h: the residual stream (batch, seq, d_model) value; states: the layer's ``past_conv_state`` and
             ``past_ssm_state`` graph inputs; prefix: value-name prefix (``layers.{i}/``).
+        packing: a :class:`~m2export.exporter.packed.Packing` for the packed prefill graph (batch 1 of packed
+            tokens, states per sequence): the conv restarts at every sequence boundary from that sequence's
+            conv state, and the scan is one ``m2export::SSMScanPacked``; None for the regular graph.
     Returns:
         ``(h_out, [present_conv_state, present_ssm_state])`` (values; the caller names the graph outputs).
     """
@@ -218,21 +221,8 @@ def mamba_layer(b: Builder, layer, h, states: list, prefix: str):
     z, xBC, dtv = b.op("Split", [zxbcdt, b.const(np.array([s.d_inner, s.conv_dim, s.nheads], np.int64))], {"axis": 2},
                        name=f"{p}split_zxbcdt", outputs=3, dtype=[dt] * 3,
                        shape=[[*bl, s.d_inner], [*bl, s.conv_dim], [*bl, s.nheads]])
-    k = s.d_conv - 1
-    xt = b.op("Transpose", [xBC], {"perm": [0, 2, 1]}, name=f"{p}xBC_t", shape=[bl[0], s.conv_dim, bl[1]], dtype=dt)
-    past_conv = b.cast(states[0], dt, f"{p}past_conv")
-    cat = b.op("Concat", [past_conv, xt], {"axis": 2}, name=f"{p}conv_in", dtype=dt,
-               shape=[bl[0], s.conv_dim, ir.SymbolicDim(f"{SEQ} + {k}")])
-    ends = np.array([np.iinfo(np.int64).max], np.int64)
-    present_conv = b.op("Slice", [cat, b.const(np.array([-k], np.int64)), b.const(ends),
-                                  b.const(np.array([2], np.int64)), b.const(np.array([1], np.int64))],
-                        name=f"{p}present_conv_state", shape=[bl[0], s.conv_dim, k], dtype=dt)
-    conv = mixer.conv1d
-    conv_in = [cat, b.weight(conv.weight)] + ([b.weight(conv.bias)] if conv.bias is not None else [])
-    c = b.op("Conv", conv_in, {"group": s.conv_dim, "kernel_shape": [s.d_conv], "pads": [0, 0], "strides": [1],
-                               "dilations": [1]}, name=f"{p}conv1d", shape=[bl[0], s.conv_dim, bl[1]], dtype=dt)
-    c = b.silu(c, f"{p}conv_silu")
-    ct = b.op("Transpose", [c], {"perm": [0, 2, 1]}, name=f"{p}xBC_conv", shape=[*bl, s.conv_dim], dtype=dt)
+    conv = _conv if packing is None else packing.conv
+    ct, present_conv = conv(b, mixer, xBC, states[0], p)
     gn = s.ngroups * s.d_state
     xs, Bs, Cs = b.op("Split", [ct, b.const(np.array([s.d_inner, gn, gn], np.int64))], {"axis": 2},
                       name=f"{p}split_xBC", outputs=3, dtype=[dt] * 3,
@@ -246,15 +236,45 @@ def mamba_layer(b: Builder, layer, h, states: list, prefix: str):
               "initial_state": b.cast(states[1], f32, f"{p}past_ssm_float")}
     attrs = {**SSMScanAttrs.make(chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit).onnx_attributes(),
              **PLUGIN_ATTRIBUTES}
-    y, final = b.op(contract.OP_NAME, [inputs[n] for n in contract.INPUT_NAMES], attrs, domain=contract.OP_DOMAIN,
+    if packing is None:
+        op, names, nstate = contract.OP_NAME, contract.INPUT_NAMES, bl[0]
+    else:
+        op, names, nstate = contract.PACKED_OP_NAME, contract.PACKED_INPUT_NAMES, packing.nseq_dim
+        inputs[contract.CU_SEQLENS.name] = packing.cu_seqlens
+    y, final = b.op(op, [inputs[n] for n in names], attrs, domain=contract.OP_DOMAIN,
                     name=f"{p}ssm_scan", outputs=2, dtype=[dt, f32],
-                    shape=[[*bl, s.nheads, s.headdim], [bl[0], s.nheads, s.headdim, s.d_state]])
+                    shape=[[*bl, s.nheads, s.headdim], [nstate, s.nheads, s.headdim, s.d_state]])
     y = b.reshape(y, [s.d_inner], f"{p}y")
     y = _gate(b, mixer, y, z, p)
     out = b.linear(y, mixer.out_proj, f"{p}out_proj")
     out = b.cast(out, h.dtype, f"{p}out_proj_residual")
     h_out = b.op("Add", [h, out], name=f"{p}h_out", shape=list(h.shape), dtype=h.dtype)
     return h_out, [present_conv, final]
+
+
+def _conv(b: Builder, mixer, xBC, past_conv_state, p: str):
+    """The mixer's causal depthwise conv1d + SiLU over ``past_conv_state`` then ``xBC`` (batch, seq, conv_dim):
+    ``(xBC_conv (batch, seq, conv_dim), present_conv_state (batch, conv_dim, d_conv - 1))``."""
+    ir = _ir()
+    s = mixer.spec
+    dt = xBC.dtype
+    bl = list(xBC.shape[:2])
+    k = s.d_conv - 1
+    xt = b.op("Transpose", [xBC], {"perm": [0, 2, 1]}, name=f"{p}xBC_t", shape=[bl[0], s.conv_dim, bl[1]], dtype=dt)
+    past_conv = b.cast(past_conv_state, dt, f"{p}past_conv")
+    cat = b.op("Concat", [past_conv, xt], {"axis": 2}, name=f"{p}conv_in", dtype=dt,
+               shape=[bl[0], s.conv_dim, ir.SymbolicDim(f"{SEQ} + {k}")])
+    ends = np.array([np.iinfo(np.int64).max], np.int64)
+    present_conv = b.op("Slice", [cat, b.const(np.array([-k], np.int64)), b.const(ends),
+                                  b.const(np.array([2], np.int64)), b.const(np.array([1], np.int64))],
+                        name=f"{p}present_conv_state", shape=[bl[0], s.conv_dim, k], dtype=dt)
+    conv = mixer.conv1d
+    conv_in = [cat, b.weight(conv.weight)] + ([b.weight(conv.bias)] if conv.bias is not None else [])
+    c = b.op("Conv", conv_in, {"group": s.conv_dim, "kernel_shape": [s.d_conv], "pads": [0, 0], "strides": [1],
+                               "dilations": [1]}, name=f"{p}conv1d", shape=[bl[0], s.conv_dim, bl[1]], dtype=dt)
+    c = b.silu(c, f"{p}conv_silu")
+    ct = b.op("Transpose", [c], {"perm": [0, 2, 1]}, name=f"{p}xBC_conv", shape=[*bl, s.conv_dim], dtype=dt)
+    return ct, present_conv
 
 
 def _gate(b: Builder, mixer, y, z, p: str):

@@ -563,7 +563,8 @@ def _rename_dims(model, io: GraphIO) -> None:
 
 def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ssm_impl: str = PRIMARY_FLAVOUR,
                  dtype: str = "fp32", opset: int | None = None, force: bool = False, force_foreign: bool = False,
-                 allow_nonfinite: bool = False, check: bool = True, progress: bool = False) -> Manifest:
+                 allow_nonfinite: bool = False, check: bool = True, progress: bool = False,
+                 packed_prefill: bool = False) -> Manifest:
     """Export a Mamba-2 or hybrid checkpoint to one ONNX graph per flavour (serving prefill and decode) in ``outdir``.
 
     Args:
@@ -586,6 +587,10 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
             default with the tensor, its first bad index and the value.
         check: run ``onnx.checker.check_model(full_check=True)`` on every written graph.
         progress: show a rich progress bar over the steps.
+        packed_prefill: also write ``model.packed.onnx`` (:mod:`m2export.exporter.packed`): several sequences of
+            different lengths prefilled in one call (tokens packed in a batch of one, ``cu_seqlens`` offsets,
+            states per sequence), one ``m2export::SSMScanPacked`` node per layer; pure Mamba-2 models in
+            fp32/fp16 only (ParameterError otherwise, before anything is exported).
     Returns:
         The :class:`Manifest` written to ``outdir/m2export.json``.
     Raises:
@@ -612,7 +617,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise ParameterError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
                              "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
                              hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
-    n_steps = 1 + 2 + len(impls) * (1 + int(check)) + 1
+    n_steps = 1 + 2 + (len(impls) + int(packed_prefill)) * (1 + int(check)) + 1
     bar = _Progress(progress, n_steps)
     from m2export.models.checkpoint import checkpoint_files
 
@@ -622,6 +627,10 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
 
         bar.step(f"loading {checkpoint}")
         ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite)
+        if packed_prefill:
+            from m2export.exporter.packed import check_packable
+
+            check_packable(ck.model)
         graphs: list[GraphEntry] = []
         io = GraphIO.for_model(ck.spec, dtype)
         bar.step("building the graph")
@@ -643,6 +652,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                     _check(tmp / fname)
                 graphs.append(GraphEntry(role=GRAPH_ROLE, ssm_impl=impl, file=fname, external_data=data,
                                          **io.to_manifest()))
+            if packed_prefill:
+                graphs.append(_save_packed(ck.model, io, opset, tmp, weights, bar, check))
         finally:
             weights.close()
         del model
@@ -655,6 +666,26 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         write_genai_files(tmp, manifest, checkpoint)
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
+
+
+def _save_packed(torch_model, io: GraphIO, opset: int, tmp: Path, weights, bar, check: bool) -> GraphEntry:
+    """Build, save (shared weights) and check the packed prefill graph; its manifest entry."""
+    import onnx_ir as ir
+
+    from m2export.exporter.packed import PACKED_FILE, PACKED_ROLE, build_packed
+    from m2export.exporter.ssm_scan_op import ssm_scan_packed_function_proto
+
+    bar.step(f"saving {PACKED_FILE}")
+    model, pio = build_packed(torch_model, io, opset)
+    _attach_function(model, opset)
+    fn = ir.serde.deserialize_function(ssm_scan_packed_function_proto(opset))
+    model.functions[fn.identifier()] = fn
+    data = _save(model, tmp / PACKED_FILE, weights)
+    if check:
+        bar.step(f"onnx.checker full check of {PACKED_FILE}")
+        _check(tmp / PACKED_FILE)
+    return GraphEntry(role=PACKED_ROLE, ssm_impl=PRIMARY_FLAVOUR, file=PACKED_FILE, external_data=data,
+                      **pio.to_manifest())
 
 
 def _native(model, spec):

@@ -233,8 +233,11 @@ def _check_consistent(m: Manifest, f: Path) -> None:
         raise ExportFolderError(f"{f}: 'config' describes no model: {e.raw_message}", hint=REEXPORT_HINT) from None
     except (TypeError, ValueError, KeyError) as e:  # a field missing or unknown (Mamba2Config's TypeError)
         raise ExportFolderError(f"{f}: 'config' describes no model: {e}", hint=REEXPORT_HINT) from None
-    want = GraphIO.for_model(cfg, m.dtype)
+    from m2export.exporter.packed import PACKED_ROLE, packed_io
+
+    regular = GraphIO.for_model(cfg, m.dtype)
     for g in m.graphs:
+        want = packed_io(regular) if g.role == PACKED_ROLE else regular
         for kind, expected, got in (("input", want.inputs, g.inputs), ("output", want.outputs, g.outputs)):
             exp = {t.name: t.dtype for t in expected}
             rec = {k: (v.get("dtype") if isinstance(v, dict) else None) for k, v in (got or {}).items()}

@@ -589,7 +589,7 @@ def ssm_scan_packed_function_proto(opset: int = 18) -> onnx.FunctionProto:
 def _elem_type(dtype: str) -> int:
     """ONNX element type of a dtype name of the graph I/O (:class:`~m2export.exporter.configs.TensorIO`)."""
     return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-            "int64": TensorProto.INT64}[dtype]
+            "int64": TensorProto.INT64, "int32": TensorProto.INT32}[dtype]
 
 
 def ssm_scan_packed_node_model(attrs: SSMScanAttrs, dtype: str = "float32", opset: int = 18,

@@ -1,0 +1,118 @@
+"""The packed prefill graph (``export --packed-prefill``, m2export/exporter/packed.py; issue 14) in ONNX Runtime.
+
+Each pack (1, 2 and 7 sequences of lengths 1, 63, 64, 65, 500, 2048, a boundary inside the bundled model's
+64-token chunk and one on its edge, an empty sequence) runs as one call with random per-sequence past states,
+and every sequence's logits and present states are compared with the PyTorch model run on that sequence alone
+from the same states (fp32: rel-L2 <= 2e-5 per state, logits max-abs <= 2e-5 of max |logits|; fp16 graph vs the
+fp32 model: 2e-2). An empty sequence must return its states unchanged (bit for bit). Also: the weights are stored
+once (the packed graph references model.onnx.data, which grows only by the conv taps), ``m2export check`` and
+``inspect`` accept the folder, and a hybrid (attention layers) is refused with one line naming the layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from m2export.errors import ParameterError
+from m2export.exporter import export_model
+from m2export.exporter.manifest import read_manifest
+from m2export.exporter.packed import NSEQ, PACKED_FILE, PACKED_ROLE
+from m2export.models.checkpoint import load_checkpoint
+from tests.helpers import rel_l2, run_named, stable_seed
+from tests.kernels.test_ssd_packed import PACKS
+
+ort = pytest.importorskip("onnxruntime")
+
+BUNDLED = Path(__file__).resolve().parents[2] / "samples" / "checkpoints" / "stdlib-byte-mamba2"
+_OUT: dict = {}
+
+
+def _export(dtype: str, tmp_path_factory) -> Path:
+    if dtype not in _OUT:
+        out = tmp_path_factory.mktemp(f"packed_{dtype}") / "out"
+        export_model(BUNDLED, out, dtype=dtype, packed_prefill=True)
+        _OUT[dtype] = out
+    return _OUT[dtype]
+
+
+def _run_pack(out: Path, lengths, seed: int):
+    sess = ort.InferenceSession(str(out / PACKED_FILE), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 256, n) for n in lengths]
+    feeds = {"input_ids": np.concatenate(seqs)[None].astype(np.int64),
+             "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)}
+    for i in sess.get_inputs()[2:]:
+        shape = [len(lengths) if d == NSEQ else d for d in i.shape]
+        dt = np.float16 if "float16" in i.type else np.float32
+        feeds[i.name] = (rng.standard_normal(shape) * 0.5).astype(dt)
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    return seqs, feeds, outs
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
+def test_packed_prefill_equals_each_sequence_alone(pack, dtype, tmp_path_factory):
+    name, lengths = pack
+    out = _export(dtype, tmp_path_factory)
+    model = load_checkpoint(BUNDLED).model.eval()  # the fp32 reference
+    n_layer = len(model.backbone.layers)
+    seqs, feeds, outs = _run_pack(out, lengths, stable_seed("packed_export", name, dtype))
+    tol = 2e-5 if dtype == "fp32" else 2e-2
+    assert outs["logits"].shape[:2] == (1, sum(lengths))
+    off = 0
+    for j, (n, ids) in enumerate(zip(lengths, seqs)):
+        keys = [f"{k}_state.{i}" for i in range(n_layer) for k in ("conv", "ssm")]
+        if n == 0:  # an empty sequence keeps its states, bit for bit
+            for k in keys:
+                assert np.array_equal(outs[f"present_{k}"][j], feeds[f"past_{k}"][j]), k
+            continue
+        past = ([torch.from_numpy(feeds[f"past_conv_state.{i}"][j:j + 1]).float() for i in range(n_layer)],
+                [torch.from_numpy(feeds[f"past_ssm_state.{i}"][j:j + 1]).float() for i in range(n_layer)])
+        ref, _ = run_named(model, torch.from_numpy(ids[None]), past)
+        got = outs["logits"][0, off:off + n].astype(np.float32)
+        err = np.abs(ref["logits"][0] - got).max() / np.abs(ref["logits"]).max()
+        assert err <= tol, f"sequence {j} (length {n}): logits max-abs {err:.2e} > {tol}"
+        for k in keys:
+            e = rel_l2(torch.from_numpy(ref[f"present_{k}"][0]), torch.from_numpy(outs[f"present_{k}"][j]).float())
+            assert e <= tol, f"sequence {j} (length {n}): present_{k} rel-L2 {e:.2e} > {tol}"
+        off += n
+
+
+def test_weights_stored_once_and_the_folder_checks(tmp_path_factory, tmp_path, capsys):
+    from m2export.cli.main import main
+
+    out = _export("fp32", tmp_path_factory)
+    m = read_manifest(out)
+    (packed,) = [g for g in m.graphs if g.role == PACKED_ROLE]
+    assert packed.file == PACKED_FILE and packed.external_data == ["model.onnx.data"]
+    assert packed.io().input("cu_seqlens").dtype == "int32"
+    assert m.graph("prefill").file == "model.onnx"  # the regular graph is still the prefill+decode one
+    plain = tmp_path / "plain"
+    export_model(BUNDLED, plain)
+    grown = (out / "model.onnx.data").stat().st_size - (plain / "model.onnx.data").stat().st_size
+    layers = load_checkpoint(BUNDLED).model.backbone.layers
+    taps = sum(layer.mixer.spec.d_conv * layer.mixer.spec.conv_dim * 4 for layer in layers)
+    assert 0 <= grown <= taps + 4096  # only the packed conv's float32 taps (and alignment)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "model.packed.onnx packed-prefill" in capsys.readouterr().out
+    assert main(["check", str(out)]) == 0
+
+
+def test_hybrid_is_refused_before_anything_is_written(tmp_path, capsys):
+    from m2export.cli.main import main
+    from tests.models.hf_checkpoints import make
+
+    ck, _ = make("granitemoehybrid", tmp_path / "ck")
+    with pytest.raises(ParameterError, match=r"packed prefill: supported for pure Mamba-2 models .* layers \["):
+        export_model(ck, tmp_path / "out", packed_prefill=True)
+    assert not (tmp_path / "out").exists()
+    capsys.readouterr()
+    assert main(["export", str(ck), "-o", str(tmp_path / "out2"), "--packed-prefill", "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: packed prefill: supported for pure Mamba-2 models") and "Traceback" not in "".join(err)
+    assert not (tmp_path / "out2").exists()
