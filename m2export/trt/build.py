@@ -38,6 +38,7 @@ from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, 
                              RuntimeLoadError)
 from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ
 from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
+from m2export.exporter.packed import NSEQ, PACKED_ROLE, TOKENS
 from m2export.names import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,14 @@ def resolve_targets(path: str | Path, roles: Sequence[str] = ("prefill", "decode
     if p.is_dir():
         manifest = read_manifest(p, consistent=False)
         g = manifest.graph("prefill")
-        onnx_path = p / g.file
-        if not onnx_path.is_file():
-            raise ExportFolderError(f"{onnx_path}: listed in {MANIFEST_FILE} but missing", hint=REEXPORT_HINT)
-        return p, manifest, [BuildTarget(roles, onnx_path, p / plan_name(g.file, roles))]
+        targets = [BuildTarget(roles, p / g.file, p / plan_name(g.file, roles))]
+        if "prefill" in roles:  # the packed prefill graph (export --packed-prefill): its own engine
+            targets += [BuildTarget((PACKED_ROLE,), p / pg.file, p / plan_name(pg.file, (PACKED_ROLE,)))
+                        for pg in manifest.graphs if pg.role == PACKED_ROLE]
+        for t in targets:
+            if not t.onnx.is_file():
+                raise ExportFolderError(f"{t.onnx}: listed in {MANIFEST_FILE} but missing", hint=REEXPORT_HINT)
+        return p, manifest, targets
     if p.is_file() and p.suffix == ".onnx":
         outdir = p.parent
         manifest = read_manifest(outdir, consistent=False) if (outdir / MANIFEST_FILE).is_file() else None
@@ -176,7 +181,8 @@ def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRan
 
     ``batch_size`` takes ``batch``; ``sequence_length`` takes ``seq`` (fixed to 1 in the decode profile);
     ``past_sequence_length`` (KV caches) takes ``past`` (default :func:`past_range` of ``seq``); fixed dims
-    stay. Any other symbolic dim is an error (the exporter names only these three).
+    stay. The packed prefill graph's axes: ``num_sequences`` takes ``batch`` (``num_sequences + 1``, the
+    cu_seqlens length, one more), ``total_tokens`` takes ``seq``. Any other symbolic dim is an error.
     """
     past = past or past_range(seq)
     prof: dict[str, dict[str, list[int]]] = {}
@@ -191,6 +197,12 @@ def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRan
                 rng = ShapeRange(1, 1, 1) if role == "decode" else seq
             elif d == PAST_SYMBOL:
                 rng = past
+            elif d == NSEQ:
+                rng = batch
+            elif d == f"{NSEQ} + 1":
+                rng = ShapeRange(batch.min + 1, batch.opt + 1, batch.max + 1)
+            elif d == TOKENS:
+                rng = seq
             else:
                 raise BuildError(f"input {name!r} has dynamic dimension {d!r}; m2export build knows only "
                                  f"{BATCH_SYMBOL!r}, {SEQ_SYMBOL!r} and {PAST_SYMBOL!r}",
@@ -362,6 +374,11 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     if opt_level is not None and not 0 <= opt_level <= 5:
         raise ParameterError(f"`opt_level`: expected 0..5, got {opt_level}")
     outdir, manifest, targets = resolve_targets(path, roles)
+    if plugin == "aot" and any(t.roles == (PACKED_ROLE,) for t in targets):
+        # SSMScanPacked has a JIT implementation only: say so rather than build it in another mode
+        log.warning("build: %s not built: the SSMScanPacked plugin has no AOT implementation; build it with "
+                    "`--plugin jit`", ", ".join(t.onnx.name for t in targets if t.roles == (PACKED_ROLE,)))
+        targets = [t for t in targets if t.roles != (PACKED_ROLE,)]
     profiles = {t.onnx: [graph_profile(onnx_inputs(t.onnx), r, batch, seq) for r in t.roles] for t in targets}
     from m2export.trt.loader import count_ssm_scan_nodes
 

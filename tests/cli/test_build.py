@@ -425,3 +425,33 @@ def test_build_json_records_engines(tiny_exports):
     assert e["profiles"][1]["input_ids"]["max"] == [2, 1]
     assert e["profiles"][0]["input_ids"]["max"] == [2, 64]
     assert e["tensorrt_version"] and e["gpu"] and e["compute_capability"]
+
+
+def test_packed_prefill_graph_gets_its_own_engine(tmp_path, caplog):
+    """export --packed-prefill: build makes model.packed.plan (one profile: num_sequences from the batch range,
+    cu_seqlens one longer, total_tokens from the sequence range) beside model.plan; the SSMScanPacked plugin is
+    JIT-only, so --plugin aot leaves it out with a warning naming the flag instead of building it otherwise."""
+    import logging
+
+    from m2export.exporter import export_model
+    from m2export.exporter.packed import PACKED_ROLE
+
+    out = tmp_path / "out"
+    export_model(Path(__file__).resolve().parents[2] / "samples" / "checkpoints" / "stdlib-byte-mamba2", out,
+                 packed_prefill=True)
+    _, _, targets = B.resolve_targets(out)
+    assert [(t.roles, t.onnx.name, t.plan.name) for t in targets] == [
+        (("prefill", "decode"), "model.onnx", "model.plan"), ((PACKED_ROLE,), "model.packed.onnx", "model.packed.plan")]
+    assert [t.onnx.name for t in B.resolve_targets(out, roles=("decode",))[2]] == ["model.onnx"]
+    batch, seq = B.ShapeRange(1, 4, 16), B.ShapeRange(1, 256, 4096)
+    prof = B.graph_profile(B.onnx_inputs(out / "model.packed.onnx"), PACKED_ROLE, batch, seq)
+    assert prof["input_ids"] == {"min": [1, 1], "opt": [1, 256], "max": [1, 4096]}
+    assert prof["cu_seqlens"] == {"min": [2], "opt": [5], "max": [17]}
+    assert prof["past_ssm_state.0"]["max"][0] == 16 and prof["past_conv_state.0"]["opt"][0] == 4
+    with caplog.at_level(logging.WARNING), pytest.raises(BackendUnavailable):
+        B.build_engines(out, plugin="aot")  # no TensorRT here: the target list is decided before that
+    assert "model.packed.onnx not built: the SSMScanPacked plugin has no AOT implementation" in caplog.text
+    caplog.clear()
+    with pytest.raises(BackendUnavailable):
+        B.build_engines(out, plugin="jit")
+    assert "not built" not in caplog.text
