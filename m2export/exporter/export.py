@@ -646,7 +646,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                 bar.step(f"saving {fname}")
                 if impl == "std":
                     _inline(model)
-                data = _save(_native(model, ck.spec) if impl == "native" else model, tmp / fname, weights)
+                data = _save(_native(model, ck.spec) if impl == "native" else
+                             _fused(model, ck.spec) if impl == "ssmscan" else model, tmp / fname, weights)
                 if check:
                     bar.step(f"onnx.checker full check of {fname}")
                     _check(tmp / fname)
@@ -686,6 +687,18 @@ def _save_packed(torch_model, io: GraphIO, opset: int, tmp: Path, weights, bar, 
         _check(tmp / PACKED_FILE)
     return GraphEntry(role=PACKED_ROLE, ssm_impl=PRIMARY_FLAVOUR, file=PACKED_FILE, external_data=data,
                       **pio.to_manifest())
+
+
+def _fused(model, spec):
+    """The ssmscan-flavour copy of ``model`` (:func:`~m2export.exporter.fused_ops.fuse_ops`): each Mamba layer's conv
+    as one ``m2export::CausalConv1d`` node and its gated RMSNorm as one ``m2export::GatedRMSNorm``, where the
+    graph has the pattern (a layer that does not keeps its standard ops: the graph stays correct)."""
+    from m2export.exporter.fused_ops import fuse_ops
+
+    out, n_conv, n_norm = fuse_ops(model)
+    log.debug("ssmscan flavour: %d CausalConv1d, %d GatedRMSNorm nodes for %d Mamba layers", n_conv, n_norm,
+              len(spec.mamba_layers))
+    return out
 
 
 def _native(model, spec):

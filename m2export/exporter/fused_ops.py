@@ -164,6 +164,297 @@ def function_protos(opset: int = 18) -> list[onnx.FunctionProto]:
     return [causal_conv1d_function_proto(opset), gated_rmsnorm_function_proto(opset)]
 
 
+# ----------------------------------------------------------------------------- the ssmscan flavour's rewrite
+def _producer(value, op_type: str):
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def _only_use(value, op_type: str | None = None):
+    uses = [u.node for u in value.uses()] if value is not None else []
+    if len(uses) != 1 or value.is_graph_output() or uses[0].domain != "":
+        return None
+    return uses[0] if op_type is None or uses[0].op_type == op_type else None
+
+
+def _perm(node) -> list[int] | None:
+    a = node.attributes.get("perm") if node is not None else None
+    return list(a.value) if a is not None else None
+
+
+def _scalar(value) -> float | None:
+    import onnx_ir as ir
+
+    t = ir.convenience.get_const_tensor(value) if value is not None else None
+    if t is None:
+        return None
+    a = t.numpy()
+    return float(a.reshape(-1)[0]) if a.size == 1 else None
+
+
+def _silu_input(value):
+    """``v`` if ``value`` is ``Mul(v, Sigmoid(v))`` (either order), else None."""
+    m = _producer(value, "Mul")
+    if m is None:
+        return None
+    for a, s in (m.inputs, m.inputs[::-1]):
+        sig = _producer(s, "Sigmoid")
+        if sig is not None and sig.inputs[0] is a:
+            return a
+    return None
+
+
+def _uncast(value):
+    """The input of a ``Cast`` to float32 producing ``value`` (the value before the float32 island), else ``value``."""
+    import onnx_ir as ir
+
+    c = _producer(value, "Cast")
+    if c is not None and c.attributes.get("to") is not None and c.attributes["to"].value == ir.DataType.FLOAT:
+        return c.inputs[0]
+    return value
+
+
+def _initializer(model, name: str, array: np.ndarray):
+    import onnx_ir as ir
+
+    name = _unique(model, name)
+    v = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                 const_value=ir.Tensor(array, name=name))
+    model.graph.register_initializer(v)
+    return v
+
+
+def _unique(model, name: str) -> str:
+    taken = set(model.graph.initializers)
+    k, out = 0, name
+    while out in taken:
+        k += 1
+        out = f"{name}.{k}"
+    return out
+
+
+def _const_array(value) -> np.ndarray | None:
+    import onnx_ir as ir
+
+    t = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if t is None else t.numpy()
+
+
+def _replace(old, new) -> None:
+    """Point every use of ``old`` (graph outputs included, keeping the output's name) at ``new``."""
+    name = old.name
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name, new.name = f"{name}.unfused", name
+
+
+def fuse_conv1d(model) -> int:
+    """Replace each Mamba-2 causal depthwise conv + SiLU by one ``m2export::CausalConv1d`` node (in place).
+
+    Pattern (built by :func:`m2export.exporter.build.mamba_layer` and as torch.onnx traces ``Mamba2Mixer``):
+    ``t = Transpose(x, [0, 2, 1])``, ``cat = Concat(past, t, axis=2)`` with ``past`` a graph input,
+    ``present = Slice(cat, ...)`` a graph output, ``c = Conv(cat, W (C, 1, K)[, bias], group=C, no padding,
+    stride 1, dilation 1)``, ``Mul(c, Sigmoid(c))``, ``Transpose(., [0, 2, 1])``. The node reads ``x`` and writes
+    ``y`` channels last; its weight is ``Squeeze(W, [1])`` (C, K) (``W`` stays the one initializer), its bias a zero one when the conv has
+    none. Anything else (e.g. bfloat16's float32 island around the conv) is left as it is. Returns the count.
+    """
+    import onnx_ir as ir
+
+    g = model.graph
+    fused = 0
+    for conv in [n for n in g if n.op_type == "Conv" and n.domain == ""]:
+        cat = _producer(conv.inputs[0], "Concat")
+        if cat is None or len(cat.inputs) != 2 or cat.attributes["axis"].as_int() != 2:
+            continue
+        past, t = cat.inputs
+        pre = _producer(t, "Transpose")
+        w = _const_array(conv.inputs[1])
+        attrs = {k: v.value for k, v in conv.attributes.items()}
+        if not (past.is_graph_input() and pre is not None and _perm(pre) == [0, 2, 1] and len(t.uses()) == 1
+                and w is not None and w.ndim == 3 and w.shape[1] == 1 and attrs.get("group") == w.shape[0]
+                and cc.D_CONV_RANGE[0] <= w.shape[2] <= cc.D_CONV_RANGE[1]
+                and all(p == 0 for p in attrs.get("pads", [0, 0])) and all(s == 1 for s in attrs.get("strides", [1]))
+                and all(d == 1 for d in attrs.get("dilations", [1]))
+                and attrs.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")):
+            continue
+        uses = [u.node for u in conv.outputs[0].uses()]
+        sig = next((u for u in uses if u.op_type == "Sigmoid"), None)
+        mul = next((u for u in uses if u.op_type == "Mul"), None)
+        if len(uses) != 2 or sig is None or mul is None or _only_use(sig.outputs[0], "Mul") is not mul:
+            continue
+        post = _only_use(mul.outputs[0], "Transpose")
+        slices = [u.node for u in cat.outputs[0].uses() if u.node is not conv]
+        if post is None or _perm(post) != [0, 2, 1] or len(slices) != 1 or slices[0].op_type != "Slice" \
+                or not slices[0].outputs[0].is_graph_output():
+            continue
+        x, present, y_cl = pre.inputs[0], slices[0].outputs[0], post.outputs[0]
+        name = conv.outputs[0].name  # value names are unique in the graph (node names of traced pieces need not be)
+        wname = conv.inputs[1].name or f"{name}.weight"
+        axis1 = model.graph.initializers.get("fused_ops.axis_1")
+        # (C, 1, K) -> (C, K) in the graph: the weight stays one initializer shared with the other flavours
+        squeeze = ir.node("Squeeze", [conv.inputs[1], axis1 or _initializer(model, "fused_ops.axis_1",
+                                                                       np.array([1], np.int64))],
+                          name=f"{name}.taps")
+        weight = squeeze.outputs[0]
+        weight.name, weight.dtype, weight.shape = f"{name}.taps", conv.inputs[1].dtype, ir.Shape([w.shape[0], w.shape[2]])
+        g.insert_before(pre, squeeze)
+        bias = conv.inputs[2] if len(conv.inputs) > 2 and conv.inputs[2] is not None else None
+        if bias is None:  # zeros made in the graph (ConstantOfShape): no stored copy
+            zeros = ir.node("ConstantOfShape", [_initializer(model, f"{name}.channels", np.array([w.shape[0]], np.int64))],
+                            {"value": ir.tensor(np.zeros(1, w.dtype))}, name=f"{name}.zero_bias")
+            bias = zeros.outputs[0]
+            bias.name, bias.dtype, bias.shape = f"{name}.zero_bias", conv.inputs[1].dtype, ir.Shape([w.shape[0]])
+            g.insert_before(pre, zeros)
+        node = ir.node(cc.OP_NAME, [x, weight, bias, past], {"activation": "silu", **PLUGIN_ATTRIBUTES},
+                       domain=cc.OP_DOMAIN, version=cc.OP_VERSION, num_outputs=2, name=f"{name}.causal_conv1d")
+        for o, ref in zip(node.outputs, (y_cl, present)):
+            o.type, o.shape = ref.type, ref.shape
+        g.insert_before(pre, node)
+        _replace(y_cl, node.outputs[0])
+        _replace(present, node.outputs[1])
+        fused += 1
+    return fused
+
+
+def _rms_core(mul):
+    """``(u, eps)`` if ``mul`` is ``Mul(u, Reciprocal(Sqrt(Add(ReduceMean(Pow(u, 2), axes=[-1], keepdims=1), eps))))``
+    (either operand order), else None."""
+    import onnx_ir as ir
+
+    for u, r in (mul.inputs, mul.inputs[::-1]):
+        rec = _producer(r, "Reciprocal")
+        sqrt = _producer(rec.inputs[0], "Sqrt") if rec else None
+        add = _producer(sqrt.inputs[0], "Add") if sqrt else None
+        if add is None:
+            continue
+        for m, e in (add.inputs, add.inputs[::-1]):
+            mean, eps = _producer(m, "ReduceMean"), _scalar(e)
+            pw = _producer(mean.inputs[0], "Pow") if mean is not None else None
+            if pw is None or eps is None or pw.inputs[0] is not u or _scalar(pw.inputs[1]) != 2.0:
+                continue
+            axes = _const_array(mean.inputs[1]) if len(mean.inputs) > 1 else None
+            keep = mean.attributes.get("keepdims")
+            rank = len(u.shape) if u.shape is not None else None
+            if axes is None or rank is None or [int(a) % rank for a in axes.reshape(-1)] != [rank - 1] \
+                    or (keep is not None and keep.value != 1):
+                continue
+            return u, eps
+    return None
+
+
+def fuse_gated_norm(model) -> int:
+    """Replace each gated RMSNorm by one ``m2export::GatedRMSNorm`` node (in place); returns the count.
+
+    Pattern (as built by ``build._gate`` and as traced from ``RMSNormGated``), float32 inside: the core
+    :func:`_rms_core` on ``v`` or on ``Reshape(v, [..., G, gs])`` (then ``Reshape`` back to ``[..., d_inner]``),
+    ``Mul(., weight)`` with ``weight`` a (d_inner,) initializer, and the gate ``silu(z)`` either before
+    (``v = Mul(y, silu(z))``: norm_before_gate 0) or after (``Mul(., silu(z))``: 1); ``y`` and ``z`` read
+    before their float32 Casts, the output after the final Cast back (or float32 itself). A pre-norm RMSNorm
+    (no gate) does not match. A float32 weight of a float16/bfloat16 graph is cast to the dtype of ``y`` in the graph.
+    """
+    import onnx_ir as ir
+
+    g = model.graph
+    fused = 0
+    for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
+        found = _rms_core(core)
+        if found is None:
+            continue
+        u, eps = found
+        d_shape = None
+        rs_in = _producer(u, "Reshape")
+        if rs_in is not None and u.shape is not None and len(u.shape) >= 2 and isinstance(u.shape[-1], int):
+            group_size = int(u.shape[-1])
+            v = rs_in.inputs[0]
+            back = _only_use(core.outputs[0], "Reshape")
+            if back is None:
+                continue
+            normed = back.outputs[0]
+        else:
+            v, normed = u, core.outputs[0]
+            group_size = None
+        if v.shape is None or not isinstance(v.shape[-1], int):
+            continue
+        d_inner = int(v.shape[-1])
+        group_size = group_size or d_inner
+        if d_inner % group_size or (rs_in is not None and normed.shape is not None
+                                    and list(normed.shape) != list(v.shape)):
+            continue
+        wmul = _only_use(normed, "Mul")
+        if wmul is None:
+            continue
+        wv = next((i for i in wmul.inputs if i is not normed), None)
+        w = _const_array(wv)
+        if w is None or w.shape != (d_inner,):
+            continue
+        # the gate: before (v = y * silu(z)) or after (out = wmul * silu(z))
+        nbg, gated = None, None
+        vm = _producer(v, "Mul")
+        if vm is not None and len(v.uses()) == 1:
+            for y, s in (vm.inputs, vm.inputs[::-1]):
+                zf = _silu_input(s)
+                if zf is not None:
+                    nbg, y_f, z_f, out = 0, y, zf, wmul.outputs[0]
+                    break
+        if nbg is None:
+            after = _only_use(wmul.outputs[0], "Mul")
+            s = next((i for i in after.inputs if i is not wmul.outputs[0]), None) if after is not None else None
+            zf = _silu_input(s)
+            if zf is None:
+                continue
+            nbg, y_f, z_f, out = 1, v, zf, after.outputs[0]
+        y_in, z_in = _uncast(y_f), _uncast(z_f)
+        if y_in.dtype != z_in.dtype or y_in.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            continue
+        if y_in.dtype != ir.DataType.FLOAT:  # the output must be the Cast back to y's dtype
+            c = _only_use(out, "Cast")
+            if c is None or c.attributes["to"].value != y_in.dtype:
+                continue
+            out = c.outputs[0]
+        elif out.dtype != ir.DataType.FLOAT:
+            continue
+        if y_in.shape is None or z_in.shape is None or list(y_in.shape) != list(z_in.shape):
+            continue
+        name = out.name  # value names are unique in the graph (node names of traced pieces need not be)
+        np_dt = y_in.dtype.numpy()
+        weight = wv
+        if w.dtype != np_dt:  # a float32 copy of the model's weight: cast back in the graph (exact), no stored copy
+            cast = ir.node("Cast", [wv], {"to": y_in.dtype}, name=f"{name}.weight_{np_dt.name}")
+            weight = cast.outputs[0]
+            weight.name, weight.dtype, weight.shape = cast.name, y_in.dtype, ir.Shape([d_inner])
+            g.insert_after(out.producer(), cast)
+        attrs = cg.GatedNormProblem(rows=0, d_inner=d_inner, group_size=group_size, eps=eps,
+                                    norm_before_gate=bool(nbg), dtype=str(np_dt)).onnx_attributes()
+        node = ir.node(cg.OP_NAME, [y_in, z_in, weight], {**attrs, **PLUGIN_ATTRIBUTES}, domain=cg.OP_DOMAIN,
+                       version=cg.OP_VERSION, name=f"{name}.gated_rmsnorm")
+        node.outputs[0].type, node.outputs[0].shape = out.type, out.shape
+        g.insert_after(out.producer(), node)
+        _replace(out, node.outputs[0])
+        fused += 1
+    return fused
+
+
+def fuse_ops(model):
+    """The ``ssmscan`` flavour's copy of an onnx_ir ``model`` (weights shared, ``model`` untouched): every causal
+    conv and gated RMSNorm the patterns match (:func:`fuse_conv1d`, :func:`fuse_gated_norm`) replaced by the
+    custom nodes, the model-local functions of the ops used attached (at the model's default opset) and the
+    nodes left unused removed. Returns ``(model, n_conv, n_norm)``."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    out = model.clone()
+    n_conv, n_norm = fuse_conv1d(out), fuse_gated_norm(out)
+    if n_conv or n_norm:
+        common.RemoveUnusedNodesPass()(out)
+        opset = out.opset_imports[""]
+        for n, make in ((n_conv, causal_conv1d_function_proto), (n_norm, gated_rmsnorm_function_proto)):
+            if n:
+                f = ir.serde.deserialize_function(make(opset))
+                out.functions[f.identifier()] = f
+        out.opset_imports[cc.OP_DOMAIN] = cc.OP_VERSION
+        out.graph.sort()
+    return out, n_conv, n_norm
+
+
 # ----------------------------------------------------------------------------- one-node models (tests)
 def _model(node: onnx.NodeProto, specs_in, specs_out, elem: int, dims: dict, opset: int,
            domain: str, version: int) -> onnx.ModelProto:
@@ -204,5 +495,5 @@ def gated_norm_node_model(problem: cg.GatedNormProblem, rank: int = 3, opset: in
     return model
 
 
-__all__ = ["OPS", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
+__all__ = ["OPS", "fuse_ops", "fuse_conv1d", "fuse_gated_norm", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
            "conv1d_node_model", "gated_norm_node_model"]

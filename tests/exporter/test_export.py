@@ -67,8 +67,25 @@ def test_plugin_graph_structure(export_fp32_both, tiny_g2):
                 k: (v.encode() if isinstance(v, str) else v) for k, v in want_attrs.items()}
             assert len(n.input) == 8 and len(n.output) == 2 and all(n.input)
         assert {(o.domain, o.version) for o in model.opset_import} >= {("", m.opset), ("m2export", 1)}
-        assert [(f.domain, f.name) for f in model.functions] == [("m2export", "SSMScan")]
+        assert [(f.domain, f.name) for f in model.functions] == [
+            ("m2export", "SSMScan"), ("m2export", "CausalConv1d"), ("m2export", "GatedRMSNorm")]
         assert not [n for n in model.graph.node if n.domain not in ("", "m2export")]
+        # issue 18: each layer's conv and gated norm are one custom node each, nothing of them left as standard ops
+        convs = [n for n in model.graph.node if n.op_type == "CausalConv1d"]
+        norms = [n for n in model.graph.node if n.op_type == "GatedRMSNorm"]
+        assert len(convs) == len(norms) == cfg.n_layer and {n.domain for n in convs + norms} == {"m2export"}
+        assert not [n for n in model.graph.node if n.op_type in ("Conv", "Sigmoid")]
+        outputs = {o.name for o in model.graph.output}
+        for n in convs:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            assert attrs == {"activation": b"silu", "plugin_namespace": b"m2export", "plugin_version": b"1"}
+            assert len(n.input) == 4 and all(n.input) and n.input[3].startswith("past_conv_state.")
+            assert n.output[1] in outputs and n.output[1].startswith("present_conv_state.")
+        for n in norms:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            assert attrs == {"group_size": cfg.d_inner // cfg.ngroups, "eps": pytest.approx(1e-5),
+                             "norm_before_gate": int(cfg.norm_before_gate), "plugin_namespace": b"m2export",
+                             "plugin_version": b"1"}
 
 
 def test_onnx_graph_structure(export_fp32_both):
@@ -78,6 +95,7 @@ def test_onnx_graph_structure(export_fp32_both):
         assert not model.functions
         assert {o.domain for o in model.opset_import} == {""}
         assert not [n for n in model.graph.node if n.domain not in ("", "ai.onnx")]
+        assert [n.op_type for n in model.graph.node].count("Conv") == m.model_config().n_layer  # the conv as it was
         assert_cumsum_trt_safe(model.graph.node, model.graph.initializer)
         assert not [n for n in model.graph.node if n.op_type in ("Softplus", "Loop", "Scan", "CastLike")]
 

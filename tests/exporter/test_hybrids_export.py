@@ -83,6 +83,21 @@ def test_graph_io_has_kv_caches_and_mamba_states(exported):
     assert (out / "tokenizer.json").is_file() and m.tokenizer == ["tokenizer.json"]
 
 
+def test_ssmscan_graph_has_the_fused_nodes(exported):
+    """Issue 18: every Mamba layer's conv is one m2export::CausalConv1d and every gated RMSNorm one
+    m2export::GatedRMSNorm in the ssmscan graph (built and traced layers alike); the std graph has no node of the
+    custom domain."""
+    name, ck, hf, out = exported
+    spec = read_manifest(out).model_config()
+    ops = [n.op_type for n in onnx.load(out / "model.onnx", load_external_data=False).graph.node]
+    gated = [i for i in spec.mamba_layers if spec.layers[i].mamba.norm == "gated_rms"]
+    assert ops.count("CausalConv1d") == ops.count("SSMScan") == len(spec.mamba_layers)
+    assert ops.count("GatedRMSNorm") == len(gated) and (name != "falcon_h1_nonorm" or not gated)
+    assert "Conv" not in ops
+    std = onnx.load(out / "model.std.onnx", load_external_data=False)
+    assert not [n for n in _all_nodes(std) if n.domain == "m2export"] and not std.functions
+
+
 def test_traced_nodes_name_no_absolute_paths(exported):
     """The stack traces torch.onnx records on traced nodes (attention, MLP, MoE pieces) name source files
     relative to the checkout or site-packages: no directory of the exporting machine travels with the export."""
