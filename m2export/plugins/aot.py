@@ -463,12 +463,14 @@ def _export_cubin(spec: Any, gpu_code: str) -> tuple[bytes, None]:
 
 
 def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: str,
-                     ptx_isa: tuple[int, int] | None = None) -> AotKernel:
+                     ptx_isa: tuple[int, int] | None = None, inputs: Sequence[str] = INPUT_NAMES,
+                     outputs: Sequence[str] = OUTPUT_NAMES) -> AotKernel:
     """Turn an exported cubin of ``spec`` (a :class:`~m2export.kernels.launch.Launch` with a symbolic grid)
     into an :class:`AotKernel`.
 
     Checks the entry against ``spec.flat_args()`` and the kernel's own signature, and reorders it to
-    TensorRT's convention; ``ptx_isa`` (explicit opt-in) rewrites the ``.version`` header.
+    TensorRT's convention for a plugin with ``inputs`` / ``outputs`` (default: SSMScan's); ``ptx_isa``
+    (explicit opt-in) rewrites the ``.version`` header.
     """
     from m2export.kernels.launch import kernel_params
 
@@ -476,7 +478,7 @@ def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: s
     entry = parse_entry(ptx)
     if symbol is not None and entry.name != symbol:
         raise InternalError(f"exported entry {entry.name!r} is not the requested symbol {symbol!r}")
-    amap = argument_map(spec.flat_args(), sources=spec.sources(), views=spec.views())
+    amap = argument_map(spec.flat_args(), inputs, outputs, sources=spec.sources(), views=spec.views())
     scalars = spec.scalars()
     check_entry(entry, amap, {k: v[0] for k, v in scalars.items()},
                 [n for n, kind in kernel_params(spec.kernel) if kind != "constant"])
