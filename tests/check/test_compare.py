@@ -240,7 +240,7 @@ def test_bf16_export_checked_with_onnx_reference(tiny_out_bf16, tmp_path):
 
 @pytest.mark.parametrize("graph,state,op_type", [("model.onnx", "past_ssm_state", "SSMScan"),
                                                   ("model.std.onnx", "past_ssm_state", "Reshape"),
-                                                  ("model.onnx", "past_conv_state", "Concat")])
+                                                  ("model.onnx", "past_conv_state", "CausalConv1d")])
 def test_prefill_graph_ignoring_past_states_fails(tiny_out, tmp_path, graph, state, op_type):
     """A prefill graph that ignores its past states (SSMScan's initial_state or the conv's past inputs
     replaced by zeros) must fail: the prefill section also continues sequences, with the reference's

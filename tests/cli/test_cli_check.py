@@ -47,7 +47,7 @@ def test_check_tampered_exit_3(tiny_out, tmp_path, capsys):
     assert "hint:" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("state,op_type", [("past_ssm_state", "SSMScan"), ("past_conv_state", "Concat")])
+@pytest.mark.parametrize("state,op_type", [("past_ssm_state", "SSMScan"), ("past_conv_state", "CausalConv1d")])
 def test_check_prefill_ignoring_past_states_exit_3(tiny_out, tmp_path, capsys, state, op_type):
     """SSMScan's initial_state (or the conv's past inputs) replaced by zeros in model.onnx: a graph that is
     right only for fresh sequences. The check feeds continued sequences too, so it fails (exit 3), naming
