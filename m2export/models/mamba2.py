@@ -104,6 +104,9 @@ class Mamba2Mixer(nn.Module):
                                      norm_before_gate=s.norm_before_gate)
         self.out_proj = nn.Linear(s.d_inner, s.d_model, bias=s.out_proj_bias)
         self.scan_fn: ScanFn = ssm_scan_chunked
+        #: "torch" (PyTorch ops, ``scan_fn``) or "cutile" (the cuTile conv, scan and gated-norm kernels); set
+        #: through :meth:`HybridLM.set_kernel_backend`, the one place that checks it
+        self.kernel_backend = "torch"
 
     def forward(self, u: torch.Tensor, conv_state: torch.Tensor | None = None,
                 ssm_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,21 +123,31 @@ class Mamba2Mixer(nn.Module):
                                for n, m in zip(sizes, s.zxbcdt_multipliers)])
             zxbcdt = zxbcdt * scale
         z, xBC, dt = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.nheads], dim=-1)
-        xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
-        if conv_state is None:
-            conv_state = xBC.new_zeros(batch, s.conv_dim, s.d_conv - 1)
-        xpad = torch.cat([conv_state.to(xBC.dtype), xBC], dim=2)  # (batch, conv_dim, d_conv - 1 + seqlen)
-        new_conv_state = xpad[:, :, xpad.shape[2] - (s.d_conv - 1):]
-        xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
+        cutile = self.kernel_backend == "cutile"
+        if cutile:
+            xBC, new_conv_state = self._conv_cutile(xBC, conv_state)
+        else:
+            xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
+            if conv_state is None:
+                conv_state = xBC.new_zeros(batch, s.conv_dim, s.d_conv - 1)
+            xpad = torch.cat([conv_state.to(xBC.dtype), xBC], dim=2)  # (batch, conv_dim, d_conv - 1 + seqlen)
+            new_conv_state = xpad[:, :, xpad.shape[2] - (s.d_conv - 1):]
+            xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
         x, B, C = torch.split(xBC, [s.d_inner, s.ngroups * s.d_state, s.ngroups * s.d_state], dim=-1)
         A = -torch.exp(self.A_log.float())  # fp32: A_log in bf16 would lose the decay's precision
-        y, new_ssm_state = self.scan_fn(
+        y, new_ssm_state = (_cutile_scan if cutile else self.scan_fn)(
             x.reshape(batch, seqlen, s.nheads, s.headdim), dt,
             A, B.reshape(batch, seqlen, s.ngroups, s.d_state), C.reshape(batch, seqlen, s.ngroups, s.d_state),
             self.D.float(), self.dt_bias.float(), None if ssm_state is None else ssm_state.float(),
             chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit)
         y = y.reshape(batch, seqlen, s.d_inner)
-        if s.norm == "gated_rms":
+        if s.norm == "gated_rms" and cutile:
+            from m2export.kernels.gated_norm import gated_rmsnorm
+
+            n = self.norm
+            y = gated_rmsnorm(y, z, n.weight.to(y.dtype), group_size=n.group_size, eps=n.eps,
+                              norm_before_gate=n.norm_before_gate, backend="cutile")
+        elif s.norm == "gated_rms":
             y = self.norm(y, z)
         else:  # "gate": y * silu(z), no norm (Falcon-H1 mamba_rms_norm = false)
             y = (y.float() * F.silu(z.float())).to(y.dtype)
@@ -142,6 +155,33 @@ class Mamba2Mixer(nn.Module):
         if s.out_multiplier != 1.0:
             out = out * s.out_multiplier
         return out, new_conv_state, new_ssm_state
+
+    def _conv_cutile(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
+        """The conv + SiLU on the cuTile kernels: ``xBC`` (batch, seqlen, conv_dim) channels last (a slice of the
+        in_proj output) -> (y (batch, seqlen, conv_dim), new conv_state); one token is the update kernel on a copy
+        of ``conv_state`` (the caller's state is not modified), longer inputs the prefill kernels."""
+        from m2export.kernels.conv1d import causal_conv1d, conv_update
+
+        s = self.spec
+        w = self.conv1d.weight[:, 0, :]
+        b = self.conv1d.bias
+        if conv_state is not None:
+            conv_state = conv_state.to(xBC.dtype)
+        if xBC.shape[1] == 1 and conv_state is not None:
+            new = conv_state.clone(memory_format=torch.contiguous_format)
+            y, _ = conv_update(xBC[:, 0], new, w, b, activation="silu", backend="cutile")
+            return y[:, None], new
+        y, new = causal_conv1d(xBC, w, b, conv_state, activation="silu", backend="cutile")
+        return y, new
+
+
+def _cutile_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_size, dt_softplus, dt_limit):
+    """:func:`m2export.kernels.ssd.ssm_scan` with ``backend="cutile"`` (a :data:`ScanFn`)."""
+    from m2export.kernels.ssd import ssm_scan
+
+    res = ssm_scan(x, dt, A, B, C, D, dt_bias, initial_state, chunk_size=chunk_size, dt_softplus=dt_softplus,
+                   dt_limit=dt_limit, backend="cutile")
+    return res.y, res.final_state
 
 
 class ParallelMixer(nn.Module):
@@ -263,6 +303,38 @@ class HybridLM(nn.Module):
         if spec.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
         self._n_states = [len(spec.layer_states(i)) for i in range(spec.n_layer)]
+
+    def set_kernel_backend(self, backend: str) -> "HybridLM":
+        """Run every Mamba-2 mixer's conv + SiLU, scan and gated RMSNorm on ``backend`` (returns ``self``).
+
+        ``"torch"`` (the default): PyTorch ops and each mixer's ``scan_fn``, on any device. ``"cutile"``: the cuTile
+        kernels (:func:`m2export.kernels.conv1d.causal_conv1d` / ``conv_update`` at one token,
+        :func:`m2export.kernels.ssd.ssm_scan`, :func:`m2export.kernels.gated_norm.gated_rmsnorm`), never a silent
+        fallback: the model must be on a CUDA device with cuda.tile importable. The rest of the model (projections,
+        attention, MLP) stays PyTorch. The headdim/d_state limits of the scan kernel are checked at the first call.
+
+        Raises:
+            ContractError: an unknown backend.
+            BackendUnavailable: "cutile" without a CUDA device, without cuda.tile, or with the model off CUDA.
+        """
+        from m2export.errors import ContractError
+        from m2export.kernels._host import BACKENDS, require_cuda_tile
+
+        if backend not in BACKENDS:
+            raise ContractError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend == "cutile":
+            require_cuda_tile({"the model's weights": self.lm_head.weight})
+        for m in self.mixers:
+            m.kernel_backend = backend
+        return self
+
+    @property
+    def kernel_backend(self) -> str:
+        """The mixers' backend (:meth:`set_kernel_backend`); "torch" for a model without Mamba layers."""
+        got = {m.kernel_backend for m in self.mixers} or {"torch"}
+        if len(got) != 1:
+            raise ValueError(f"mixers run on different backends {sorted(got)}; use set_kernel_backend")
+        return got.pop()
 
     @property
     def mixers(self) -> list[Mamba2Mixer]:
