@@ -9,8 +9,8 @@ Modes: prefill (batch, seqlen) = (4, 8192) and (1, 8192), fresh sequences (no in
 decode: one token for 128 sequences, states updated in place.
 
 The conv input and the gate are the strided xBC / z slices of the in_proj output, as in the model;
-the scan takes views of the conv output (the cuTile scan makes contiguous copies of them: counted in
-"scan", and timed apart as "scan, contiguous inputs").
+the scan takes views of the conv output (the cuTile scan reads them in place through their strides;
+timed apart on contiguous copies as "scan, contiguous inputs").
 
 Floors (H200: 4.3 TB/s copy bandwidth, 790 TFLOP/s bf16 matmul, /work/.library/device/KINDS.md):
     GEMM       max((M*K + K*N + M*N) * 2 / 4.3e12, 2*M*K*N / 790e12)
@@ -144,11 +144,15 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         parts.append(("conv1d+SiLU", f"cutile (rel-err vs torch {conv_err:.1e})",
                       lambda: causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst), conv_fl))
         cprob = conv_validate(xBC, W["conv_w"], W["conv_b"])
-        for tl in conv_tiles:
-            parts.append(("conv1d+SiLU", f"cutile tiles {tl[0]}x{tl[1]}" + (f" occ {tl[2]}" if tl[2] else ""),
-                          lambda tl=tl: causal_conv1d_cutile(xBC, W["conv_w"], W["conv_b"], None, problem=cprob,
-                                                             silu=True, out=yconv, state_out=cst, tiles=tl[:2],
-                                                             occupancy=tl[2] or None), conv_fl))
+        for impl, tl, occ in conv_tiles:
+            fn = (lambda impl=impl, tl=tl, occ=occ: causal_conv1d_cutile(
+                xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
+                occupancy=occ or None, impl=impl))
+            yconv.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            parts.append(("conv1d+SiLU", f"cutile {impl} tiles {'x'.join(map(str, tl))}" + (f" occ {occ}" if occ else "")
+                          + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
                       lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
         xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
@@ -159,7 +163,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         sfl = scan_floor_s((batch, seqlen, h, p, g, n))
         scan = lambda a, d_, b_, c_: ssm_scan(a, d_, W["A"], b_, c_, W["D"], W["dt_bias"], out=yscan,  # noqa: E731
                                               final_state_out=fstate)
-        parts.append(("SSM scan", "cutile (views of the conv output: copies included)",
+        parts.append(("SSM scan", "cutile (views of the conv output, read in place)",
                       lambda: scan(xv, dt, Bv, Cv), sfl))
         parts.append(("SSM scan", "cutile, contiguous inputs", lambda: scan(xc, dtc, Bc, Cc), sfl))
         y2 = yscan.view(batch, seqlen, di)
@@ -193,12 +197,12 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
     parts.append(("gated RMSNorm", f"cutile (rel-err vs torch {norm_err:.1e})",
                   lambda: gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout), norm_fl))
     nprob = norm_validate(y2, z, W["norm_w"], group_size=gsz)
-    for tl in norm_tiles(gsz):
-        if tl[2] == 1 and tl[1] > gsz and g > 1:
-            continue  # a padded tile would run into the next group
-        parts.append(("gated RMSNorm", f"cutile tiles {tl[0]}x{tl[1]}x{tl[2]} occ {tl[3]}",
-                      lambda tl=tl: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, tiles=tl[:3],
-                                                         occupancy=tl[3] or None), norm_fl))
+    for kind, kw in norm_tiles(nprob):
+        fn = lambda kw=kw: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, **kw)  # noqa: E731
+        nout.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        parts.append(("gated RMSNorm", f"cutile {kind} (rel-err {rel_err(ref_n, nout):.1e})", fn, norm_fl))
     parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
     if mamba_norm is not None:
         with torch.no_grad():
@@ -258,28 +262,42 @@ def main(argv=None):
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    ap.add_argument("--conv-tiles", default="16:256:0,32:128:0,16:128:4",
-                    help="extra prefill conv configs BLOCK_T:BLOCK_C:occupancy (0: no hint), '' for none")
-    ap.add_argument("--norm-variants", default="1:4,2:4,4:2,1:8,2:8",
-                    help="extra gated-norm configs BLOCK_R:occupancy, each with the chooser's tiling of the group and, "
-                         "for a group that is not a power of two, also in chunks of its largest power-of-two divisor")
+    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:4:1024:0,stream:256:4:512:0,stream:128:4:512:0,"
+                    "stream:256:8:512:0,stream:128:8:512:0,stream:256:16:512:0,stream:256:8:256:0,stream:256:16:256:0,"
+                    "stream:128:4:512:2,stream:64:8:512:0,stream:256:4:512:3",
+                    help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy or "
+                         "v1:BLOCK_T:BLOCK_C:occupancy (0: no hint), '' for none")
+    ap.add_argument("--norm-variants", default="v2:1:4,v2:2:8,pieces:1:0:4,pieces:1:1:2,pieces:1:1:4,pieces:1:1:8,"
+                    "pieces:2:1:2,pieces:2:1:4,pieces:2:1:8,pieces:2:1:16,pieces:4:1:4,pieces:4:1:8,pieces:1:0:16,"
+                    "pieces:8:1:2",
+                    help="extra gated-norm configs, comma list of v2:BLOCK_R:occupancy (the v2 chooser's tiling of the "
+                         "group: one padded tile, or chunks) or pieces:BLOCK_R:TMA(0|1):occupancy (the group's binary "
+                         "decomposition, choose_pieces; skipped where it does not apply); occupancy 0: no hint")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)  # inference: no autograd records (the model's norm weight is a Parameter)
     import triton
     import cuda.tile as ct
 
-    conv_tiles = [tuple(int(v) for v in s.split(":")) for s in args.conv_tiles.split(",") if s]
-    norm_rows = [tuple(int(v) for v in s.split(":")) for s in args.norm_variants.split(",") if s]
+    conv_tiles = []
+    for spec in filter(None, args.conv_variants.split(",")):
+        impl, *v = spec.split(":")
+        conv_tiles.append((impl, tuple(int(t) for t in v[:-1]), int(v[-1])))
+    norm_specs = [(k, tuple(int(t) for t in v)) for k, *v in (sp.split(":") for sp in args.norm_variants.split(",") if sp)]
 
-    def norm_tiles(gsz):
-        """(BLOCK_R, CHUNK, NCHUNK, occupancy) variants for one group of gsz channels per row group."""
+    def norm_tiles(p):
+        """(label, gated_rmsnorm_cutile keywords) of each --norm-variants entry that applies to problem p."""
+        from m2export.kernels.gated_norm.cutile import choose_pieces, choose_tiles
+
         out = []
-        for r, o in norm_rows:
-            if gsz & (gsz - 1) == 0:
-                out.append((r, gsz, 1, o))
-            else:
-                out += [(r, 1 << (gsz - 1).bit_length(), 1, o), (r, gsz & -gsz, gsz // (gsz & -gsz), o)]
+        for kind, v in norm_specs:
+            if kind == "v2":
+                tl = (v[0],) + choose_tiles(p)[1:]
+                out.append((f"v2 tiles {tl[0]}x{tl[1]}x{tl[2]} occ {v[1]}", dict(tiles=tl, occupancy=v[1])))
+            elif choose_pieces(p) is not None:
+                w = choose_pieces(p)
+                out.append((f"pieces R{v[0]} {'+'.join(str(x) for x in w if x)} tma {v[1]} occ {v[2]}",
+                             dict(pieces=(v[0], *w), tma=bool(v[1]), occupancy=v[2] or 0)))
         return out
 
     mamba_norm, why = load_mamba_norm()

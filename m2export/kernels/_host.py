@@ -128,12 +128,20 @@ def out_buffers(x, state_shape, out=None, state_out=None, *, state_name: str = "
     if out is not None:
         check_out("out", out, x.shape, x.dtype, x.device)
     elif allocate:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous also for a strided x
     if state_out is not None:
         check_out(state_name, state_out, state_shape, torch.float32, x.device)
     elif allocate:
         state_out = torch.empty(state_shape, dtype=torch.float32, device=x.device)
     return out, state_out
+
+
+def unit_stride(t):
+    """``t`` itself when its last stride is 1 (a cuTile kernel reads it in place through its strides,
+    e.g. a view of the conv output or of the in_proj output), else a contiguous copy; None stays None."""
+    if t is None or t.stride(-1) == 1 or t.numel() == 0:
+        return t
+    return t.contiguous()
 
 
 def into_buffers(res, out=None, final_state_out=None):

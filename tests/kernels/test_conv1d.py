@@ -122,6 +122,8 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
     pytest.param(3, 100, 264, 2, True, True, 16, id="L100_d2"),
     pytest.param(2, 1000, 1000, 4, True, True, 8, id="L1000_C1000"),
     pytest.param(1, 2, 40, 3, False, False, 0, id="L2_d3_plain"),
+    pytest.param(2, 77, 300, 4, True, True, 3, id="L77_unaligned_base"),
+    pytest.param(3, 513, 2100, 4, True, True, 8, id="L513_block_edges_C2100"),
 ]
 
 
@@ -159,20 +161,67 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tiles,occupancy", [((16, 256), None), ((32, 128), 2), ((4, 16), None), ((64, 64), 4)])
-def test_cutile_prefill_tile_variants(tiles, occupancy):
+@pytest.mark.parametrize("impl,tiles,occupancy", [
+    ("stream", (16, 4, 1024), None), ("stream", (64, 8, 512), 2), ("stream", (8, 8, 128), None),
+    ("stream", (256, 4, 256), None), ("stream", (4, 4, 16), None), ("stream", (32, 4, 512), 4),
+    ("stream", (16, 16, 256), None),
+    ("v1", (16, 128), None), ("v1", (32, 128), 2), ("v1", (4, 16), None)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_prefill_tile_variants(impl, tiles, occupancy, dtype):
     from m2export.contract_conv1d import validate
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
 
-    x, w, bs, cs = make(2, 300, 5376 // 4, 4, "bfloat16", seed=tiles[0], pad=8, device="cuda")
+    x, w, bs, cs = make(2, 300, 5376 // 4, 4, dtype, seed=tiles[0] + tiles[-1], pad=8, device="cuda")
     y_ref, st_ref = oracle(x, w, bs, cs)
     y = torch.full((2, 300, 5376 // 4), float("nan"), dtype=x.dtype, device="cuda")
     st = torch.full((2, 5376 // 4, 3), float("nan"), dtype=x.dtype, device="cuda")
     causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st, tiles=tiles,
-                         occupancy=occupancy)
+                         occupancy=occupancy, impl=impl)
     torch.cuda.synchronize()
-    assert_close("y", y_ref, y.cpu(), rel=Y_REL["bfloat16"])
+    assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
     assert torch.equal(st.cpu().double(), st_ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("seqlen", [1, 2, 3, 4, 5, 260])
+def test_cutile_prefill_no_activation_short(seqlen):
+    """activation="none", every length around d_conv - 1 and a block edge (tiles 4 x 4 rows: 65 blocks)."""
+    from m2export.contract_conv1d import validate
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+
+    x, w, bs, cs = make(3, seqlen, 96, 4, "float32", seed=seqlen, pad=4, device="cuda")
+    y_ref, st_ref = oracle(x, w, bs, cs, silu=False)
+    for tiles in (None, (4, 4, 64)):
+        y = torch.full((3, seqlen, 96), float("nan"), dtype=x.dtype, device="cuda")
+        st = torch.full((3, 96, 3), float("nan"), dtype=x.dtype, device="cuda")
+        causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=False, out=y, state_out=st,
+                             tiles=tiles)
+        torch.cuda.synchronize()
+        assert_close("y", y_ref, y.cpu(), rel=1e-5)
+        assert torch.equal(st.cpu().double(), st_ref)
+
+
+def test_stream_tiles():
+    from m2export.contract_conv1d import Conv1dProblem
+    from m2export.kernels.conv1d.cutile import choose_stream_tiles
+
+    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 4, 512)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (128, 4, 512)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4) == (4, 4, 64)
+
+
+@pytest.mark.gpu
+@gpu
+def test_stream_tiles_refused():
+    """ROWS < d_conv - 1 (wrong outputs on the H200) and BLOCK_T not a multiple of ROWS: one-line ContractError."""
+    from m2export.contract_conv1d import validate
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+
+    x, w, bs, cs = make(1, 20, 64, 4, "float32", seed=1, device="cuda")
+    for tiles in ((32, 2, 64), (30, 4, 64)):
+        with pytest.raises(ContractError, match="need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1"):
+            causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, tiles=tiles)
 
 
 UPDATE = [pytest.param(1, 200, 4, id="B1"), pytest.param(5, 5376 // 8, 3, id="B5_d3"),

@@ -87,6 +87,9 @@ CASES = [  # (leading shape, d_inner, group_size, pad of z)
     pytest.param((37,), 96, 48, 0, id="group48_not_pow2"),
     pytest.param((5,), 200, 40, 8, id="group40_C200"),
     pytest.param((2, 65), 256, 256, 0, id="rows130"),
+    pytest.param((3,), 7168, 7168, 8, id="G1_7168_three_pieces"),
+    pytest.param((2, 3), 3000, 3000, 0, id="G1_3000_seven_bits_padded"),
+    pytest.param((5,), 3072, 1536, 8, id="G2_1536_chunks"),
 ]
 
 
@@ -133,6 +136,39 @@ def test_tiles_must_cover_the_group():
     assert choose_tiles(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == (2, 1024, 1)
     with pytest.raises(ContractError, match="do not cover group_size 5120"):
         check_tiles(p, (1, 8192, 1))  # padding would run into the next group
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pieces,tma,occupancy", [((1, 4096, 1024, 0), False, None), ((2, 4096, 1024, 0), True, 2),
+                                                  ((4, 4096, 1024, 0), False, 1), ((1, 4096, 1024, 0), True, None)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_gated_norm_pieces_variants(pieces, tma, occupancy, dtype):
+    """The 5120-channel group as 4096 + 1024 in one pass, rows per block, bulk copies on and off."""
+    from m2export.contract_gated_norm import validate
+    from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
+
+    x, z, w = make((3, 3), 5120, dtype, seed=pieces[0] + tma, pad=16, device="cuda")
+    for nbg in (False, True):
+        ref = oracle(x, z, w, 5120, 1e-5, nbg)
+        out = torch.full_like(x, float("nan"))
+        gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, norm_before_gate=nbg), out=out, pieces=pieces,
+                             tma=tma, occupancy=occupancy)
+        torch.cuda.synchronize()
+        assert_close("out", ref, out.cpu(), rel=REL[dtype])
+
+
+def test_pieces_decompose_the_group():
+    from m2export.contract_gated_norm import GatedNormProblem
+    from m2export.kernels.gated_norm.cutile import choose_pieces, choose_pieces_rows
+
+    assert choose_pieces(GatedNormProblem(rows=10, d_inner=5120, group_size=5120)) == (4096, 1024, 0)
+    assert choose_pieces(GatedNormProblem(rows=10, d_inner=7168, group_size=7168)) == (4096, 2048, 1024)
+    assert choose_pieces(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == (1024, 0, 0)
+    assert choose_pieces(GatedNormProblem(rows=10, d_inner=10240, group_size=5120)) is None  # two groups
+    assert choose_pieces(GatedNormProblem(rows=10, d_inner=3000, group_size=3000)) is None  # seven binary digits
+    assert choose_pieces_rows(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == 2
+    assert choose_pieces_rows(GatedNormProblem(rows=1, d_inner=96, group_size=48)) == 1
 
 
 @pytest.mark.gpu

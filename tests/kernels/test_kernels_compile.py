@@ -141,35 +141,61 @@ def test_step_kernel_compiles(block_p, d_state, occupancy):
     assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
+def _shaped(dt: str, ndim: int):
+    """_arr with every extent but the first divisible by 16, as ct.launch derives it for 8192 tokens x
+    5376 channels (with it tileiras emits 16-byte loads; without it, one 2-byte load per element)."""
+    from dataclasses import replace
+
+    return replace(_arr(dt, ndim), shape_divisible_by=(1,) + (16,) * (ndim - 1))
+
+
 @pytest.mark.parametrize("dt,d_conv", [("bf16", 4), ("f32", 2), ("f16", 3)])
 def test_conv1d_kernels_compile(dt, d_conv):
-    """Prefill (streaming + edge) and the update; the state arrays' rows (d_conv-1 elements) are
-    not 16-byte multiples, hence plain stride constraints for them."""
+    """Prefill (the one-pass streaming kernel, and v1: per-tap kernel + edge) and the update; the state
+    arrays' rows (d_conv-1 elements) are not 16-byte multiples, hence plain stride constraints for them.
+    The streaming kernel's token rows are 16-byte loads (ld.global.v4) in its PTX."""
     from dataclasses import replace
 
     from m2export.contract_conv1d import Conv1dProblem
     from m2export.kernels.conv1d import cutile as K
+    from m2export.plugins.aot import ptx_from_cubin
 
-    bt, bc = K.choose_fwd_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=d_conv))
+    p = Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=d_conv)
+    bt, bc = K.choose_fwd_tiles(p)
     state = replace(_arr(dt, 3), stride_divisible_by=(1, 1, 1))
-    fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), replace(_arr(dt, 2), stride_divisible_by=(1, 1)), _arr(dt, 1),
-                                        _arr(dt, 3), bt, bc, d_conv, True, True])
+    w2 = replace(_arr(dt, 2), stride_divisible_by=(1, 1))
+    stream = _export(K.conv1d_stream_kernel, [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
+                                              *K.choose_stream_tiles(p, _SIZE[dt]), d_conv, True, True, True])
+    assert "ld.global.v4" in ptx_from_cubin(stream)
+    fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), w2, _arr(dt, 1), _arr(dt, 3), bt, bc, d_conv, True, True])
     edge = _export(K.conv1d_edge_kernel, [_arr(dt, 3), _arr(dt, 2), _arr(dt, 1), state, _arr(dt, 3), state,
                                           K.EDGE_BLOCK_C, d_conv, True, True, True])
-    upd = _export(K.conv1d_update_kernel, [_arr(dt, 2), replace(_arr(dt, 2), stride_divisible_by=(1, 1)), _arr(dt, 1),
-                                           state, _arr(dt, 2), 4, 256, d_conv, True, True])
-    for cubin in (fwd, edge, upd):
+    upd = _export(K.conv1d_update_kernel, [_arr(dt, 2), w2, _arr(dt, 1), state, _arr(dt, 2), 4, 256, d_conv, True, True])
+    for cubin in (stream, fwd, edge, upd):
         assert cubin[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("dt,group_size,ngroups,norm_before_gate",
-                         [("bf16", 5120, 1, False), ("bf16", 5120, 2, False), ("f16", 1024, 8, True), ("f32", 48, 2, False)])
+                         [("bf16", 5120, 1, False), ("bf16", 5120, 2, False), ("f16", 1024, 8, True), ("f32", 48, 2, False),
+                          ("f32", 7168, 1, True)])
 def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
-    """One padded tile (5120 in one group), chunks (5120 or 48 in several groups), one exact tile (1024)."""
+    """The launcher's choice: pieces (5120 = 4096 + 1024, 7168 in three, 1024 exact) or chunks (5120 or 48
+    in several groups); and the padded tile."""
     from m2export.contract_gated_norm import GatedNormProblem
     from m2export.kernels.gated_norm import cutile as K
+    from m2export.plugins.aot import ptx_from_cubin
 
-    tiles = K.choose_tiles(GatedNormProblem(rows=32768, d_inner=group_size * ngroups, group_size=group_size))
+    p = GatedNormProblem(rows=32768, d_inner=group_size * ngroups, group_size=group_size)
+    a2 = _shaped(dt, 2)
+    w = K.choose_pieces(p)
+    if w is not None:
+        br = K.choose_pieces_rows(p)
+        kernel = K.hinted(K.gated_rmsnorm_pieces_kernel, K.choose_occupancy((br, group_size), _SIZE[dt]))
+        cubin = _export(kernel, [a2, a2, _arr(dt, 1), a2, _i32(), _f32(), br, *w, norm_before_gate, K.PIECES_TMA])
+        ptx = ptx_from_cubin(cubin)
+        # x, z in and out through the bulk tensor copy (TMA) when PIECES_TMA, else 16-byte plain accesses
+        assert ("cp.async.bulk.tensor" in ptx) if K.PIECES_TMA else ("ld.global.v4" in ptx and "st.global.v4" in ptx)
+    tiles = K.choose_tiles(p)
     kernel = K.hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
     cubin = _export(kernel, [_arr(dt, 2), _arr(dt, 2), _arr(dt, 1), _arr(dt, 2), _i32(), _f32(), *tiles, norm_before_gate])
     assert cubin[:4] == b"\x7fELF"

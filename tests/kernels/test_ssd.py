@@ -464,6 +464,36 @@ def test_noncontiguous_inputs():
     assert_close("final_state", ref.final_state, res.final_state.cpu(), rel=STATE_REL["bfloat16"])
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("seqlen", [1, 63, 64, 65, 200])
+def test_layer_layout_views(seqlen, dtype):
+    """The layer's layout, read in place by the cuTile backend (no copies): x, B, C views of one
+    (batch, seqlen, d_inner + 2 * ngroups * d_state) conv output, dt a view of a wider tensor at an
+    offset that is not 16-byte aligned (the in_proj output's dt columns), an initial state; outputs
+    NaN-poisoned. seqlen 1 is the decode step."""
+    p = SSMScanProblem(2, seqlen, 8, 64, 2, 64, dtype=dtype)
+    inp = make_inputs(p, seed=stable_seed("layout", seqlen, dtype), init_state=True)
+    ref = ssm_scan_recurrent(**inp)
+    di, gn = p.nheads * p.headdim, p.ngroups * p.d_state
+    xbc = torch.cat([inp["x"].reshape(2, seqlen, di), inp["B"].reshape(2, seqlen, gn),
+                     inp["C"].reshape(2, seqlen, gn)], dim=-1).cuda()
+    wide = torch.cat([torch.zeros(2, seqlen, 3, dtype=inp["dt"].dtype), inp["dt"]], dim=-1).cuda()
+    x, B, C = (t.reshape(2, seqlen, -1, w) for t, w in zip(torch.split(xbc, [di, gn, gn], dim=-1),
+                                                            (p.headdim, p.d_state, p.d_state)))
+    dt = wide[..., 3:]
+    assert not any(t.is_contiguous() for t in (x, B, C, dt)) and dt.data_ptr() % 16 != 0
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    dev.update(x=x, dt=dt, B=B, C=C)
+    y, fs = nan_outputs(p)
+    res = ssm_scan(**dev, out=y, final_state_out=fs)
+    torch.cuda.synchronize()
+    assert res.y is y and res.final_state is fs
+    assert_close("y", ref.y, y.cpu(), rel=Y_REL[dtype])
+    assert_close("final_state", ref.final_state, fs.cpu(), rel=STATE_REL[dtype])
+
+
 # ----------------------------------------------------------------------------- CPU: validation
 def _cpu_inputs(headdim=64, d_state=64):
     return make_inputs(SSMScanProblem(1, 8, 2, headdim, 1, d_state), seed=0)

@@ -100,6 +100,65 @@ def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, 
 
 
 @ct.kernel
+def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
+                         BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
+                         SILU: ConstBool):
+    """Prefill, every token and the final state, one pass over x. Grid: (cdiv(seqlen, BLOCK_T),
+    cdiv(conv_dim, BLOCK_C), batch).
+
+    Block (tt, ci, b) owns tokens [tt*BLOCK_T, ...) and channels [ci*BLOCK_C, ...) of batch b. It
+    walks its tokens ROWS at a time: each step loads ROWS token rows (one (1, 1, BLOCK_C) tile each,
+    a row index being a tile index), computes their outputs from those rows and the D_CONV-1 rows
+    before them (kept on chip from the previous step), and stores ROWS rows. The D_CONV-1 rows
+    before the block's first token are gathered once (from conv_state for tokens < 0: a negative
+    token is out of bounds of x, 0, and in bounds of conv_state at D_CONV-1+t). Rows past seqlen
+    read 0 and their stores are dropped. The block holding the last token also writes state_out
+    (the last D_CONV-1 inputs, from conv_state when seqlen < D_CONV-1). BLOCK_T % ROWS == 0 and
+    ROWS >= D_CONV-1 (the rows kept for the next step are then all rows of this step; with ROWS 2 at
+    d_conv 4, where an old row moves within the carried tuple, the H200 gave wrong outputs).
+    conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased.
+    """
+    tt = ct.bid(0)
+    ci = ct.bid(1)
+    b = ct.bid(2)
+    f32 = ct.float32
+    seqlen = x.shape[1]
+    t0 = tt * BLOCK_T
+    cidx = ci * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    ws = ()
+    for k in ct.static_iter(range(D_CONV)):
+        ws += (ct.load(weight, index=(ci, k), shape=(BLOCK_C, 1), padding_mode=_ZERO).reshape((BLOCK_C,)).astype(f32),)
+    bs = _ct_bias(bias, ci, BLOCK_C, HAS_BIAS)
+    win = ()
+    for j in ct.static_iter(range(D_CONV - 1)):
+        t = t0 - (D_CONV - 1) + j
+        r = ct.gather(x, (b, t, cidx)).astype(f32)
+        if HAS_STATE:
+            r = r + ct.gather(conv_state, (b, cidx, t + (D_CONV - 1))).astype(f32)
+        win += (r,)
+    for s in range(BLOCK_T // ROWS):
+        t1 = t0 + s * ROWS
+        rows = ()
+        for i in ct.static_iter(range(ROWS)):
+            rows += (ct.load(x, index=(b, t1 + i, ci), shape=(1, 1, BLOCK_C), padding_mode=_ZERO
+                             ).reshape((BLOCK_C,)).astype(f32),)
+        full = win + rows
+        for i in ct.static_iter(range(ROWS)):
+            acc = bs
+            for k in ct.static_iter(range(D_CONV)):
+                acc = acc + ws[k] * full[i + k]
+            ct.store(y, index=(b, t1 + i, ci), tile=_ct_act(acc, SILU).astype(y.dtype).reshape((1, 1, BLOCK_C)))
+        win = full[ROWS:]
+    if t0 + BLOCK_T >= seqlen:
+        j = ct.arange(STATE_TILE, dtype=ct.int32)
+        ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
+        st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
+        if HAS_STATE:
+            st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
+        ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+
+
+@ct.kernel
 def conv1d_edge_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_C: ConstInt, D_CONV: ConstInt,
                        HAS_BIAS: ConstBool, HAS_STATE: ConstBool, SILU: ConstBool):
     """Prefill, the tokens that read conv_state and the final state. Grid: (cdiv(conv_dim, BLOCK_C), batch, 1).
@@ -181,17 +240,37 @@ def choose_update_tiles(p: Conv1dProblem) -> tuple[int, int]:
     return bb, bc
 
 
+def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_T, ROWS, BLOCK_C) of :func:`conv1d_stream_kernel`: 512 channels (16 bytes of a token row
+    per thread for fp32, 8 for 2-byte dtypes; smaller for narrow problems), 4 rows per step, and the
+    longest token range (256 down to 16) that still gives >= 4 blocks per SM. Measured on the H200
+    (benchmarks/NOTES_fusion.md): 512 channels beat 1024 (335 vs 448 us at mamba2-2.7b 4 x 8192 bf16)."""
+    bc = min(512, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
+    rows = 4
+    bt = 256
+    n_c = -(-p.conv_dim // bc)
+    while bt > 16 and -(-p.seqlen // bt) * n_c * p.batch < 4 * sm_count:
+        bt //= 2
+    bt = max(rows, min(bt, rows * -(-p.seqlen // rows)))
+    return bt, rows, bc
+
+
 def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
-                         state_out=None, stream=None, tiles: tuple[int, int] | None = None,
-                         occupancy: int | None = None) -> Conv1dOutput:
+                         state_out=None, stream=None, tiles: tuple[int, ...] | None = None,
+                         occupancy: int | None = None, impl: str = "stream") -> Conv1dOutput:
     """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
 
     ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
-    in_proj output); weight/bias/conv_state are made contiguous. ``tiles`` = (BLOCK_T, BLOCK_C)
-    and ``occupancy`` override :func:`choose_fwd_tiles` and the compiler's default (benchmarks).
+    in_proj output); weight/bias/conv_state are made contiguous. ``impl`` "stream" (default): one
+    launch of :func:`conv1d_stream_kernel`, ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding
+    :func:`choose_stream_tiles`; "v1": :func:`conv1d_fwd_kernel` + :func:`conv1d_edge_kernel`,
+    ``tiles`` = (BLOCK_T, BLOCK_C) overriding :func:`choose_fwd_tiles` (benchmarks). ``occupancy``
+    overrides the compiler's default.
     """
     from m2export.kernels.conv1d import conv_out_buffers
 
+    if impl not in ("stream", "v1"):
+        raise ContractError(f"impl: expected 'stream' or 'v1', got {impl!r}")
     p = problem
     dev = x.device
     stream_ = launch_stream(stream, dev)
@@ -203,15 +282,25 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
         if p.seqlen == 0:
             st_out.copy_(conv_state) if conv_state is not None else st_out.zero_()
             return Conv1dOutput(y, st_out)
-        bt, bc = tiles or choose_fwd_tiles(p)
         raw = int(stream_.cuda_stream)
         b_arg = bias if bias is not None else weight
+        s_arg = conv_state if conv_state is not None else st_out
+        if impl == "stream":
+            bt, rows, bc = tiles or choose_stream_tiles(p, x.element_size())
+            if bt % rows or rows < p.d_conv - 1:
+                raise ContractError(f"tiles: {(bt, rows, bc)} need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1 "
+                                    f"({p.d_conv - 1}): with fewer rows per step the kernel gave wrong outputs on the H200")
+            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_stream_kernel, occupancy),
+                      (x, weight, b_arg, s_arg, y, st_out, bt, rows, bc, p.d_conv, bias is not None,
+                       conv_state is not None, bool(silu)))
+            return Conv1dOutput(y, st_out)
+        bt, bc = tiles or choose_fwd_tiles(p)
         n_main = p.seqlen - (p.d_conv - 1)
         if n_main > 0:
             ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_fwd_kernel, occupancy),
                       (x, weight, b_arg, y, bt, bc, p.d_conv, bias is not None, bool(silu)))
         ct.launch(raw, (-(-p.conv_dim // EDGE_BLOCK_C), p.batch, 1), conv1d_edge_kernel,
-                  (x, weight, b_arg, conv_state if conv_state is not None else st_out, y, st_out, EDGE_BLOCK_C,
+                  (x, weight, b_arg, s_arg, y, st_out, EDGE_BLOCK_C,
                    p.d_conv, bias is not None, conv_state is not None, bool(silu)))
     return Conv1dOutput(y, st_out)
 

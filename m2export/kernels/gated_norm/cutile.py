@@ -36,10 +36,12 @@ _ZERO = ct.PaddingMode.ZERO
 
 
 # ----------------------------------------------------------------------------- tile helpers
-def _ct_gated_input(x, z, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt, NORM_BEFORE_GATE: ConstBool):
-    """(u, gate) of tile (r, c) of x and z, fp32: gate = silu(z); u = x (norm first) or x * gate."""
-    xt = ct.load(x, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO).astype(ct.float32)
-    zt = ct.load(z, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO).astype(ct.float32)
+def _ct_gated_input(x, z, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt, NORM_BEFORE_GATE: ConstBool,
+                    TMA: ConstBool = True):
+    """(u, gate) of tile (r, c) of x and z, fp32: gate = silu(z); u = x (norm first) or x * gate.
+    TMA False: plain loads into registers (no bulk copy through shared memory)."""
+    xt = ct.load(x, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO, allow_tma=TMA).astype(ct.float32)
+    zt = ct.load(z, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO, allow_tma=TMA).astype(ct.float32)
     gate = _ct_silu(zt)
     if NORM_BEFORE_GATE:
         return xt, gate
@@ -47,13 +49,13 @@ def _ct_gated_input(x, z, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt, NORM_BEFORE_
 
 
 def _ct_store_normed(out, weight, u, gate, rstd, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt,
-                     NORM_BEFORE_GATE: ConstBool):
+                     NORM_BEFORE_GATE: ConstBool, TMA: ConstBool = True):
     """out tile (r, c) = u * rstd * weight (* gate when NORM_BEFORE_GATE), in out's dtype."""
     wt = ct.load(weight, index=(c,), shape=(CHUNK,), padding_mode=_ZERO).astype(ct.float32)
     o = u * rstd[:, None] * wt[None, :]
     if NORM_BEFORE_GATE:
         o = o * gate
-    ct.store(out, index=(r, c), tile=o.astype(out.dtype))
+    ct.store(out, index=(r, c), tile=o.astype(out.dtype), allow_tma=TMA)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -83,6 +85,36 @@ def gated_rmsnorm_kernel(x, z, weight, out, group_size: int, eps: float,
         for c in range(NCHUNK):
             u, gate = _ct_gated_input(x, z, r, g * NCHUNK + c, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
             _ct_store_normed(out, weight, u, gate, rstd, r, g * NCHUNK + c, BLOCK_R, CHUNK, NORM_BEFORE_GATE)
+
+
+@ct.kernel
+def gated_rmsnorm_pieces_kernel(x, z, weight, out, group_size: int, eps: float, BLOCK_R: ConstInt, W0: ConstInt,
+                                W1: ConstInt, W2: ConstInt, NORM_BEFORE_GATE: ConstBool, TMA: ConstBool):
+    """Grid: (cdiv(rows, BLOCK_R), ngroups, 1). x, z: (rows, d_inner), last stride 1; out contiguous.
+
+    Block (r, g) owns rows [r*BLOCK_R, ...) of group g, held on chip in one pass as up to three
+    tiles of widths W0 > W1 > W2 (powers of two; 0: absent) that add up to group_size: the group's
+    binary decomposition, each piece starting at the sum of the larger ones (a multiple of its own
+    width), so nothing is padded (5120 = 4096 + 1024). Several groups: W1 == W2 == 0 and
+    W0 == group_size, a power of two (piece index g). TMA False: plain loads and stores through
+    registers (no bulk copy).
+    """
+    r = ct.bid(0)
+    g = ct.bid(1)
+    u0, g0 = _ct_gated_input(x, z, r, g, BLOCK_R, W0, NORM_BEFORE_GATE, TMA)
+    ss = ct.sum(u0 * u0, axis=1)
+    if W1 > 0:
+        u1, g1 = _ct_gated_input(x, z, r, W0 // W1, BLOCK_R, W1, NORM_BEFORE_GATE, TMA)
+        ss = ss + ct.sum(u1 * u1, axis=1)
+    if W2 > 0:
+        u2, g2 = _ct_gated_input(x, z, r, (W0 + W1) // W2, BLOCK_R, W2, NORM_BEFORE_GATE, TMA)
+        ss = ss + ct.sum(u2 * u2, axis=1)
+    rstd = ct.rsqrt(ss / group_size + eps)
+    _ct_store_normed(out, weight, u0, g0, rstd, r, g, BLOCK_R, W0, NORM_BEFORE_GATE, TMA)
+    if W1 > 0:
+        _ct_store_normed(out, weight, u1, g1, rstd, r, W0 // W1, BLOCK_R, W1, NORM_BEFORE_GATE, TMA)
+    if W2 > 0:
+        _ct_store_normed(out, weight, u2, g2, rstd, r, (W0 + W1) // W2, BLOCK_R, W2, NORM_BEFORE_GATE, TMA)
 
 
 # ----------------------------------------------------------------------------- launch configuration
@@ -120,21 +152,66 @@ def check_tiles(p: GatedNormProblem, tiles: tuple[int, int, int]) -> None:
                             "powers of two BLOCK_R, CHUNK with CHUNK * NCHUNK == group_size")
 
 
+def choose_pieces(p: GatedNormProblem) -> tuple[int, int, int] | None:
+    """(W0, W1, W2) of :func:`gated_rmsnorm_pieces_kernel` for ``p``, or None where it does not apply
+    (several groups of a size that is not a power of two; one group of more than three binary digits).
+    A power-of-two group is (group_size, 0, 0); one group is its binary decomposition, largest first."""
+    gs = p.group_size
+    if gs & (gs - 1) == 0:
+        return gs, 0, 0
+    bits = [1 << i for i in range(gs.bit_length() - 1, -1, -1) if gs >> i & 1]
+    if p.ngroups != 1 or len(bits) > 3:
+        return None
+    return tuple(bits + [0] * (3 - len(bits)))  # type: ignore[return-value]
+
+
+def choose_pieces_rows(p: GatedNormProblem) -> int:
+    """BLOCK_R of the pieces kernel: rows so that a block holds about 2048 elements of x (at most 16)."""
+    br = max(1, min(16, 2048 // p.group_size))
+    return min(br, max(1, 1 << max(0, p.rows - 1).bit_length()))
+
+
+PIECES_TMA = True
+"""Bulk copies (TMA) in the pieces kernel: on (281 vs 332 us off at mamba2-2.7b 4 x 8192 bf16 on the H200,
+benchmarks/NOTES_fusion.md)."""
+
+
 def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, stream=None,
-                         tiles: tuple[int, int, int] | None = None, occupancy: int | None = None) -> torch.Tensor:
+                         tiles: tuple[int, int, int] | None = None, occupancy: int | None = None,
+                         pieces: tuple[int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """cuTile GatedRMSNorm on validated arguments (see :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
-    x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view);
-    ``tiles`` = (BLOCK_R, CHUNK, NCHUNK) and ``occupancy`` override :func:`choose_tiles` and the
-    compiler's default (benchmarks, tests).
+    x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view).
+    Default: :func:`gated_rmsnorm_pieces_kernel` where :func:`choose_pieces` applies, else
+    :func:`gated_rmsnorm_kernel`. ``tiles`` = (BLOCK_R, CHUNK, NCHUNK) runs gated_rmsnorm_kernel
+    with them; ``pieces`` = (BLOCK_R, W0, W1, W2) the pieces kernel (``tma``: its bulk-copy flag,
+    default :data:`PIECES_TMA`); ``occupancy`` overrides the hint (benchmarks, tests).
     """
     p = problem
     dev = x.device
-    if tiles is None:
-        tiles = choose_tiles(p)
+    if tiles is None and pieces is None:
+        w = choose_pieces(p)
+        if w is not None:
+            pieces = (choose_pieces_rows(p), *w)
+        else:
+            tiles = choose_tiles(p)
+    if pieces is not None:
+        br, w0, w1, w2 = pieces
+        if w0 + w1 + w2 != p.group_size or any(v & (v - 1) for v in (br, w0, w1, w2)) or not w0 > w1 >= w2 or \
+                (w1 and p.ngroups != 1) or (w2 and not w1) or (w1 and w2 == w1):
+            raise ContractError(f"pieces: {pieces} do not decompose group_size {p.group_size} (ngroups {p.ngroups}); "
+                                "expected BLOCK_R and widths W0 > W1 > W2 (powers of two or 0) adding up to it")
+        if occupancy is None:
+            occupancy = choose_occupancy((br, w0 + w1 + w2), x.element_size())
+        kernel = hinted(gated_rmsnorm_pieces_kernel, occupancy or None)
+        consts = (br, w0, w1, w2, bool(p.norm_before_gate), PIECES_TMA if tma is None else bool(tma))
+    else:
+        check_tiles(p, tiles)
         if occupancy is None:
             occupancy = choose_occupancy(tiles, x.element_size())
-    check_tiles(p, tiles)
+        kernel = hinted(gated_rmsnorm_kernel, occupancy or None)
+        br = tiles[0]
+        consts = (*tiles, bool(p.norm_before_gate))
     stream_ = launch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(stream_):
         if out is None:
@@ -143,9 +220,6 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
         if p.rows == 0:
             return out
         x2, z2 = x.reshape(p.rows, p.d_inner), z.reshape(p.rows, p.d_inner)
-        br, ch, nch = tiles
-        ct.launch(int(stream_.cuda_stream), (-(-p.rows // br), p.ngroups, 1),
-                  hinted(gated_rmsnorm_kernel, occupancy or None),
-                  (x2, z2, weight.contiguous(), out.view(p.rows, p.d_inner), int(p.group_size), float(p.eps),
-                   br, ch, nch, bool(p.norm_before_gate)))
+        ct.launch(int(stream_.cuda_stream), (-(-p.rows // br), p.ngroups, 1), kernel,
+                  (x2, z2, weight.contiguous(), out.view(p.rows, p.d_inner), int(p.group_size), float(p.eps), *consts))
     return out

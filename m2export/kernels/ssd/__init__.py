@@ -65,7 +65,8 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
         BackendUnavailable: the backend cannot run here (no CUDA, no cuda.tile, CPU tensors); the
             hint says how to install it (pip install m2export[gpu]) or to pass backend="torch".
 
-    Non-contiguous inputs are accepted; the cuTile backend makes a contiguous copy of them first.
+    Non-contiguous inputs are accepted; the cuTile backend reads x, dt, B, C in place when their last
+    stride is 1 (views of the conv output: no copies) and makes a contiguous copy of the others first.
     With backend="cutile", seqlen == 1 (decode) runs the decode-step kernel
     (:mod:`m2export.kernels.ssd_step`), every other length the chunked prefill kernels.
 

@@ -70,7 +70,8 @@ import cuda.tile as ct
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
 from m2export.kernels import launch as L
-from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
+from m2export.kernels._host import (cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count,
+                                    unit_stride)
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels import _tune
@@ -625,7 +626,9 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
                     config: ScanConfig | None = None, tiles: TileFamily | None = None) -> SSMScanOutput:
     """cuTile SSMScan on validated arguments (see :func:`m2export.kernels.ssd.ssm_scan`).
 
-    Inputs are made contiguous (a copy when they are not); ``out``/``final_state_out`` must be
+    x, dt, B and C are read in place when their last stride is 1 (views of the conv and in_proj
+    outputs: no copies), else copied contiguous (:func:`unit_stride`); the other inputs are made
+    contiguous. ``out``/``final_state_out`` must be
     contiguous and are written in full. The plan: ``config`` if given, else ``tiles`` (one of
     :func:`tile_families`, e.g. a TensorRT tactic) with the modelled segment count, else the autotuner's
     choice when ``M2EXPORT_AUTOTUNE=1`` (:mod:`m2export.kernels._tune`), else :func:`choose_config`. All work is
@@ -636,8 +639,8 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
     # everything below (contiguous copies, output and scratch allocation, the launches) is ordered
     # on the launch stream, so the caching allocator ties scratch memory to it
     with torch.cuda.device(dev), torch.cuda.stream(ls):
-        x, dt, A, B, C, D, dt_bias, initial_state = (
-            None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias, initial_state))
+        x, dt, B, C = (unit_stride(t) for t in (x, dt, B, C))
+        A, D, dt_bias, initial_state = (None if t is None else t.contiguous() for t in (A, D, dt_bias, initial_state))
         p = problem
         y, final_state = out_buffers(x, p.shape_of("final_state"), out, final_state_out, allocate=True)
         if p.batch == 0:

@@ -22,7 +22,8 @@ import cuda.tile as ct
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.errors import ContractError
 from m2export.kernels import launch as L
-from m2export.kernels._host import cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count
+from m2export.kernels._host import (cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count,
+                                    unit_stride)
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.cutile import _ct_step_size
 from m2export.kernels.ssd.naive import SSMScanOutput
@@ -129,7 +130,8 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
     dev = x.device
     ls = launch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(ls):
-        x, dt, A, B, C, D, dt_bias = (None if t is None else t.contiguous() for t in (x, dt, A, B, C, D, dt_bias))
+        x, dt, B, C = (unit_stride(t) for t in (x, dt, B, C))  # views read in place
+        A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
         p = problem
         if ssm_state is not None and not ssm_state.is_contiguous():
             if state_out is ssm_state:
