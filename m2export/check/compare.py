@@ -362,12 +362,31 @@ def _engine_shapes(manifest: Manifest) -> list[tuple[int, int]] | None:
 
 
 # ----------------------------------------------------------------------------------------------- main entry
+REFERENCE_BACKENDS = ("torch", "cutile")
+"""Kernels of the PyTorch reference (``check --reference-backend``): PyTorch ops on the CPU, or the cuTile kernels on
+a GPU (:meth:`m2export.models.mamba2.HybridLM.set_kernel_backend`)."""
+
+
+def _check_reference_backend(backend: str, reference: str) -> None:
+    """Refuse an unknown backend, or "cutile" with transformers' reference or without CUDA / cuda.tile, before any
+    file is read (ParameterError exit 2, BackendUnavailable exit 4; one line each)."""
+    if backend not in REFERENCE_BACKENDS:
+        raise ParameterError(f"`reference_backend` {backend!r}: expected one of {list(REFERENCE_BACKENDS)}")
+    if backend == "cutile":
+        if reference != REFERENCE:
+            raise ParameterError(f"`reference_backend` 'cutile' runs m2export's PyTorch model; `reference` is "
+                                 f"{reference!r}", hint="drop --reference-backend, or use --reference torch")
+        from m2export.kernels._host import require_cuda_tile
+
+        require_cuda_tile({})
+
+
 def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol: list[str] | None = None,
               rtol: list[str] | None = None, shapes: list[tuple[int, int]] | None = None, decode_steps: int = 8,
               prompt_len: int | None = None, text: str | Path | None = None, seed: int = 0,
               runtimes=RUNTIMES, require_trt: bool = False, report_dir: str | Path | None = None,
               max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False,
-              reference: str = REFERENCE) -> CheckReport:
+              reference: str = REFERENCE, reference_backend: str = "torch") -> CheckReport:
     """Compare every runtime of an export with the reference (m2export's PyTorch model, or transformers'); write
     the reports.
 
@@ -413,6 +432,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             raise ParameterError(f"`{param}` {value}: expected an integer >= {low}")
     if reference not in REFERENCES:
         raise ParameterError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
+    _check_reference_backend(reference_backend, reference)
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
     unknown = [r for r in runtimes if r not in ALL_RUNTIMES]
     if unknown:
@@ -435,7 +455,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                                        f"the one {MANIFEST_FILE} records ({manifest.source_checkpoint})")
         raise CheckpointError(f"reference checkpoint {ck_path} (from {MANIFEST_FILE}) does not exist",
                               hint="pass the checkpoint the export was made from (`checkpoint`)")
-    ref_loader = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None)
+    ref_loader = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None,
+                                     kernel_backend=reference_backend)
     if reference == "transformers":
         ref_loader = ModelFromTransformers(ck_path, ref_loader)
 
@@ -457,6 +478,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     loaded = ref_loader()  # load now: a bad checkpoint fails before any runtime starts
     scan = loaded.model.mixers[0].scan_fn
     rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
+    if reference_backend != "torch":
+        rts[0].detail = (f"PyTorch fp32 on {loaded.model.lm_head.weight.device}, {ck_path}, Mamba layers (conv, "
+                         "scan, gated norm) on the cuTile kernels")
     if reference == "transformers":
         import transformers
 

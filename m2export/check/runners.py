@@ -57,9 +57,10 @@ class ModelFromCheckpoint(BaseLoader):
             proves nothing.
     """
 
-    def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None):
+    def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None, kernel_backend: str = "torch"):
         self.checkpoint = Path(checkpoint)
         self.expected_sha256 = expected_sha256
+        self.kernel_backend = kernel_backend  # "cutile": the model on the GPU, its Mamba layers on the cuTile kernels
         self._cache: dict = {}  # loaded once, shared by the prefill and decode runners
 
     def call_impl(self):
@@ -76,6 +77,8 @@ class ModelFromCheckpoint(BaseLoader):
                 f"{self.expected_sha256[:12]}... (m2export.json)",
                 hint="pass the checkpoint the export was made from (`checkpoint`), or re-export")
         ck.model.eval()
+        if self.kernel_backend != "torch":  # HybridLM.set_kernel_backend checks it (BackendUnavailable, one line)
+            ck.model.cuda().set_kernel_backend(self.kernel_backend)
         self._cache["ck"] = ck
         return ck
 
@@ -128,8 +131,9 @@ class TorchRunner(BaseRunner):
         from m2export.exporter.export import flat_forward
 
         torch = self._torch
-        ids = torch.as_tensor(np.asarray(feed_dict["input_ids"]), dtype=torch.int64)
-        past = [torch.as_tensor(np.asarray(feed_dict[s.past.name])).float() for s in self.io.states]
+        dev = self.model.lm_head.weight.device  # the GPU with the cuTile kernel backend, else the CPU
+        ids = torch.as_tensor(np.asarray(feed_dict["input_ids"]), dtype=torch.int64).to(dev)
+        past = [torch.as_tensor(np.asarray(feed_dict[s.past.name])).float().to(dev) for s in self.io.states]
         start = time.perf_counter()
         with torch.inference_mode():  # no autograd graph, no saved activations
             logits, presents = flat_forward(self.model, ids, past)
@@ -138,7 +142,7 @@ class TorchRunner(BaseRunner):
             res: OrderedDict[str, np.ndarray] = OrderedDict(logits=self._model_dtype(logits))
             del logits
             for s, t in zip(self.io.states, presents):
-                res[s.present.name] = (_own_numpy(t.float(), np.float32) if s.present.dtype == "float32"
+                res[s.present.name] = (_own_numpy(t.float().cpu(), np.float32) if s.present.dtype == "float32"
                                        else self._model_dtype(t))
         return res
 
@@ -147,7 +151,7 @@ class TorchRunner(BaseRunner):
         computing exactly in that dtype would return (bf16 rounded, then carried as float32)."""
         if self.dtype == "bf16":
             t = t.to(self._torch.bfloat16)
-        return _own_numpy(t.float(), self._io_dtype)
+        return _own_numpy(t.float().cpu(), self._io_dtype)  # .cpu(): no copy for a CPU tensor
 
     def deactivate_impl(self):
         del self.model, self.cfg, self.io, self._torch

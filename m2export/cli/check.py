@@ -89,6 +89,10 @@ def add_arguments(p):
                    help="what every runtime is compared with: torch (m2export's PyTorch model, the default) or "
                         "transformers (its model of an HF-format checkpoint gives the logits; states stay "
                         "compared against m2export's PyTorch model)")
+    g.add_argument("--reference-backend", choices=["torch", "cutile"], default="torch",
+                   help="kernels of the PyTorch reference: torch (PyTorch ops on the CPU, the default) or cutile "
+                        "(the model on the GPU, its Mamba layers' conv, scan and gated norm on the cuTile kernels; "
+                        "needs CUDA and cuda.tile)")
     g.add_argument("--runtime", dest="runtimes", action="append", choices=[r for r in names.RUNTIMES if r != names.REFERENCE_RUNTIME],
                    type=names.cli_type("runtime", "--runtime"),
                    help="runtime(s) to compare with the reference (repeatable; default: onnxrt, and trt when "
@@ -134,7 +138,8 @@ def run(args) -> int:
                            decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
                            seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
                            report_dir=args.report_dir, max_seqlen=args.max_seq_len, progress=prog,
-                           polygraphy_log=args.verbose > 1, reference=args.reference)
+                           polygraphy_log=args.verbose > 1, reference=args.reference,
+                           reference_backend=args.reference_backend)
     report_dir = args.report_dir or args.outdir
     if not args.quiet:
         _print_report(report, report_dir, REPORT_JSON, REPORT_MD)

@@ -1,0 +1,48 @@
+"""``m2export check --reference-backend`` (issue 18 item 4): the PyTorch reference on the cuTile kernels.
+
+CPU: strict validation (an unknown value is a usage error; cutile with --reference transformers, or without CUDA /
+cuda.tile, is one error line before anything is read, exit 2 / 1 / 4). GPU-marked (the lead runs it on the H200):
+the bundled-checkpoint-shaped tiny export passes the check against the cuTile reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2export.cli.main import main
+from tests.helpers import requires_cutile
+
+
+def test_unknown_backend_is_a_usage_error(tiny_out, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tiny_out), "--reference-backend", "triton"])
+    assert e.value.code == 2 and "invalid choice: 'triton'" in capsys.readouterr().err
+
+
+def test_cutile_with_transformers_reference_is_refused(tmp_path, capsys):
+    rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile", "--reference", "transformers"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: --reference-backend 'cutile' runs m2export's PyTorch model; --reference is 'transformers'")
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the error path is the CPU one")
+def test_cutile_without_cuda_is_exit_4_one_line(tmp_path, capsys):
+    rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile"])
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    first = err.strip().splitlines()[0]
+    assert first == 'error: backend="cutile": no CUDA device is available' and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@requires_cutile
+def test_check_passes_against_the_cutile_reference(tiny_out, capsys):
+    rc = main(["check", str(tiny_out), "-q", "--reference-backend", "cutile", "--shapes", "1x5,2x70",
+               "--decode-steps", "3", "--atol", "1e-3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip().startswith("PASSED | m2export check")
+    report = (tiny_out / "check_report.md").read_text()
+    assert "on the cuTile kernels" in report and "cuda" in report
