@@ -455,62 +455,6 @@ def fuse_ops(model):
     return out, n_conv, n_norm
 
 
-def unfuse_conv1d(model: onnx.ModelProto) -> int:
-    """Replace every ``m2export::CausalConv1d`` node of ``model`` (a proto, in place) by the standard ops the
-    exporter fused into it: ``Transpose -> Concat(conv_state, .) -> Conv(group=C) -> [SiLU] -> Transpose`` and the
-    ``Slice`` of the last d_conv - 1 inputs. For TensorRT AOT engines with a dynamic ``sequence_length``: the
-    prefill conv is two cuTile launches and an AOT plugin embeds one (:mod:`m2export.plugins.fused_trt`), while
-    the function body's string test (``activation``) is nothing TensorRT parses. Needs the weight's (conv_dim,
-    d_conv) shape in the graph's value_info (the exporter writes it). Returns the number of nodes replaced.
-
-    Raises:
-        ExportError: a CausalConv1d node whose weight shape is not known.
-    """
-    from m2export.errors import ExportError
-
-    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-              for v in list(model.graph.value_info) + list(model.graph.input)}
-    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
-    nodes, done = [], 0
-    for n in model.graph.node:
-        if (n.domain, n.op_type) != (cc.OP_DOMAIN, cc.OP_NAME):
-            nodes.append(n)
-            continue
-        x, w, bias, state = n.input
-        y, final = n.output
-        ws = shapes.get(w)
-        if not ws or len(ws) != 2 or None in ws:
-            raise ExportError(f"internal: CausalConv1d node {n.name!r}: weight {w!r} has no static (conv_dim, d_conv) "
-                              f"shape in the graph (got {ws})")
-        C, K = ws
-        act = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "activation"), b"silu")
-        p = f"{n.name or y}.unfused"
-        c = lambda name, arr: helper.make_node("Constant", [], [f"{p}.{name}"],  # noqa: E731
-                                               value=onnx.numpy_helper.from_array(np.asarray(arr), f"{p}.{name}"))
-        nodes += [c("axis1", np.array([1], np.int64)), c("start", np.array([-(K - 1)], np.int64)),
-                  c("end", np.array([np.iinfo(np.int64).max], np.int64)), c("axis2", np.array([2], np.int64)),
-                  helper.make_node("Unsqueeze", [w, f"{p}.axis1"], [f"{p}.w"]),
-                  helper.make_node("Transpose", [x], [f"{p}.xt"], perm=[0, 2, 1]),
-                  helper.make_node("Concat", [state, f"{p}.xt"], [f"{p}.cat"], axis=2),
-                  helper.make_node("Slice", [f"{p}.cat", f"{p}.start", f"{p}.end", f"{p}.axis2"], [final]),
-                  helper.make_node("Conv", [f"{p}.cat", f"{p}.w", bias], [f"{p}.conv"], group=C, kernel_shape=[K],
-                                   pads=[0, 0], strides=[1], dilations=[1])]
-        out = f"{p}.conv"
-        if (act.decode() if isinstance(act, bytes) else act) == "silu":
-            nodes += [helper.make_node("Sigmoid", [out], [f"{p}.sig"]),
-                      helper.make_node("Mul", [out, f"{p}.sig"], [f"{p}.act"])]
-            out = f"{p}.act"
-        nodes.append(helper.make_node("Transpose", [out], [y], perm=[0, 2, 1]))
-        done += 1
-    if done:
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
-        keep = [f for f in model.functions if (f.domain, f.name) != (cc.OP_DOMAIN, cc.OP_NAME)]
-        del model.functions[:]
-        model.functions.extend(keep)
-    return done
-
-
 # ----------------------------------------------------------------------------- one-node models (tests)
 def _model(node: onnx.NodeProto, specs_in, specs_out, elem: int, dims: dict, opset: int,
            domain: str, version: int) -> onnx.ModelProto:
@@ -551,5 +495,5 @@ def gated_norm_node_model(problem: cg.GatedNormProblem, rank: int = 3, opset: in
     return model
 
 
-__all__ = ["OPS", "fuse_ops", "unfuse_conv1d", "fuse_conv1d", "fuse_gated_norm", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
+__all__ = ["OPS", "fuse_ops", "fuse_conv1d", "fuse_gated_norm", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
            "conv1d_node_model", "gated_norm_node_model"]

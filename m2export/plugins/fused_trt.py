@@ -12,12 +12,10 @@ The ops' contracts are :mod:`m2export.contract_conv1d` and :mod:`m2export.contra
   TensorRT's inputs are read-only), any other length the prefill (:func:`~m2export.kernels.conv1d.causal_conv1d`),
   writing straight into TensorRT's outputs on TensorRT's stream;
 * :func:`run_norm_jit` -- the norm's ``@impl`` body (:func:`m2export.kernels.gated_norm.gated_rmsnorm`);
-* :func:`conv_aot_launch` / :func:`norm_aot_launch` -- the ``@aot_impl`` bodies: the kernel exported to PTX in
-  TensorRT's argument order (:mod:`m2export.plugins.aot`). The norm is one kernel for any shape. The conv's
-  prefill is two kernels (the streaming kernel for tokens >= d_conv - 1, the edge kernel for the first tokens
-  and the final state) and TensorRT's AOT plugin embeds one: AOT covers engines whose ``sequence_length`` is a
-  constant <= d_conv - 1 (decode engines, ``build --role decode``: the edge kernel alone); other AOT builds
-  stop with :class:`~m2export.errors.BackendUnavailable` naming the JIT plugin.
+* :func:`conv_aot_launch` / :func:`norm_aot_launch` -- the ``@aot_impl`` bodies: one kernel each, exported to PTX
+  in TensorRT's argument order (:mod:`m2export.plugins.aot`) for any shape: the conv's streaming kernel (every
+  token and the final state in one launch; a decode token too, where the JIT body runs the update kernel) and
+  the gated-norm kernel.
 
 ``register`` wraps them in the decorators; ``tensorrt`` is imported there, never at import time. No
 ``from __future__ import annotations`` here: TensorRT's decorators read the annotations as live types.
@@ -160,21 +158,33 @@ def _product(dims: Sequence[Any]) -> Any:
     return out
 
 
-def conv_aot_spec(dtype: str, d_conv: int, silu: bool):
-    """The :class:`~m2export.kernels.launch.Launch` of the edge kernel of :mod:`m2export.kernels.conv1d.cutile` for
-    the plugin's tensors (x (batch, seqlen, conv_dim), weight, bias, conv_state; y, final_conv_state), bias and
-    state always present (the ONNX node has all four inputs); grid ``(cdiv(conv_dim, EDGE_BLOCK_C), batch, 1)``.
-    Made against the kernel's own signature (a drift fails here, not on the GPU)."""
+def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
+    """The :class:`~m2export.kernels.launch.Launch` of ``conv1d_stream_kernel`` (:mod:`m2export.kernels.conv1d.cutile`:
+    the whole prefill, every token and the final state, in one launch) for the plugin's tensors (x (batch, seqlen,
+    conv_dim), weight, bias, conv_state; y, final_conv_state), bias and state always present (the ONNX node has all
+    four inputs). Tiles from the kernel module's ``choose_stream_tiles`` for ``conv_dim`` and :data:`AOT_CONV_SEQLEN`
+    tokens (seqlen is a runtime extent of the engine; any tile is correct, the choice is only speed); grid
+    ``(cdiv(seqlen, BLOCK_T), cdiv(conv_dim, BLOCK_C), batch)``. Made against the kernel's own signature (a drift
+    fails here, not on the GPU)."""
     from m2export.kernels import launch as L
     from m2export.kernels.conv1d import cutile as K
 
-    bc = K.EDGE_BLOCK_C
+    bt, rows, bc = K.choose_stream_tiles(cc.Conv1dProblem(batch=1, seqlen=AOT_CONV_SEQLEN, conv_dim=int(conv_dim),
+                                                          d_conv=int(d_conv), dtype=dtype), 2 if dtype != "float32" else 4)
+    if bt % rows or rows < d_conv - 1:
+        raise InternalError(f"conv1d_stream_kernel tiles {(bt, rows, bc)}: need BLOCK_T % ROWS == 0, ROWS >= d_conv - 1")
     args = (L.array("x", dtype, 3), L.array("weight", dtype, 2), L.array("bias", dtype, 1),
             L.array("conv_state", dtype, 3), L.array("y", dtype, 3),
             L.array("state_out", dtype, 3, source=cc.OUTPUT_NAMES[1]),
-            L.constant("BLOCK_C", bc), L.constant("D_CONV", int(d_conv)), L.constant("HAS_BIAS", True),
-            L.constant("HAS_STATE", True), L.constant("SILU", bool(silu)))
-    return L.Launch(K.conv1d_edge_kernel, args, grid=lambda batch, conv_dim: (_cdiv(conv_dim, bc), batch, 1))
+            L.constant("BLOCK_T", bt), L.constant("ROWS", rows), L.constant("BLOCK_C", bc),
+            L.constant("D_CONV", int(d_conv)), L.constant("HAS_BIAS", True), L.constant("HAS_STATE", True),
+            L.constant("SILU", bool(silu)))
+    return L.Launch(K.conv1d_stream_kernel, args,
+                    grid=lambda batch, seqlen, conv_dim: (_cdiv(seqlen, bt), _cdiv(conv_dim, bc), batch))
+
+
+#: the sequence length the conv's AOT tiles are chosen for (a long prefill: the longest token range per block)
+AOT_CONV_SEQLEN = 8192
 
 
 def norm_aot_spec(problem: cg.GatedNormProblem):
@@ -200,13 +210,14 @@ AOT_NORM_ROWS = 1 << 20
 
 
 @functools.lru_cache(maxsize=32)
-def compile_conv_kernel(dtype: str, d_conv: int, silu: bool, gpu_code: str,
+def compile_conv_kernel(dtype: str, d_conv: int, conv_dim: int, silu: bool, gpu_code: str,
                         ptx_isa: Union[Tuple[int, int], None] = None):
-    """The conv's edge kernel as an :class:`~m2export.plugins.aot.AotKernel` (cached per dtype, d_conv, target)."""
+    """``conv1d_stream_kernel`` as an :class:`~m2export.plugins.aot.AotKernel` (cached per dtype, d_conv, target); the
+    1-D bias exported without TMA (:func:`_export_without_tma`)."""
     from m2export.plugins import aot
 
-    spec = conv_aot_spec(dtype, d_conv, silu)
-    cubin, symbol = aot._export_cubin(spec, gpu_code)
+    spec = conv_aot_spec(dtype, d_conv, conv_dim, silu)
+    cubin, symbol = _export_without_tma(spec, gpu_code, ("bias",))
     return aot.build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code, ptx_isa=ptx_isa, inputs=cc.INPUT_NAMES,
                                 outputs=cc.OUTPUT_NAMES)
 
@@ -251,26 +262,19 @@ def conv_aot_launch(shapes: dict, x_dtype: Any, activation: str, *, gpu_code: st
     Returns:
         dict(name, ptx, grid, block, shared_mem, extra_args, extra_names, kernel), as SSMScan's ``aot_launch``.
     Raises:
-        BackendUnavailable: ``sequence_length`` not a constant <= d_conv - 1 (the prefill needs two kernels), or a
-            dynamic d_conv.
+        BackendUnavailable: a dynamic conv_dim or d_conv (the kernel unrolls its taps; its tile follows conv_dim).
     """
     from m2export.plugins import aot
 
     compile_kernel = compile_kernel or compile_conv_kernel
+    conv_dim = aot.constant_size(shapes["weight"][0])
     d_conv = aot.constant_size(shapes["weight"][1])
-    seqlen = aot.constant_size(shapes["x"][1])
-    if d_conv is None:
-        raise BackendUnavailable("CausalConv1d AOT plugin: d_conv (weight dim 1) must be static",
+    if d_conv is None or conv_dim is None:
+        raise BackendUnavailable("CausalConv1d AOT plugin: the weight's (conv_dim, d_conv) must be static",
                                  hint="build with the JIT plugin (`plugin='jit'`)")
-    if seqlen is None or seqlen > d_conv - 1:
-        raise BackendUnavailable(
-            f"CausalConv1d AOT plugin: a prefill of {'dynamic' if seqlen is None else seqlen} tokens runs two cuTile "
-            "kernels (streaming + edge) and TensorRT's AOT plugin embeds one; AOT covers a constant sequence_length "
-            f"<= d_conv - 1 = {d_conv - 1} (decode engines)",
-            hint="build with the JIT plugin (`plugin='jit'`), or an AOT decode engine (`m2export build --role decode`)")
-    kernel = compile_kernel(dtype_name(x_dtype), d_conv, activation == "silu", gpu_code, ptx_isa)
+    kernel = compile_kernel(dtype_name(x_dtype), d_conv, conv_dim, activation == "silu", gpu_code, ptx_isa)
     extras = aot.extra_arg_values(kernel.amap, shapes, kernel.scalars)
-    grid = kernel.grid(shapes["x"][0], shapes["x"][2])
+    grid = kernel.grid(shapes["x"][0], shapes["x"][1], shapes["x"][2])
     return dict(name=kernel.name, ptx=kernel.ptx, grid=tuple(grid), block=kernel.block, shared_mem=0,
                 extra_args=extras, extra_names=kernel.amap.extra_args, kernel=kernel)
 

@@ -318,11 +318,8 @@ def build_engine_bytes(target: BuildTarget, *, plugin_mode: str | None, profiles
 
     from m2export.plugins.ssm_scan_trt import take_plugin_errors
 
-    # the conv's AOT plugin serves a constant sequence_length <= d_conv - 1 only (m2export/plugins/fused_trt.py):
-    # an AOT engine with a prefill profile gets the conv as standard ops (TensorRT's own convolution)
     network = NetworkFromOnnxPathWithPlugin(target.onnx, plugin_mode=plugin_mode,
-                                            input_shapes=pinned_input_shapes(onnx_inputs(target.onnx), target.roles),
-                                            unfuse_conv=plugin_mode == "aot" and target.roles != ("decode",))
+                                            input_shapes=pinned_input_shapes(onnx_inputs(target.onnx), target.roles))
     t0 = time.perf_counter()
     take_plugin_errors()
     try:

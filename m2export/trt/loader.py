@@ -39,24 +39,6 @@ def count_plugin_nodes(onnx_path: str | Path) -> int:
     return sum(1 for n in model.graph.node if n.op_type in ops and n.domain == contract.OP_DOMAIN)
 
 
-def unfused_conv_copy(onnx_path: Path) -> Path | None:
-    """A copy of ``onnx_path`` beside it (so its external data resolves) with every ``m2export::CausalConv1d`` node
-    replaced by standard ops (:func:`m2export.exporter.fused_ops.unfuse_conv1d`), or None when it has none. The
-    caller deletes it."""
-    import os
-
-    import onnx
-
-    from m2export.exporter.fused_ops import unfuse_conv1d
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    if not unfuse_conv1d(model):
-        return None
-    tmp = onnx_path.with_name(f".{onnx_path.stem}.unfused-conv.{os.getpid()}.onnx")
-    onnx.save(model, str(tmp))
-    return tmp
-
-
 def count_ssm_scan_nodes(onnx_path: str | Path) -> int:
     """SSMScan nodes (domain m2export) in the main graph of ``onnx_path`` (weights not loaded)."""
     import onnx
@@ -115,32 +97,20 @@ class NetworkFromOnnxPathWithPlugin(BaseLoader):
 
     ``plugin_mode`` None: the graph must have no SSMScan node (the ``std`` flavour, ``.std.onnx``).
     ``input_shapes``: input name -> shape to fix after parsing (:func:`pin_input_shapes`).
-    ``unfuse_conv``: parse a copy whose ``m2export::CausalConv1d`` nodes are standard ops again
-    (:func:`unfused_conv_copy`; AOT engines with a dynamic sequence_length, which the conv's AOT plugin cannot
-    serve).
     """
 
-    def __init__(self, path: str | Path, *, plugin_mode: str | None, input_shapes: dict | None = None,
-                 unfuse_conv: bool = False):
+    def __init__(self, path: str | Path, *, plugin_mode: str | None, input_shapes: dict | None = None):
         if plugin_mode is not None and plugin_mode not in PLUGIN_MODES:
             raise ValueError(f"plugin_mode: expected one of {PLUGIN_MODES} or None, got {plugin_mode!r}")
         self.path = Path(path)
         self.plugin_mode = plugin_mode
         self.input_shapes = dict(input_shapes or {})
-        self.unfuse_conv = unfuse_conv
 
     def call_impl(self):
-        tmp = unfused_conv_copy(self.path) if self.unfuse_conv else None
-        try:
-            return self._parse(tmp or self.path)
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
-
-    def _parse(self, path: Path):
         import tensorrt as trt
         from polygraphy.backend.trt import util as trt_util
 
+        path = self.path
         expected = count_ssm_scan_nodes(path)
         if expected and self.plugin_mode is None:
             raise InternalError(f"{self.path}: has {expected} SSMScan node(s) but no plugin mode was given")

@@ -173,38 +173,36 @@ def test_run_jit_checks_the_io_count():
 
 # ----------------------------------------------------------------------------- AOT (export for sm_90 on the CPU)
 @needs_tileiras
+@pytest.mark.parametrize("seqlen", ["seqlen", 1])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_conv_aot_decode_kernel_slots_and_extras(dtype):
-    """A decode engine's conv (seqlen the constant 1): the edge kernel, its PTX reordered to TensorRT's slots
-    (x, weight, bias, conv_state | extras | y, final_conv_state), extras from the plugin's shapes."""
-    shapes = {"x": exprs("batch", 1, 200), "weight": exprs(200, 4), "bias": exprs(200),
-              "conv_state": exprs("batch", 200, 3), "y": exprs("batch", 1, 200),
+def test_conv_aot_kernel_slots_and_extras(seqlen, dtype):
+    """The conv's AOT kernel (the streaming kernel: every token and the final state in one launch), a dynamic prefill
+    or a decode engine's constant 1: its PTX reordered to TensorRT's slots (x, weight, bias, conv_state | extras |
+    y, final_conv_state), extras from the plugin's shapes, grid over tokens, channel tiles and batch."""
+    shapes = {"x": exprs("batch", seqlen, 200), "weight": exprs(200, 4), "bias": exprs(200),
+              "conv_state": exprs("batch", 200, 3), "y": exprs("batch", seqlen, 200),
               "final_conv_state": exprs("batch", 200, 3)}
     launch = fp.conv_aot_launch(shapes, TRT_DT[dtype], "silu", gpu_code="sm_90")
     k = launch["kernel"]
-    assert launch["name"].startswith("conv1d_edge_kernel") and ".target sm_90" in launch["ptx"]
+    assert launch["name"].startswith("conv1d_stream_kernel") and ".target sm_90" in launch["ptx"]
     slots = k.amap.trt_slots
     assert [s for s in slots if s.endswith(".ptr")] == ["x.ptr", "weight.ptr", "bias.ptr", "conv_state.ptr",
                                                         "y.ptr", "state_out.ptr"]
     assert slots[:4] == ("x.ptr", "weight.ptr", "bias.ptr", "conv_state.ptr") and slots[-2:] == ("y.ptr",
                                                                                                 "state_out.ptr")
     named = dict(zip(launch["extra_names"], launch["extra_args"]))
-    assert named["x.shape0"] == Expr("batch") and named["x.shape1"] == 1 and named["x.stride0"] == Expr(200)
+    assert named["x.shape0"] == Expr("batch") and named["x.shape1"] == Expr(seqlen) and named["x.stride0"] == \
+        Expr(seqlen) * 200
     assert named["state_out.shape1"] == Expr(200) and named["state_out.stride1"] == Expr(3)
-    from m2export.kernels.conv1d.cutile import EDGE_BLOCK_C
+    bt = dict((a.name, a.value) for a in fp.conv_aot_spec(dtype, 4, 200, True).args)["BLOCK_T"]
+    assert launch["grid"][0] == (Expr(seqlen) + (bt - 1)) // bt and launch["grid"][2] == Expr("batch")
 
-    assert launch["grid"] == ((Expr(200) + (EDGE_BLOCK_C - 1)) // EDGE_BLOCK_C, Expr("batch"), 1)
 
-
-def test_conv_aot_refuses_a_dynamic_prefill():
-    shapes = {"x": exprs("batch", "seqlen", 200), "weight": exprs(200, 4)}
-    with pytest.raises(BackendUnavailable, match="two cuTile kernels .* AOT covers a constant sequence_length <= "
-                                                 "d_conv - 1 = 3") as e:
+def test_conv_aot_needs_static_weight_dims():
+    shapes = {"x": exprs("batch", "seqlen", 200), "weight": exprs(200, "d_conv")}
+    with pytest.raises(BackendUnavailable, match="must be static") as e:
         fp.conv_aot_launch(shapes, "DataType.HALF", "silu", gpu_code="sm_90", compile_kernel=lambda *a: 1 / 0)
     assert "plugin='jit'" in e.value.hint
-    with pytest.raises(BackendUnavailable, match="a prefill of 8 tokens"):
-        fp.conv_aot_launch({"x": exprs("batch", 8, 200), "weight": exprs(200, 4)}, "DataType.HALF", "silu",
-                           gpu_code="sm_90", compile_kernel=lambda *a: 1 / 0)
 
 
 @needs_tileiras
@@ -293,11 +291,11 @@ def _sm() -> str:
 
 @pytest.mark.gpu
 @requires_cutile
-@pytest.mark.parametrize("seqlen", [1, 2, 3])
+@pytest.mark.parametrize("seqlen", [1, 2, 3, 4, 17, 300])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_conv_aot_kernel_launched_like_tensorrt(seqlen, dtype):
-    """The conv's AOT kernel (edge kernel; seqlen a constant <= d_conv - 1) launched with the plugin's dense tensors
-    and the extras from their int shapes, NaN-poisoned outputs, vs the float64 reference."""
+    """The conv's AOT kernel (the streaming kernel) launched with the plugin's dense tensors and the extras from
+    their int shapes, NaN-poisoned outputs, vs the float64 reference (short, tile-edge and long sequences)."""
     x, w, b, s = (t.cuda().contiguous() for t in _conv_case(5, seqlen, 300, 4, dtype,
                                                             stable_seed("aot_conv", seqlen, dtype)))
     y = torch.full((5, seqlen, 300), float("nan"), dtype=DT[dtype], device="cuda")
