@@ -37,6 +37,7 @@ from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREF
                                        WEIGHTS_FILE, GraphIO)
 from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
 from m2export.exporter.genai import TOKENIZER_FILES, write_genai_files
+from m2export.exporter.fused_ops import RMS_NORMALIZATION_OPSET, rms_normalization
 from m2export.exporter.native_ort import to_native_ort
 from m2export.names import FLAVOUR_SUFFIX, FLAVOURS, GROUPS, PRIMARY_FLAVOUR, canonical
 
@@ -646,6 +647,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                 bar.step(f"saving {fname}")
                 if impl == "std":
                     _inline(model)
+                    if opset >= RMS_NORMALIZATION_OPSET:
+                        rms_normalization(model)
                 data = _save(_native(model, ck.spec) if impl == "native" else
                              _fused(model, ck.spec) if impl == "ssmscan" else model, tmp / fname, weights)
                 if check:
@@ -687,6 +690,22 @@ def _save_packed(torch_model, io: GraphIO, opset: int, tmp: Path, weights, bar, 
         _check(tmp / PACKED_FILE)
     return GraphEntry(role=PACKED_ROLE, ssm_impl=PRIMARY_FLAVOUR, file=PACKED_FILE, external_data=data,
                       **pio.to_manifest())
+
+
+def base_graph(checkpoint: str | os.PathLike, *, dtype: str = "fp32", opset: int | None = None):
+    """The onnx_ir model every flavour of an export is made from (SSMScan nodes + their function, the conv and the
+    gated norms as standard ops; weights in memory): what :func:`export_model` saves as the ssmscan flavour before
+    :func:`~m2export.exporter.fused_ops.fuse_ops`, and what the native and std flavours rewrite. For tests of those
+    rewrites."""
+    from m2export.models.checkpoint import load_checkpoint
+
+    opset = GraphIO.DEFAULT_OPSET if opset is None else int(opset)
+    ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]))
+    io = GraphIO.for_model(ck.spec, dtype)
+    model = _export_step(ck.model, io, opset)
+    _rename_dims(model, io)
+    _attach_function(model, opset)
+    return model
 
 
 def _fused(model, spec):

@@ -14,8 +14,8 @@ attributes); this module only writes them as ONNX:
   (``Transpose -> Concat(past_conv_state, .) -> Conv(group=C) -> SiLU -> Transpose``, with the ``Slice`` of the
   concatenation that is ``present_conv_state``) becomes one ``CausalConv1d`` node, each gated RMSNorm (the
   per-group ``rms_core`` between ``y``/``silu(z)`` and the norm weight, either order) one ``GatedRMSNorm`` node.
-  The ``std`` flavour keeps the standard ops, the ``native`` flavour ONNX Runtime's contrib ops (neither calls
-  this pass).
+  The ``std`` flavour keeps the standard ops (at opset >= 23 its RMSNorms as ``RMSNormalization``:
+  :func:`rms_normalization`), the ``native`` flavour ONNX Runtime's contrib ops (neither calls this pass).
 * :func:`conv1d_node_model` / :func:`gated_norm_node_model` -- one-node models for the tests.
 
 CausalConv1d body, in float32 (inputs cast, outputs ``CastLike(x)``)::
@@ -433,6 +433,56 @@ def fuse_gated_norm(model) -> int:
     return fused
 
 
+#: the first default-domain opset with ``RMSNormalization``
+RMS_NORMALIZATION_OPSET = 23
+
+
+def rms_normalization(model) -> int:
+    """The ``std`` flavour at opset >= :data:`RMS_NORMALIZATION_OPSET`: every RMSNorm core (:func:`_rms_core`, as built
+    and as traced) becomes one standard ``RMSNormalization`` (axis -1, its eps, stash_type 1: float32 inside), in
+    place. A core followed by ``Mul(., weight)`` with a (d,) constant takes that weight as its scale (the pre-norms,
+    norm_f, a gated norm without groups); a per-group core (the gated norm on ``[..., G, group_size]``, the weight
+    after the Reshape back) gets a scale of ones made in the graph (``ConstantOfShape``: nothing stored) and keeps
+    its Reshape and weight Mul. Returns the number replaced.
+    """
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    g = model.graph
+    done = 0
+    for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
+        found = _rms_core(core)
+        if found is None:
+            continue
+        u, eps = found
+        if u.dtype != ir.DataType.FLOAT or u.shape is None or not isinstance(u.shape[-1], int):
+            continue
+        d = int(u.shape[-1])
+        out = core.outputs[0]
+        wmul = _only_use(out, "Mul")
+        wv = next((i for i in wmul.inputs if i is not out), None) if wmul is not None else None
+        w = _const_array(wv)
+        name = out.name
+        if w is not None and w.shape == (d,) and w.dtype == np.float32:
+            scale, out = wv, wmul.outputs[0]
+        else:
+            ones = ir.node("ConstantOfShape", [_initializer(model, f"{name}.scale_shape", np.array([d], np.int64))],
+                           {"value": ir.tensor(np.ones(1, np.float32))}, name=f"{name}.scale")
+            scale = ones.outputs[0]
+            scale.name, scale.dtype, scale.shape = f"{name}.scale", ir.DataType.FLOAT, ir.Shape([d])
+            g.insert_before(core, ones)
+        node = ir.node("RMSNormalization", [u, scale], {"axis": -1, "epsilon": float(eps), "stash_type": 1},
+                       name=f"{name}.rms_normalization")
+        node.outputs[0].type, node.outputs[0].shape = out.type, out.shape
+        g.insert_after(out.producer(), node)
+        _replace(out, node.outputs[0])
+        done += 1
+    if done:
+        common.RemoveUnusedNodesPass()(model)
+        g.sort()
+    return done
+
+
 def fuse_ops(model):
     """The ``ssmscan`` flavour's copy of an onnx_ir ``model`` (weights shared, ``model`` untouched): every causal
     conv and gated RMSNorm the patterns match (:func:`fuse_conv1d`, :func:`fuse_gated_norm`) replaced by the
@@ -495,5 +545,5 @@ def gated_norm_node_model(problem: cg.GatedNormProblem, rank: int = 3, opset: in
     return model
 
 
-__all__ = ["OPS", "fuse_ops", "fuse_conv1d", "fuse_gated_norm", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
+__all__ = ["OPS", "fuse_ops", "rms_normalization", "RMS_NORMALIZATION_OPSET", "fuse_conv1d", "fuse_gated_norm", "causal_conv1d_function_proto", "gated_rmsnorm_function_proto", "function_protos",
            "conv1d_node_model", "gated_norm_node_model"]

@@ -116,3 +116,30 @@ def test_loader_expects_a_plugin_layer_per_m2export_node(variant):
     name, ck, out, dtype = variant
     n = load_checkpoint(ck).model.cfg.n_layer
     assert count_plugin_nodes(out / "model.onnx") == 3 * n and count_plugin_nodes(out / "model.std.onnx") == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_std_flavour_uses_rms_normalization_at_opset_23(dtype, tmp_path):
+    """At opset 23 the std graph's RMSNorms (pre-norms, per-group gated norms, norm_f) are standard RMSNormalization
+    nodes, nothing of the Pow/ReduceMean core left; the graph still matches PyTorch (prefill and a decode step); the
+    ssmscan graph is as at opset 18 (its gated norms are GatedRMSNorm nodes)."""
+    ck = random_checkpoint(tmp_path / "ck", seed=9, **TINY, ngroups=2)
+    export_model(ck, tmp_path / "out", ssm_impl="both", dtype=dtype, opset=23)
+    cfg = load_checkpoint(ck).model.cfg
+    std = onnx.load(tmp_path / "out" / "model.std.onnx", load_external_data=False)
+    ops = [n.op_type for n in std.graph.node]
+    assert ops.count("RMSNormalization") == 2 * cfg.n_layer + 1
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal"} & set(ops) and {o.domain for o in std.opset_import} == {""}
+    ssm = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.node]
+    assert ssm.count("GatedRMSNorm") == cfg.n_layer and "RMSNormalization" not in ssm
+    model = load_checkpoint(ck).model
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+    rel = 1e-5 if dtype == "fp32" else 1e-2
+    for impl in ("std", "ssmscan"):
+        om = OrtModel(tmp_path / "out", impl)
+        a = om.run(ids[:, :11].numpy())
+        b = om.run(ids[:, 11:].numpy(), om.io.next_past(a), decode=True)
+        got = np.concatenate([a["logits"], b["logits"]], axis=1).astype(np.float32)
+        assert_close(f"opset 23 {impl} {dtype}", ref, torch.from_numpy(got), rel=rel)

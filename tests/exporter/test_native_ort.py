@@ -21,12 +21,12 @@ REL = 1e-6
 
 
 def _traced(outdir):
-    """The ssmscan-flavour graph of an export as an onnx_ir model (weights loaded)."""
-    import onnx
-    import onnx_ir as ir
+    """The graph an export's native flavour is made from (export.base_graph: the ssmscan graph before its conv and
+    gated norms become m2export::CausalConv1d / GatedRMSNorm nodes), as an onnx_ir model (weights in memory)."""
+    from m2export.exporter.export import base_graph
 
     m = read_manifest(outdir)
-    return m, ir.serde.deserialize_model(onnx.load(outdir / m.graph("prefill", "ssmscan").file))
+    return m, base_graph(m.source_checkpoint, dtype=m.dtype, opset=m.opset)
 
 
 def _session(model):
