@@ -184,7 +184,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         xv, Bv, Cv = xs.reshape(batch, h, p), Bs.reshape(batch, g, n), Cs.reshape(batch, g, n)
         sstate = torch.randn(batch, h, p, n, generator=gen, device="cuda")
         yscan = torch.empty(batch, h, p, dtype=torch.bfloat16, device="cuda")
-        parts.append(("SSM scan", "cutile step, in place (views: copies included)",
+        parts.append(("SSM scan", "cutile step, in place (views read in place)",
                       lambda: ssm_step(xv, dt, W["A"], Bv, Cv, W["D"], W["dt_bias"], sstate, out=yscan,
                                        state_out=sstate), step_bytes(batch, h, p, g, n) / HBM))
         y2 = yscan.view(batch, di)
@@ -272,7 +272,8 @@ def main(argv=None):
                     "pieces:8:1:2",
                     help="extra gated-norm configs, comma list of v2:BLOCK_R:occupancy (the v2 chooser's tiling of the "
                          "group: one padded tile, or chunks) or pieces:BLOCK_R:TMA(0|1):occupancy (the group's binary "
-                         "decomposition, choose_pieces; skipped where it does not apply); occupancy 0: no hint")
+                         "decomposition, choose_pieces; skipped where it does not apply) or grouped:BLOCK_R:G:TMA:occupancy "
+                         "(G groups per block, choose_grouped; skipped where it does not apply); occupancy 0: no hint")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)  # inference: no autograd records (the model's norm weight is a Parameter)
@@ -287,13 +288,17 @@ def main(argv=None):
 
     def norm_tiles(p):
         """(label, gated_rmsnorm_cutile keywords) of each --norm-variants entry that applies to problem p."""
-        from m2export.kernels.gated_norm.cutile import choose_pieces, choose_tiles
+        from m2export.kernels.gated_norm.cutile import choose_grouped, choose_pieces, choose_tiles
 
         out = []
         for kind, v in norm_specs:
             if kind == "v2":
                 tl = (v[0],) + choose_tiles(p)[1:]
                 out.append((f"v2 tiles {tl[0]}x{tl[1]}x{tl[2]} occ {v[1]}", dict(tiles=tl, occupancy=v[1])))
+            elif kind == "grouped":
+                if choose_grouped(p) is not None:
+                    out.append((f"grouped R{v[0]} G{v[1]} tma {v[2]} occ {v[3]}",
+                                dict(grouped=(v[0], v[1]), tma=bool(v[2]), occupancy=v[3] or 0)))
             elif choose_pieces(p) is not None:
                 w = choose_pieces(p)
                 out.append((f"pieces R{v[0]} {'+'.join(str(x) for x in w if x)} tma {v[1]} occ {v[2]}",

@@ -186,7 +186,7 @@ def test_cutile_prefill_tile_variants(impl, tiles, occupancy, dtype):
 @gpu
 @pytest.mark.parametrize("seqlen", [1, 2, 3, 4, 5, 260])
 def test_cutile_prefill_no_activation_short(seqlen):
-    """activation="none", every length around d_conv - 1 and a block edge (tiles 4 x 4 rows: 65 blocks)."""
+    """activation="none", every length around d_conv - 1 and a block edge (tiles of 4 tokens, 4 rows: 65 blocks)."""
     from m2export.contract_conv1d import validate
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
 
@@ -206,9 +206,9 @@ def test_stream_tiles():
     from m2export.contract_conv1d import Conv1dProblem
     from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
-    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 4, 512)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (128, 4, 512)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4) == (4, 4, 64)
+    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 256)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 256)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4) == (8, 8, 64)
 
 
 @pytest.mark.gpu

@@ -90,6 +90,8 @@ CASES = [  # (leading shape, d_inner, group_size, pad of z)
     pytest.param((3,), 7168, 7168, 8, id="G1_7168_three_pieces"),
     pytest.param((2, 3), 3000, 3000, 0, id="G1_3000_seven_bits_padded"),
     pytest.param((5,), 3072, 1536, 8, id="G2_1536_chunks"),
+    pytest.param((4,), 3072, 1024, 0, id="G3_1024_pieces"),
+    pytest.param((2, 5), 4096, 256, 8, id="G16_256_grouped"),
 ]
 
 
@@ -158,6 +160,26 @@ def test_cutile_gated_norm_pieces_variants(pieces, tma, occupancy, dtype):
         assert_close("out", ref, out.cpu(), rel=REL[dtype])
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("grouped,tma,occupancy", [((1, 8), True, None), ((2, 4), True, 4), ((1, 2), False, 8),
+                                                   ((4, 8), True, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, dtype):
+    """Nemotron-H's 8 groups of 1024, G of them per block, rows (21: a partial last block) per block, both gate orders."""
+    from m2export.contract_gated_norm import validate
+    from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
+
+    x, z, w = make((3, 7), 8192, dtype, seed=grouped[0] * 10 + grouped[1], pad=24, device="cuda")
+    for nbg in (False, True):
+        ref = oracle(x, z, w, 1024, 1e-5, nbg)
+        out = torch.full_like(x, float("nan"))
+        gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024, norm_before_gate=nbg), out=out,
+                             grouped=grouped, tma=tma, occupancy=occupancy)
+        torch.cuda.synchronize()
+        assert_close("out", ref, out.cpu(), rel=REL[dtype])
+
+
 def test_pieces_decompose_the_group():
     from m2export.contract_gated_norm import GatedNormProblem
     from m2export.kernels.gated_norm.cutile import choose_pieces, choose_pieces_rows
@@ -168,6 +190,12 @@ def test_pieces_decompose_the_group():
     assert choose_pieces(GatedNormProblem(rows=10, d_inner=10240, group_size=5120)) is None  # two groups
     assert choose_pieces(GatedNormProblem(rows=10, d_inner=3000, group_size=3000)) is None  # seven binary digits
     assert choose_pieces_rows(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == 2
+    from m2export.kernels.gated_norm.cutile import choose_grouped
+
+    assert choose_grouped(GatedNormProblem(rows=10, d_inner=8192, group_size=1024)) == (1, 4)
+    assert choose_grouped(GatedNormProblem(rows=10, d_inner=3072, group_size=1024)) is None  # 3 groups: pieces
+    assert choose_grouped(GatedNormProblem(rows=10, d_inner=5120, group_size=5120)) is None
+    assert choose_grouped(GatedNormProblem(rows=10, d_inner=32768, group_size=4096)) is None  # 4096 per group
     assert choose_pieces_rows(GatedNormProblem(rows=1, d_inner=96, group_size=48)) == 1
 
 

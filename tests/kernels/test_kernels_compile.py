@@ -179,8 +179,8 @@ def test_conv1d_kernels_compile(dt, d_conv):
                          [("bf16", 5120, 1, False), ("bf16", 5120, 2, False), ("f16", 1024, 8, True), ("f32", 48, 2, False),
                           ("f32", 7168, 1, True)])
 def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
-    """The launcher's choice: pieces (5120 = 4096 + 1024, 7168 in three, 1024 exact) or chunks (5120 or 48
-    in several groups); and the padded tile."""
+    """The launcher's choice: grouped (8 groups of 1024 per block), pieces (5120 = 4096 + 1024, 7168 in
+    three) or chunks (5120 or 48 in several groups); and the padded tile."""
     from m2export.contract_gated_norm import GatedNormProblem
     from m2export.kernels.gated_norm import cutile as K
     from m2export.plugins.aot import ptx_from_cubin
@@ -188,7 +188,12 @@ def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
     p = GatedNormProblem(rows=32768, d_inner=group_size * ngroups, group_size=group_size)
     a2 = _shaped(dt, 2)
     w = K.choose_pieces(p)
-    if w is not None:
+    gr = K.choose_grouped(p)
+    if gr is not None:
+        kernel = K.hinted(K.gated_rmsnorm_grouped_kernel, K.choose_occupancy((gr[0], gr[1] * group_size), _SIZE[dt]))
+        assert _export(kernel, [a2, a2, _arr(dt, 1), a2, _i32(), _f32(), *gr, group_size, norm_before_gate,
+                                K.PIECES_TMA])[:4] == b"\x7fELF"
+    elif w is not None:
         br = K.choose_pieces_rows(p)
         kernel = K.hinted(K.gated_rmsnorm_pieces_kernel, K.choose_occupancy((br, group_size), _SIZE[dt]))
         cubin = _export(kernel, [a2, a2, _arr(dt, 1), a2, _i32(), _f32(), br, *w, norm_before_gate, K.PIECES_TMA])

@@ -4,8 +4,15 @@ Order: tile helpers -> ``@ct.kernel`` functions (docstrings name the grid and wh
 -> launch configuration -> :func:`causal_conv1d_cutile` / :func:`conv_update_cutile` (called by
 :mod:`m2export.kernels.conv1d`).
 
-Prefill, two launches. :func:`conv1d_fwd_kernel` computes the tokens t >= d_conv-1, which read no
-state: block (t-tile, c-tile, b) owns BLOCK_T tokens x BLOCK_C channels::
+Prefill (default), one launch: :func:`conv1d_stream_kernel`. Block (token range, c-tile, b) walks its
+tokens ROWS at a time, one (1, 1, BLOCK_C) row load per token (a row index is a tile index: no
+array slices), keeps the last d_conv-1 rows on chip, gathers the d_conv-1 rows before its range
+once (from conv_state for tokens < 0), and the block holding the last token writes the final
+conv_state. x is read once from DRAM and L2 (v1 below read each row once per tap from L2).
+
+Prefill v1 (``impl="v1"``, kept for benchmarks), two launches. :func:`conv1d_fwd_kernel` computes
+the tokens t >= d_conv-1, which read no state: block (t-tile, c-tile, b) owns BLOCK_T tokens x
+BLOCK_C channels::
 
     y[t, c] = act(bias[c] + sum_k weight[c, k] * x[t - (d_conv-1) + k, c])
 
@@ -13,15 +20,15 @@ Tap k is a tile load from ``x.slice(axis=1, start=k)`` (the tap tiles overlap, s
 once; the rest hits L1/L2). :func:`conv1d_edge_kernel` computes the first d_conv-1 tokens, whose
 taps reach into conv_state (gathers: a negative token index is out of bounds of x, giving 0, and in
 bounds of conv_state at d_conv-1+t, so the sum of two gathers is the padded input), and writes the
-final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Splitting them keeps
-the gathers' registers and code out of the streaming kernel. Accumulation in fp32; y in x's dtype.
+final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Accumulation in fp32
+in both; y in x's dtype.
 
-Measured (benchmarks/NOTES_fusion.md): tileiras compiles the tap loads to one 2-byte load per
-thread and element (coalesced across the warp), no bulk tensor copy (TMA): in the CPU-compiled
-sm_90 PTX, kernels of plain elementwise tiles had none, with or without array slices, while the
-same loads feeding a reduction did (without slices). That holds this kernel near 1.6 TB/s. A
-variant that loads one (BLOCK_T, 4, BLOCK_C) tile of a window view (x.as_strided with equal token
-and tap strides) and reduces it over the taps does get TMA, but ran 1.8x slower at its best configuration.
+Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the streaming
+kernel 320-345 us (2.0x the byte floor). Read PTX built with ct.launch's constraints (extents
+divisible by 16, tests/kernels/test_kernels_compile.py): built without them, tileiras shows one
+2-byte load per element; with them, 16-byte loads. A variant that loads one (BLOCK_T, 4, BLOCK_C)
+tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the taps
+ran 1.8x slower than v1.
 
 Update. Block (b-tile, c-tile) reads the (BLOCK_B, BLOCK_C, 4) window [conv_state, x], writes y and
 the state shifted by one token, in place (each block reads its state tile before writing it, and
@@ -241,12 +248,12 @@ def choose_update_tiles(p: Conv1dProblem) -> tuple[int, int]:
 
 
 def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_T, ROWS, BLOCK_C) of :func:`conv1d_stream_kernel`: 512 channels (16 bytes of a token row
-    per thread for fp32, 8 for 2-byte dtypes; smaller for narrow problems), 4 rows per step, and the
-    longest token range (256 down to 16) that still gives >= 4 blocks per SM. Measured on the H200
-    (benchmarks/NOTES_fusion.md): 512 channels beat 1024 (335 vs 448 us at mamba2-2.7b 4 x 8192 bf16)."""
-    bc = min(512, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
-    rows = 4
+    """(BLOCK_T, ROWS, BLOCK_C) of :func:`conv1d_stream_kernel`: 256 channels (smaller for narrow
+    problems), 8 rows per step, and the longest token range (256 down to 16) that still gives >= 4
+    blocks per SM. Measured on the H200 at mamba2-2.7b 4 x 8192 bf16 (benchmarks/NOTES_fusion.md):
+    256x8x256 320 us, 256x4x512 337, 256x4x1024 449, 256x8x512 562."""
+    bc = min(256, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
+    rows = 8
     bt = 256
     n_c = -(-p.conv_dim // bc)
     while bt > 16 and -(-p.seqlen // bt) * n_c * p.batch < 4 * sm_count:

@@ -3,13 +3,14 @@
 Order: tile helpers -> ``@ct.kernel`` -> launch configuration -> :func:`gated_rmsnorm_cutile`
 (called by :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
-Block (r, g) owns BLOCK_R rows of group g. Loads are plain tile loads of x and z, no array
-slices: in the PTX of CPU-compiled sm_90 cubins, loads from ``x.slice(...)`` were one 2-byte load
-per element, plain tile loads the Hopper bulk tensor copy (TMA) into shared memory (likely because
-a slice's base is not known to be 16-byte aligned); measured 1454 -> 372 us at mamba2-2.7b 4 x 8192. A power-of-two
-group is one (BLOCK_R, group_size) tile; one group of another size (5120) is one tile padded to
-the next power of two (the padding reads as 0 and adds 0 to the sum of squares); several groups
-of another size are NCHUNK tiles of the group's largest power-of-two divisor, in two passes. In
+Three kernels, all plain tile loads of x and z (no array slices), the launcher picking one:
+:func:`gated_rmsnorm_grouped_kernel` for several power-of-two groups (G of them per block, one
+(rows, G*group_size) tile viewed as (rows, G, group_size)), :func:`gated_rmsnorm_pieces_kernel`
+for one group (its binary decomposition, 5120 = 4096 + 1024: nothing padded) and a power-of-two
+group, :func:`gated_rmsnorm_kernel` otherwise (several groups of another size: NCHUNK tiles of the
+group's largest power-of-two divisor in two passes; or one tile padded to the next power of two).
+Measured on the H200 (benchmarks/NOTES_fusion.md): 281 us at mamba2-2.7b 4 x 8192 bf16 (pieces,
+Triton rmsnorm_fn 314), 384 us at Nemotron-H-8B (grouped, Triton 394). In
 fp32::
 
     gate = silu(z);  u = x * gate (or x when norm_before_gate)
@@ -117,6 +118,29 @@ def gated_rmsnorm_pieces_kernel(x, z, weight, out, group_size: int, eps: float, 
         _ct_store_normed(out, weight, u2, g2, rstd, r, (W0 + W1) // W2, BLOCK_R, W2, NORM_BEFORE_GATE, TMA)
 
 
+@ct.kernel
+def gated_rmsnorm_grouped_kernel(x, z, weight, out, group_size: int, eps: float, BLOCK_R: ConstInt, G: ConstInt,
+                                 GS: ConstInt, NORM_BEFORE_GATE: ConstBool, TMA: ConstBool):
+    """Grid: (cdiv(rows, BLOCK_R), ngroups // G, 1). x, z: (rows, d_inner), last stride 1; out contiguous.
+    GS == group_size, a power of two; G groups per block.
+
+    Block (r, gb) owns rows [r*BLOCK_R, ...) and the G whole groups [gb*G, ...): one plain
+    (BLOCK_R, G*GS) tile of x and of z (the loads of the one-group kernel on a 5120-channel group),
+    viewed as (BLOCK_R, G, GS) on chip and normalised per (row, group) in one pass (Nemotron-H: 8
+    groups of 1024 per block instead of one).
+    """
+    r = ct.bid(0)
+    gb = ct.bid(1)
+    u, gate = _ct_gated_input(x, z, r, gb, BLOCK_R, G * GS, NORM_BEFORE_GATE, TMA)
+    u3 = u.reshape((BLOCK_R, G, GS))
+    rstd = ct.rsqrt(ct.sum(u3 * u3, axis=2) / group_size + eps)  # (BLOCK_R, G)
+    wt = ct.load(weight, index=(gb,), shape=(G * GS,), padding_mode=_ZERO).astype(ct.float32)
+    o = (u3 * rstd[:, :, None]).reshape((BLOCK_R, G * GS)) * wt[None, :]
+    if NORM_BEFORE_GATE:
+        o = o * gate
+    ct.store(out, index=(r, gb), tile=o.astype(out.dtype), allow_tma=TMA)
+
+
 # ----------------------------------------------------------------------------- launch configuration
 def choose_tiles(p: GatedNormProblem) -> tuple[int, int, int]:
     """(BLOCK_R, CHUNK, NCHUNK). A power-of-two group is one tile; one group of another size is one
@@ -165,6 +189,18 @@ def choose_pieces(p: GatedNormProblem) -> tuple[int, int, int] | None:
     return tuple(bits + [0] * (3 - len(bits)))  # type: ignore[return-value]
 
 
+def choose_grouped(p: GatedNormProblem) -> tuple[int, int] | None:
+    """(BLOCK_R, G) of :func:`gated_rmsnorm_grouped_kernel`, or None where it does not apply: several
+    power-of-two groups, G of them per block (the largest power of two dividing ngroups with at most
+    4096 channels per block; at least 2), one row per block. H200, Nemotron-H 4 x 8192 bf16 (8 x 1024):
+    G 4 at occupancy 8 383.7 us, G 8 at 4 414.0, Triton 395.0 (benchmarks/NOTES_fusion.md)."""
+    gs, ng = p.group_size, p.ngroups
+    if ng < 2 or gs & (gs - 1):
+        return None
+    g = min(ng & -ng, max(1, 4096 // gs))
+    return (1, g) if g >= 2 else None
+
+
 def choose_pieces_rows(p: GatedNormProblem) -> int:
     """BLOCK_R of the pieces kernel: rows so that a block holds about 2048 elements of x (at most 16)."""
     br = max(1, min(16, 2048 // p.group_size))
@@ -178,40 +214,57 @@ benchmarks/NOTES_fusion.md)."""
 
 def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, stream=None,
                          tiles: tuple[int, int, int] | None = None, occupancy: int | None = None,
-                         pieces: tuple[int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
+                         pieces: tuple[int, int, int, int] | None = None, grouped: tuple[int, int] | None = None,
+                         tma: bool | None = None) -> torch.Tensor:
     """cuTile GatedRMSNorm on validated arguments (see :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
     x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view).
-    Default: :func:`gated_rmsnorm_pieces_kernel` where :func:`choose_pieces` applies, else
-    :func:`gated_rmsnorm_kernel`. ``tiles`` = (BLOCK_R, CHUNK, NCHUNK) runs gated_rmsnorm_kernel
-    with them; ``pieces`` = (BLOCK_R, W0, W1, W2) the pieces kernel (``tma``: its bulk-copy flag,
-    default :data:`PIECES_TMA`); ``occupancy`` overrides the hint (benchmarks, tests).
+    Default: :func:`gated_rmsnorm_grouped_kernel` where :func:`choose_grouped` applies, else
+    :func:`gated_rmsnorm_pieces_kernel` where :func:`choose_pieces` does, else
+    :func:`gated_rmsnorm_kernel`. Overrides (benchmarks, tests): ``tiles`` = (BLOCK_R, CHUNK, NCHUNK)
+    runs gated_rmsnorm_kernel, ``pieces`` = (BLOCK_R, W0, W1, W2) the pieces kernel, ``grouped`` =
+    (BLOCK_R, G) the grouped kernel; ``tma`` the bulk-copy flag of the last two (default
+    :data:`PIECES_TMA`); ``occupancy`` the blocks-per-SM hint (0: none).
     """
     p = problem
     dev = x.device
-    if tiles is None and pieces is None:
+    if tiles is None and pieces is None and grouped is None:
+        grouped = choose_grouped(p)
         w = choose_pieces(p)
-        if w is not None:
+        if grouped is None and w is not None:
             pieces = (choose_pieces_rows(p), *w)
-        else:
+        elif grouped is None:
             tiles = choose_tiles(p)
-    if pieces is not None:
+    use_tma = PIECES_TMA if tma is None else bool(tma)
+    if tiles is not None:
+        check_tiles(p, tiles)
+        if occupancy is None:
+            occupancy = choose_occupancy(tiles, x.element_size())
+        kernel = hinted(gated_rmsnorm_kernel, occupancy or None)
+        br, grid1 = tiles[0], p.ngroups
+        consts = (*tiles, bool(p.norm_before_gate))
+    elif pieces is not None:
         br, w0, w1, w2 = pieces
         if w0 + w1 + w2 != p.group_size or any(v & (v - 1) for v in (br, w0, w1, w2)) or not w0 > w1 >= w2 or \
                 (w1 and p.ngroups != 1) or (w2 and not w1) or (w1 and w2 == w1):
             raise ContractError(f"pieces: {pieces} do not decompose group_size {p.group_size} (ngroups {p.ngroups}); "
                                 "expected BLOCK_R and widths W0 > W1 > W2 (powers of two or 0) adding up to it")
         if occupancy is None:
-            occupancy = choose_occupancy((br, w0 + w1 + w2), x.element_size())
+            occupancy = choose_occupancy((br, p.group_size), x.element_size())
         kernel = hinted(gated_rmsnorm_pieces_kernel, occupancy or None)
-        consts = (br, w0, w1, w2, bool(p.norm_before_gate), PIECES_TMA if tma is None else bool(tma))
+        grid1 = p.ngroups
+        consts = (br, w0, w1, w2, bool(p.norm_before_gate), use_tma)
     else:
-        check_tiles(p, tiles)
+        br, g = grouped
+        gs = p.group_size
+        if any(v < 1 or v & (v - 1) for v in (br, g, gs)) or p.ngroups % g:
+            raise ContractError(f"grouped: {grouped} does not fit {p.ngroups} groups of {gs}; expected powers of two "
+                                "BLOCK_R and G with G dividing ngroups, and a power-of-two group_size")
         if occupancy is None:
-            occupancy = choose_occupancy(tiles, x.element_size())
-        kernel = hinted(gated_rmsnorm_kernel, occupancy or None)
-        br = tiles[0]
-        consts = (*tiles, bool(p.norm_before_gate))
+            occupancy = choose_occupancy((br, g * gs), x.element_size())
+        kernel = hinted(gated_rmsnorm_grouped_kernel, occupancy or None)
+        grid1 = p.ngroups // g
+        consts = (br, g, gs, bool(p.norm_before_gate), use_tma)
     stream_ = launch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(stream_):
         if out is None:
@@ -220,6 +273,6 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
         if p.rows == 0:
             return out
         x2, z2 = x.reshape(p.rows, p.d_inner), z.reshape(p.rows, p.d_inner)
-        ct.launch(int(stream_.cuda_stream), (-(-p.rows // br), p.ngroups, 1), kernel,
+        ct.launch(int(stream_.cuda_stream), (-(-p.rows // br), grid1, 1), kernel,
                   (x2, z2, weight.contiguous(), out.view(p.rows, p.d_inner), int(p.group_size), float(p.eps), *consts))
     return out
