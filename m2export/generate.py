@@ -110,6 +110,8 @@ class _Session:
     dtype: str
     #: the export's (or checkpoint's) tokenizer.json, if it has one: generate's default tokenizer
     tokenizer_file: Path | None = None
+    #: the graph's I/O (its manifest entry's: state layouts included); None: the model's (torch, TensorRT)
+    io: Any = None
 
 
 def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = None) -> _Session:
@@ -171,8 +173,9 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
 
         check_graph_file(f, entry)  # the file is the graph the manifest describes (not a swapped flavour)
         if runtime == "onnx-reference":
-            return _Session(runtime, f"onnx-reference ({f.name})", OnnxReferenceRunner(f), None, cfg, m.dtype, tok)
-        return _Session("onnxrt", f"onnxrt ({f.name})", onnxrt_runner(f), None, cfg, m.dtype, tok)
+            return _Session(runtime, f"onnx-reference ({f.name})", OnnxReferenceRunner(f), None, cfg, m.dtype, tok,
+                            entry.io())
+        return _Session("onnxrt", f"onnxrt ({f.name})", onnxrt_runner(f), None, cfg, m.dtype, tok, entry.io())
     why = backends.tensorrt_unavailable_reason()
     if why:  # exit 4 before anything about the engines (one rule with check)
         raise backends.tensorrt_unavailable_error(why, "run TensorRT engines")
@@ -292,7 +295,7 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
 
     one_graph = s.decode is None or s.decode is s.prefill
     with s.prefill as pre, (contextlib.nullcontext(None) if one_graph else s.decode) as dec:
-        runner = Decoder(GraphIO.for_model(cfg, s.dtype), pre.infer, None if dec is None else dec.infer,
+        runner = Decoder(s.io or GraphIO.for_model(cfg, s.dtype), pre.infer, None if dec is None else dec.infer,
                          np_dtype=feed_dtype_of)
         runner.call([ids[:1]])  # untimed warm-up: first runs pay one-off allocations
         runner.call([ids[:1]], decode=True)

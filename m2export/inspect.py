@@ -232,7 +232,10 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
         f = d / g.file
         entry: dict[str, Any] = {"role": g.role, "ssm_impl": g.ssm_impl, "file": g.file, "present": f.is_file(),
                                  "external_data": [{"file": x, "bytes": (d / x).stat().st_size if (d / x).is_file()
-                                                    else None} for x in g.external_data]}
+                                                    else None} for x in g.external_data],
+                                 # each state kind's axis order in this graph (m2export.json's per-state layout)
+                                 "state_layouts": {s.kind: list(s.layout) for s in g.io().states
+                                                   if s.layout is not None}}
         if f.is_file():
             info = describe_onnx(f)
             entry.update({k: info[k] for k in ("bytes", "opsets", "nodes", "ssm_scan_nodes", "functions",
@@ -341,6 +344,8 @@ def format_text(info: dict[str, Any]) -> str:
             L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {g['bytes'] / 1e6:.1f} MB, "
                      f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
+            for kind, axes in g.get("state_layouts", {}).items():
+                L.append(f"    {kind:<10} layout {_shape(axes)}")
         for x in info.get("external_data", []):
             L.append(f"  {x['file']:<16} weights, {x['bytes'] / 1e6:.1f} MB, stored once for "
                      + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING"))

@@ -45,8 +45,9 @@ from m2export.check.report import command_block, greedy_line, reproduce_intro, r
 from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
 from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
 from m2export.check.repro import describe as describe_saved
-from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, OnnxReferenceRunner,
-                                    SharedInitializers, onnxrt_runner, reference_runner, trt_runners)
+from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, ModelLayoutStates,
+                                    OnnxReferenceRunner, SharedInitializers, onnxrt_runner, reference_runner,
+                                    trt_runners)
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
@@ -311,8 +312,12 @@ def build_runtimes(outdir: Path, manifest: Manifest, reference, *, runtimes=RUNT
         for impl in [primary] + [i for i in manifest.ssm_impls() if i != primary]:
             g = manifest.graph("prefill", impl)
             pre = _graph_path(outdir, g.file, f"{impl} graph")
-            out.append(_Runtime(f"{rt_name}:{pre.name}", f"{what}, ssm_impl={impl}",
-                                make(pre, name=f"{rt_name}:{pre.name}"), None, label=f"{rt_name}/{impl}"))
+            runner = make(pre, name=f"{rt_name}:{pre.name}")
+            io = g.io()
+            if any(s.perm is not None for s in io.states):  # states compared in the model's layout
+                runner = ModelLayoutStates(runner, io)
+            out.append(_Runtime(f"{rt_name}:{pre.name}", f"{what}, ssm_impl={impl}", runner, None,
+                                label=f"{rt_name}/{impl}"))
     if "trt" in runtimes:
         pre_e = manifest.engine("prefill")
         engines = list(manifest.engines)

@@ -153,7 +153,8 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
     """Shell commands, run from ``report_dir`` (paths relative to it), on the saved inputs and reference outputs.
 
     Returns ``{"onnxrt": [...], "tensorrt": [...]}``: ``polygraphy run --onnxrt`` of every prefill ONNX graph
-    vs the saved reference; for TensorRT, per prefill graph without SSMScan nodes (std flavour)
+    whose states are in the model's layout (the saved feeds' and outputs': not the native flavour, whose
+    ssm states are (batch, nheads, d_state, headdim)) vs the saved reference; for TensorRT, per prefill graph without SSMScan nodes (std flavour)
     ``trtexec --onnx`` with the build profile and ``polygraphy run --trt`` with it, and per AOT engine
     recorded in m2export.json ``polygraphy run --model-type engine --trt`` and ``trtexec --loadEngine``.
     """
@@ -164,8 +165,8 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
            "--check-error-stat", "elemwise"]
     onnxrt, trt = [], []
     for g in manifest.graphs:
-        if not g.serves("prefill"):
-            continue
+        if not g.serves("prefill") or any(s.perm is not None for s in g.io().states):
+            continue  # a graph with states in another layout than the saved feeds' (the native flavour's) is left out
         onnx_rel = _rel(outdir / g.file, report_dir)
         onnxrt.append(q(["polygraphy", "run", onnx_rel, "--onnxrt", *cmp]))
         if g.ssm_impl == "std":  # no SSMScan node: builds with TensorRT alone

@@ -687,6 +687,43 @@ class TransformersRunner(TorchRunner):
         del self.ref
 
 
+class ModelLayoutStates(BaseRunner):
+    """``runner`` (an exported graph's) seen with its states in the model's layout: the one place the check turns
+    a flavour's state layout (:attr:`~m2export.exporter.configs.StateIO.layout`, e.g. the native flavour's
+    ssm_state (batch, nheads, d_state, headdim)) into the PyTorch reference's, so feeds and outputs compare name by
+    name. ``past`` feeds are transposed into the graph's layout, ``present`` outputs back (one transpose each,
+    of the states only); everything else passes through. ``io``: the graph's GraphIO (its manifest entry's)."""
+
+    def __init__(self, runner, io):
+        super().__init__(name=runner.name, prefix="model-layout-runner")
+        self.runner = runner
+        self._past = {s.past.name: s for s in io.states if s.perm is not None}
+        self._present = {s.present.name: s for s in io.states if s.perm is not None}
+
+    def activate_impl(self):
+        self.runner.activate()
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for name, (dtype, shape) in self.runner.get_input_metadata(use_numpy_dtypes=False).items():
+            s = self._past.get(name)
+            if s is not None and shape is not None:
+                shape = [shape[i] for i in np.argsort(s.perm)]
+            meta.add(name, dtype=dtype, shape=shape)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        feed = OrderedDict((k, self._past[k].to_graph_layout(np.asarray(v)) if k in self._past else v)
+                           for k, v in feed_dict.items())
+        out = self.runner.infer(feed, check_inputs=False)
+        self.inference_time = self.runner.last_inference_time()
+        return OrderedDict((k, self._present[k].to_model_layout(v) if k in self._present else v)
+                           for k, v in out.items())
+
+    def deactivate_impl(self):
+        self.runner.deactivate()
+
+
 def reference_runner(reference, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):
     """The runner of a check reference: :class:`TransformersRunner` over a :class:`ModelFromTransformers`,
     else :class:`TorchRunner`."""

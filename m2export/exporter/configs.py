@@ -17,6 +17,13 @@ attention key    ``past_key_values.{i}.key``        ``present.{i}.key``         
 attention value  ``past_key_values.{i}.value``      ``present.{i}.value``               model dtype
 ===============  =================================  ==================================  ============================
 
+Each state's axis order in a graph is its ``layout`` (:data:`STATE_AXES` names the model's, which the PyTorch
+reference, the SSMScan contract and the ssmscan/std flavours (and TensorRT) use; :data:`STATE_LAYOUTS` the
+flavours that differ): the native flavour keeps ``ssm_state`` as (batch_size, nheads, d_state, headdim), the
+state layout of ONNX Runtime's LinearAttention, so its one-token step yields y without another pass over the
+state. Runtimes pass states through by name; anything comparing a graph's states with the model's goes through
+:meth:`StateIO.to_model_layout` / :meth:`StateIO.to_graph_layout`.
+
 Attention names and axes follow optimum (``OnnxConfigWithPast.add_past_key_values``): the key/value caches
 are (batch_size, num_key_value_heads, past_sequence_length, head_dim) in and
 (batch_size, num_key_value_heads, past_sequence_length + sequence_length, head_dim) out. Mamba states have
@@ -79,6 +86,23 @@ STATE_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+#: the axes of each state kind in the model's layout (the order of :attr:`StateSpec.shape`: the PyTorch model's,
+#: the SSMScan contract's), by name; m2export.json records each graph's order of them (:attr:`StateIO.layout`)
+STATE_AXES: dict[str, tuple[str, ...]] = {
+    "conv_state": (BATCH, "conv_dim", "d_conv - 1"),
+    "ssm_state": (BATCH, "nheads", "headdim", "d_state"),
+    "key": (BATCH, "num_key_value_heads", PAST_SEQ, "head_dim"),
+    "value": (BATCH, "num_key_value_heads", PAST_SEQ, "head_dim"),
+}
+#: flavour -> state kind -> that state's axes in the flavour's graph I/O, where they differ from
+#: :data:`STATE_AXES`: the native flavour's ssm_state is ONNX Runtime LinearAttention's (b, h, d_k, d_v) state
+#: with d_k = d_state, d_v = headdim (m2export/exporter/native_ort.py); every other flavour (ssmscan, std, and
+#: TensorRT's engines, built from ssmscan) keeps the model's layout
+STATE_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "native": {"ssm_state": (BATCH, "nheads", "d_state", "headdim")},
+}
+
+
 def _mamba2_states(cfg) -> list[StateSpec]:
     """Runtime states of a pure Mamba-2 config without a layer-stack description: per layer conv_state
     (batch, conv_dim, d_conv - 1) in the model dtype, ssm_state (batch, nheads, headdim, d_state) float32
@@ -128,12 +152,41 @@ class TensorIO:
 
 @dataclass(frozen=True)
 class StateIO:
-    """One per-layer state: the ``past`` input that the ``present`` output of the previous call feeds."""
+    """One per-layer state: the ``past`` input that the ``present`` output of the previous call feeds.
+
+    ``layout``: the names of :data:`STATE_AXES` ``[kind]`` in the order the graph's ``past``/``present`` tensors
+    have them (their shapes are in that order); None for a kind without named axes (the model's order).
+    """
 
     layer: int
     kind: str
     past: TensorIO
     present: TensorIO
+    layout: tuple[str, ...] | None = None
+
+    @property
+    def perm(self) -> tuple[int, ...] | None:
+        """The graph tensor's axes as positions in the model's layout (``graph = model.transpose(perm)``); None when
+        the graph keeps the model's layout."""
+        model = STATE_AXES.get(self.kind)
+        if self.layout is None or model is None or tuple(self.layout) == model:
+            return None
+        return tuple(model.index(a) for a in self.layout)
+
+    def to_graph_layout(self, array):
+        """A state array in the model's layout (the PyTorch reference's) -> this graph's (numpy, C-contiguous);
+        ``array`` itself when the layouts agree."""
+        import numpy as np
+
+        p = self.perm
+        return array if p is None else np.ascontiguousarray(np.transpose(array, p))
+
+    def to_model_layout(self, array):
+        """This graph's state array -> the model's layout (numpy, C-contiguous); ``array`` itself when they agree."""
+        import numpy as np
+
+        p = self.perm
+        return array if p is None else np.ascontiguousarray(np.transpose(array, np.argsort(p)))
 
 
 @dataclass(frozen=True)
@@ -155,20 +208,28 @@ class GraphIO:
     ATOL: tuple[tuple[str, float], ...] = (("fp32", 1e-4), ("fp16", 5e-2), ("bf16", 1e-1))
 
     @classmethod
-    def for_model(cls, cfg, dtype: str = "fp32", *, decode: bool = False) -> "GraphIO":
-        """The I/O of ``cfg``'s graph exported in ``dtype`` ("fp32" | "fp16" | "bf16")."""
+    def for_model(cls, cfg, dtype: str = "fp32", *, decode: bool = False, flavour: str | None = None) -> "GraphIO":
+        """The I/O of ``cfg``'s graph exported in ``dtype`` ("fp32" | "fp16" | "bf16"); ``flavour`` (m2export/names.py)
+        picks its state layouts (:data:`STATE_LAYOUTS`; None: the model's layout, as the PyTorch reference has it).
+        Raises ValueError for an unknown dtype or flavour."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+        if flavour is not None and flavour not in SSM_IMPLS:
+            raise ValueError(f"flavour: expected one of {list(SSM_IMPLS)} or None, got {flavour!r}")
+        layouts = STATE_LAYOUTS.get(flavour, {})
         model_dt = DTYPES[dtype]
         seq = 1 if decode else SEQ
         states = []
         for s in model_states(cfg):
             past_name, present_name = (t.format(i=s.layer) for t in STATE_NAMES[s.kind])
             dt = "float32" if s.dtype == "float32" else model_dt
+            model_axes = STATE_AXES.get(s.kind)
+            layout = layouts.get(s.kind, model_axes)
+            shape = tuple(s.shape) if layout == model_axes else tuple(s.shape[model_axes.index(a)] for a in layout)
             present = tuple((TOTAL_SEQ if not decode else f"{PAST_SEQ} + 1") if d == PAST_SEQ else d
-                            for d in s.shape)
-            states.append(StateIO(s.layer, s.kind, TensorIO(past_name, tuple(s.shape), dt),
-                                  TensorIO(present_name, present, dt)))
+                            for d in shape)
+            states.append(StateIO(s.layer, s.kind, TensorIO(past_name, shape, dt),
+                                  TensorIO(present_name, present, dt), layout))
         vocab = getattr(cfg, "vocab_size_padded", None) or cfg.vocab_size  # a ModelSpec's vocab_size is padded
         ins = (TensorIO("input_ids", (BATCH, seq), "int64"), *(s.past for s in states))
         outs = (TensorIO("logits", (BATCH, seq, vocab), model_dt), *(s.present for s in states))
@@ -210,6 +271,13 @@ class GraphIO:
         return OrderedDict((s.past.name, np.zeros(s.past.concrete(batch_size=batch, past_sequence_length=0),
                                                   dtype=np_dtype(s.past.dtype))) for s in self.states)
 
+    def state(self, name: str) -> StateIO:
+        """The state whose ``past`` or ``present`` is called ``name``. Raises KeyError."""
+        for s in self.states:
+            if name in (s.past.name, s.present.name):
+                return s
+        raise KeyError(name)
+
     def next_past(self, outputs: Mapping[str, Any], copy: bool = True) -> "OrderedDict[str, Any]":
         """The ``past`` feeds that continue a sequence after a call that returned ``outputs``."""
         import numpy as np
@@ -219,18 +287,22 @@ class GraphIO:
 
     # ------------------------------------------------------------------ manifest
     def to_manifest(self) -> dict[str, Any]:
-        """JSON form stored per graph in m2export.json: inputs/outputs name -> {dtype, shape}, and the states."""
+        """JSON form stored per graph in m2export.json: inputs/outputs name -> {dtype, shape}, and the states
+        (layer, kind, past and present names, and the layout: the state's axis names in the graph's order)."""
         return {"inputs": {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in self.inputs},
                 "outputs": {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in self.outputs},
-                "states": [{"layer": s.layer, "kind": s.kind, "past": s.past.name, "present": s.present.name}
-                           for s in self.states]}
+                "states": [{"layer": s.layer, "kind": s.kind, "past": s.past.name, "present": s.present.name,
+                            **({"layout": list(s.layout)} if s.layout is not None else {})} for s in self.states]}
 
     @classmethod
     def from_manifest(cls, inputs: Mapping[str, Any], outputs: Mapping[str, Any],
                       states: list[Mapping[str, Any]]) -> "GraphIO":
-        """Inverse of :meth:`to_manifest`."""
+        """Inverse of :meth:`to_manifest`; a state without a ``layout`` (m2export.json written before the field)
+        has the model's (:data:`STATE_AXES`), as every graph then had."""
         ins = {k: TensorIO(k, tuple(v["shape"]), v["dtype"]) for k, v in inputs.items()}
         outs = {k: TensorIO(k, tuple(v["shape"]), v["dtype"]) for k, v in outputs.items()}
-        st = tuple(StateIO(int(s["layer"]), s["kind"], ins[s["past"]], outs[s["present"]]) for s in states)
+        st = tuple(StateIO(int(s["layer"]), s["kind"], ins[s["past"]], outs[s["present"]],
+                           tuple(s["layout"]) if s.get("layout") is not None else STATE_AXES.get(s["kind"]))
+                   for s in states)
         return cls(tuple(ins.values()), tuple(outs.values()), st)
 

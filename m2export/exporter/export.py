@@ -649,13 +649,14 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                     _inline(model)
                     if opset >= RMS_NORMALIZATION_OPSET:
                         rms_normalization(model)
-                data = _save(_native(model, ck.spec) if impl == "native" else
+                graph_io = GraphIO.for_model(ck.spec, dtype, flavour=impl)  # the flavour's state layouts
+                data = _save(_native(model, ck.spec, graph_io) if impl == "native" else
                              _fused(model, ck.spec) if impl == "ssmscan" else model, tmp / fname, weights)
                 if check:
                     bar.step(f"onnx.checker full check of {fname}")
                     _check(tmp / fname)
                 graphs.append(GraphEntry(role=GRAPH_ROLE, ssm_impl=impl, file=fname, external_data=data,
-                                         **io.to_manifest()))
+                                         **graph_io.to_manifest()))
             if packed_prefill:
                 graphs.append(_save_packed(ck.model, io, opset, tmp, weights, bar, check))
         finally:
@@ -720,14 +721,15 @@ def _fused(model, spec):
     return out
 
 
-def _native(model, spec):
-    """The native-flavour copy of ``model`` (:func:`to_native_ort`): every Mamba mixer of ``spec`` must have the
-    same number of heads (LinearAttention's ``q_num_heads`` attribute lives in the shared function body)."""
+def _native(model, spec, io):
+    """The native-flavour copy of ``model`` (:func:`to_native_ort`) with the state layouts of ``io`` (the native
+    flavour's GraphIO): every Mamba mixer of ``spec`` must have the same number of heads (LinearAttention's
+    ``q_num_heads`` attribute lives in the shared function body)."""
     heads = {spec.layers[i].mamba.nheads for i in spec.mamba_layers}
     if len(heads) != 1:
         raise ParameterError(f"`ssm_impl` native: the Mamba layers have different head counts {sorted(heads)}; "
                              "the native flavour needs one", hint="export the ssmscan or std flavour")
-    return to_native_ort(model, heads.pop(), len(spec.mamba_layers), _inline)
+    return to_native_ort(model, heads.pop(), len(spec.mamba_layers), _inline, io)
 
 
 def _manifest_config(ck) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from m2export.errors import ExportFolderError
-from m2export.exporter.configs import MANIFEST_FILE
+from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS
 from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
 from m2export.models.config import Mamba2Config
 from m2export.names import canonical
@@ -57,7 +57,8 @@ class GraphEntry:
     """One ONNX graph: ``role`` "prefill+decode" (one graph serves both), ``ssm_impl`` (the flavour) ssmscan|std|native,
     ``file`` relative to OUTDIR, ``external_data``: the weight files it references (``model.onnx.data``, shared),
     ``inputs``/``outputs``: name -> {"dtype": str, "shape": [int | symbol]}; ``states``: per-layer state
-    pairs {"layer", "kind", "past", "present"} (the JSON form of
+    pairs {"layer", "kind", "past", "present", "layout"} (``layout``: the state's axis names in this graph's
+    order, :data:`~m2export.exporter.configs.STATE_LAYOUTS`; the JSON form of
     :class:`~m2export.exporter.configs.GraphIO`, read back with :meth:`io`)."""
 
     role: str
@@ -235,9 +236,10 @@ def _check_consistent(m: Manifest, f: Path) -> None:
         raise ExportFolderError(f"{f}: 'config' describes no model: {e}", hint=REEXPORT_HINT) from None
     from m2export.exporter.packed import PACKED_ROLE, packed_io
 
-    regular = GraphIO.for_model(cfg, m.dtype)
     for g in m.graphs:
+        regular = GraphIO.for_model(cfg, m.dtype, flavour=g.ssm_impl if g.ssm_impl in SSM_IMPLS else None)
         want = packed_io(regular) if g.role == PACKED_ROLE else regular
+        _check_layouts(g, want, f)
         for kind, expected, got in (("input", want.inputs, g.inputs), ("output", want.outputs, g.outputs)):
             exp = {t.name: t.dtype for t in expected}
             rec = {k: (v.get("dtype") if isinstance(v, dict) else None) for k, v in (got or {}).items()}
@@ -249,6 +251,29 @@ def _check_consistent(m: Manifest, f: Path) -> None:
                     ", ".join(f"{k!r} is {rec[k]}, expected {exp[k]}" for k in typed)) if x)
                 raise ExportFolderError(f"{f}: graph {g.file}'s recorded {kind}s disagree with 'config' "
                                         f"(n_layer etc.) and 'dtype' {m.dtype!r}: {what}", hint=REEXPORT_HINT)
+
+
+def _check_layouts(g: GraphEntry, want, f: Path) -> None:
+    """Every state of ``g`` recorded with a ``layout`` that orders its kind's axes (:data:`STATE_AXES`) and a past
+    shape that is the model's state shape in that order (``want``: the model's GraphIO for this flavour; an entry
+    written before the layout field has the model's layout, as its graph then had)."""
+    from m2export.exporter.configs import STATE_AXES
+
+    model = {s.past.name: s for s in want.states}
+    for st in g.states if isinstance(g.states, list) else []:
+        name, layout = (st.get("past"), st.get("layout")) if isinstance(st, dict) else (None, None)
+        w = model.get(name)
+        if w is None or layout is None:
+            continue  # names are checked below
+        axes = STATE_AXES.get(w.kind)
+        if axes is None or not isinstance(layout, list) or sorted(map(str, layout)) != sorted(axes):
+            raise ExportFolderError(f"{f}: graph {g.file}'s state {name}: 'layout' {layout!r} does not order the "
+                                    f"axes {list(axes or [])}", hint=REEXPORT_HINT)
+        shape = [w.past.shape[w.layout.index(a)] if w.layout else None for a in layout]
+        rec = (g.inputs.get(name) or {}).get("shape") if isinstance(g.inputs, dict) else None
+        if rec is not None and list(rec) != shape:
+            raise ExportFolderError(f"{f}: graph {g.file}'s input {name}: shape {rec} is not the state in its "
+                                    f"recorded layout {layout} ({shape})", hint=REEXPORT_HINT)
 
 
 def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:

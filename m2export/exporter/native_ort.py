@@ -5,9 +5,12 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
 
 * every ``m2export::SSMScan`` call is inlined with a body built for its attribute values, its sizes and the
   dtype of ``x`` (:func:`~m2export.exporter.ssm_scan_op.native_ssm_scan_function`): ``Softplus`` for the step
-  size, then ``If(seqlen == 1)`` one recurrence step (its state update one ``LinearAttention`` token in the
-  state's own layout, k and v swapped, then ``y = h C``), else ORT's ``com.microsoft::LinearAttention``; every
-  reshape a constant;
+  size, then one ORT ``com.microsoft::LinearAttention`` for any number of tokens (one token: a decode step
+  of the recurrence, whose q·S output is y itself); every reshape a constant. Its state is
+  LinearAttention's (batch, nheads, d_state, headdim), and so is the graph's ``past_ssm_state.{i}`` /
+  ``present_ssm_state.{i}`` I/O (:data:`~m2export.exporter.configs.STATE_LAYOUTS`; :func:`relayout_states`):
+  no transpose of a state anywhere, where the contract's (b, h, headdim, d_state) would cost a pass over
+  every state per call;
 * every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
   the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
   ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)``, which reads and writes the
@@ -26,7 +29,8 @@ Every pass expects the model to import :data:`~m2export.exporter.ssm_scan_op.NAT
 
 ONNX Runtime 1.32 has no CPU kernel for the default-domain (opset 27) ``LinearAttention`` and
 ``CausalConvWithState``: it runs their ONNX function bodies (a Scan over tokens, a Conv), which is why the
-contrib-domain ops are used. The graph I/O (names, shapes, dtypes) is unchanged. Kernel counts and times
+contrib-domain ops are used. The graph I/O keeps its names and dtypes; the ssm states' shapes are in the
+native layout (m2export.json records it per graph). Kernel counts and times
 per call: ``benchmarks/bench_ort.py`` in benchmarks/RESULTS.md. Runtimes other than ONNX Runtime use the
 ``std`` flavour; TensorRT uses the ``ssmscan`` flavour (the plugin).
 """
@@ -41,7 +45,7 @@ from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
 NATIVE_IR_VERSION = 11
 
 
-def to_native_ort(model, nheads: int, n_layer: int, inline):
+def to_native_ort(model, nheads: int, n_layer: int, inline, io):
     """A native-kernel copy of an onnx_ir ssmscan-flavour ``model`` (weights shared, ``model`` untouched).
 
     Args:
@@ -50,6 +54,8 @@ def to_native_ort(model, nheads: int, n_layer: int, inline):
         nheads: heads of every mixer (checked against the graph).
         n_layer: mixers expected (one LinearAttention and one CausalConvWithState each).
         inline: the exporter's inlining pass (``export._inline``), applied to the copy.
+        io: the native flavour's :class:`~m2export.exporter.configs.GraphIO` (``GraphIO.for_model(...,
+            flavour="native")``): the state layouts the copy's graph I/O gets (:func:`relayout_states`).
     Returns:
         The onnx_ir Model of the ``native`` flavour (opsets :data:`~m2export.exporter.ssm_scan_op.NATIVE_OPSETS`,
         no m2export domain).
@@ -60,6 +66,7 @@ def to_native_ort(model, nheads: int, n_layer: int, inline):
     out.opset_imports.update(NATIVE_OPSETS)
     out.ir_version = max(out.ir_version or 0, NATIVE_IR_VERSION)
     n_scan = _specialise_scans(out, nheads)
+    relayout_states(out, io)
     inline(out)
     fused = fuse_causal_conv(out)
     share_seqlen_test(out)
@@ -69,11 +76,145 @@ def to_native_ort(model, nheads: int, n_layer: int, inline):
     import onnx_ir as ir
 
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
-    if not (n_scan == fused == n_layer and n_la == 2 * n_layer):  # LinearAttention in both branches of each scan
-        raise ExportError(f"internal: the native flavour expected {n_layer} scans and causal convs and "
-                          f"{2 * n_layer} LinearAttention nodes, found {n_scan} SSMScan nodes, {fused} convs and "
+    if not (n_scan == fused == n_la == n_layer):
+        raise ExportError(f"internal: the native flavour expected {n_layer} scans, causal convs and "
+                          f"LinearAttention nodes, found {n_scan} SSMScan nodes, {fused} convs and "
                           f"{n_la} LinearAttention nodes")
     return out
+
+
+def _is_native_scan(node) -> bool:
+    from m2export.exporter.ssm_scan_op import native_function_name
+
+    return node.domain == contract.OP_DOMAIN and node.op_type.startswith(native_function_name(0)[:-1])
+
+
+def _transpose(value, perm, name: str):
+    """A ``Transpose(value, perm)`` node (not inserted) whose output has ``value``'s dtype and permuted shape."""
+    import onnx_ir as ir
+
+    node = ir.node("Transpose", [value], {"perm": list(perm)}, name=name)
+    out = node.outputs[0]
+    out.name, out.type = name, value.type
+    if value.shape is not None:
+        out.shape = ir.Shape([value.shape[i] for i in perm])
+    return node
+
+
+def relayout_states(model, io) -> int:
+    """Give the graph I/O of every state whose layout in ``io`` is not the model's that layout, and the native
+    SSMScan calls their states in theirs, with no transpose left between them. Returns the states relaid.
+
+    Each such ``past`` input gets ``io``'s shape and a Transpose back to the model's layout for the nodes that
+    read it; each such ``present`` output is a Transpose of what the graph computed; each native SSMScan call
+    (:func:`_specialise_scans`; its body's states are :data:`~m2export.exporter.ssm_scan_op.NATIVE_STATE_PERM`)
+    reads ``Transpose(initial_state)`` and its final state is transposed back. Then :func:`cancel_transposes`
+    removes every pair that undoes itself: where a call reads the graph's past state and writes its present
+    one (every Mamba-2 layer), the state goes from input to LinearAttention to output untouched. Raises
+    ExportError when ``io`` relays a state the scans do not keep in that layout (only ssm_state, as
+    :data:`NATIVE_STATE_PERM`).
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    from m2export.exporter.ssm_scan_op import NATIVE_STATE_PERM
+
+    g = model.graph
+    relaid = [s for s in io.states if s.perm is not None]
+    for s in relaid:
+        if s.kind != "ssm_state" or s.perm != NATIVE_STATE_PERM:
+            raise ExportError(f"internal: the native flavour keeps {s.kind} in {s.layout}; its scans take only "
+                              f"ssm_state as {NATIVE_STATE_PERM}")
+    if not relaid:
+        return 0
+    inv = tuple(int(i) for i in np.argsort(NATIVE_STATE_PERM))
+    for node in [n for n in g if _is_native_scan(n)]:
+        name = node.name or "ssm_scan"
+        h0 = node.inputs[7]
+        t_in = _transpose(h0, NATIVE_STATE_PERM, f"{name}.initial_state_native")
+        g.insert_before(node, t_in)
+        node.replace_input_with(7, t_in.outputs[0])
+        final = node.outputs[1]
+        if final.shape is not None:  # the body's state is in the native layout
+            final.shape = ir.Shape([final.shape[i] for i in NATIVE_STATE_PERM])
+        uses = list(final.uses())
+        t_out = _transpose(final, inv, f"{name}.final_state_model")
+        g.insert_after(node, t_out)
+        for use in uses:
+            use.node.replace_input_with(use.idx, t_out.outputs[0])
+        _replace_graph_output(g, final, t_out.outputs[0])
+    by_name = {v.name: v for v in g.inputs}
+    outs = {v.name: k for k, v in enumerate(g.outputs)}
+    first = next(iter(g))
+    for s in relaid:
+        v = by_name[s.past.name]
+        uses = list(v.uses())
+        t = _transpose(v, inv, f"{s.past.name}.model_layout")
+        g.insert_before(first, t)
+        for use in uses:
+            use.node.replace_input_with(use.idx, t.outputs[0])
+        v.shape = _shape(s.past.shape)
+        k = outs[s.present.name]
+        o = g.outputs[k]
+        o.name = f"{s.present.name}.model_layout"
+        t = _transpose(o, s.perm, s.present.name)
+        g.append(t)
+        g.outputs[k] = t.outputs[0]
+        t.outputs[0].shape = _shape(s.present.shape)
+    cancel_transposes(model)
+    return len(relaid)
+
+
+def _shape(dims):
+    import onnx_ir as ir
+
+    return ir.Shape([d if isinstance(d, int) else ir.SymbolicDim(d) for d in dims])
+
+
+def _replace_graph_output(g, old, new) -> None:
+    """``new`` in ``old``'s place among the graph outputs, with its name (``old`` renamed)."""
+    if not old.is_graph_output():
+        return
+    name = old.name
+    old.name = f"{name}.before"
+    for k, v in enumerate(g.outputs):
+        if v is old:
+            g.outputs[k] = new
+    new.name = name
+
+
+def cancel_transposes(model) -> int:
+    """Remove every top-level ``Transpose(Transpose(v, p), q)`` whose perms compose to the identity: its readers
+    read ``v`` (a graph output keeps its name: ``v`` takes it, or an ``Identity`` of ``v`` where ``v`` is a graph
+    input, output or initializer). The inner Transpose goes when nothing else reads it. Returns the pairs removed."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    g = model.graph
+    done = 0
+    for t2 in [n for n in g if n.op_type == "Transpose" and n.domain == ""]:
+        t1 = _producer(t2.inputs[0], "Transpose")
+        p1, p2 = _perm(t1), _perm(t2)
+        if t1 is None or p1 is None or p2 is None or len(p1) != len(p2) or [p1[i] for i in p2] != list(range(len(p1))):
+            continue
+        v, out = t1.inputs[0], t2.outputs[0]
+        if out.is_graph_output():
+            if v.is_graph_input() or v.is_graph_output() or v.is_initializer():
+                ident = ir.node("Identity", [v], name=f"{out.name}.identity")
+                ident.outputs[0].type, ident.outputs[0].shape = out.type, out.shape
+                g.insert_after(t2, ident)
+                v = ident.outputs[0]
+            name, shape = out.name, out.shape
+            out.replace_all_uses_with(v, replace_graph_outputs=True)
+            out.name, v.name = f"{name}.cancelled", name
+            if shape is not None:
+                v.shape = shape
+        else:
+            out.replace_all_uses_with(v)
+        done += 1
+    if done:
+        common.RemoveUnusedNodesPass()(model)
+    return done
 
 
 def _specialise_scans(model, nheads: int) -> int:

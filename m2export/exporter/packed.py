@@ -44,7 +44,7 @@ def packed_io(io: GraphIO) -> GraphIO:
     def per_seq(t: TensorIO) -> TensorIO:
         return TensorIO(t.name, tuple(NSEQ if d == BATCH else d for d in t.shape), t.dtype)
 
-    states = tuple(StateIO(s.layer, s.kind, per_seq(s.past), per_seq(s.present)) for s in io.states)
+    states = tuple(StateIO(s.layer, s.kind, per_seq(s.past), per_seq(s.present), s.layout) for s in io.states)
     ids, logits = io.input("input_ids"), io.output("logits")
     ins = (TensorIO(ids.name, (1, TOKENS), ids.dtype),
            TensorIO(contract.CU_SEQLENS.name, (f"{NSEQ} + 1",), contract.CU_SEQLENS.dtype),

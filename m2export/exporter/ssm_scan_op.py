@@ -398,17 +398,24 @@ class NativeScanShape:
             raise ValueError(f"NativeScanShape: expected positive sizes with nheads % ngroups == 0, got {self}")
 
 
-def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int = TensorProto.FLOAT,
-                       decode_step: bool = True) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    """The native flavour's SSMScan body for one attribute set, one model's sizes and the dtype of ``x``.
+#: the native bodies' state layout, as positions of the contract's (batch, nheads, headdim, d_state) axes:
+#: (batch, nheads, d_state, headdim), ORT LinearAttention's (b, h, d_k, d_v) with d_k = d_state, d_v = headdim
+#: (the native flavour's graph I/O, :data:`m2export.exporter.configs.STATE_LAYOUTS`)
+NATIVE_STATE_PERM = (0, 1, 3, 2)
+
+
+def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int = TensorProto.FLOAT
+                       ) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
+    """The native flavour's SSMScan body for one attribute set, one model's sizes and the dtype of ``x``; its
+    ``initial_state`` and ``final_state`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`), the
+    other inputs and ``y`` as the contract says.
 
     ``delta = clip(Softplus(dt + dt_bias), dt_min, dt_max)`` (ORT's fp32 Softplus is accurate to 7e-8 relative
-    over the whole range, large inputs included; the clip only where the limits bind), then ``If(seqlen == 1)``
-    one recurrence step in the graph's state layout (a decode token: no transposes; the update is one
-    LinearAttention token with k and v swapped), else ORT's ``com.microsoft::LinearAttention``
-    (``update_rule="gated"``: q = C, k = B expanded from groups to heads,
-    v = delta ∘ x, decay = delta · A per head, scale 1; its state is (b, h, d_state, headdim), the graph I/O's
-    (b, h, headdim, d_state), hence a transpose in and out). ORT 1.32's CPU LinearAttention is a token-by-token
+    over the whole range, large inputs included; the clip only where the limits bind), then one
+    ``com.microsoft::LinearAttention`` (``update_rule="gated"``: q = C, k = B expanded from groups to heads,
+    v = delta ∘ x, decay = delta · A per head, scale 1) on the state in its own (b, h, d_k = d_state,
+    d_v = headdim) layout: no transpose, and its output q·S is y itself, for one token (decode: a token of the
+    recurrence, no chunk machinery) as for a prefill. ORT 1.32's CPU LinearAttention is a token-by-token
     recurrence and, on a 130m-shaped layer, as fast as the chunked SSD body from 2 to 512 tokens or faster
     (benchmarks/RESULTS.md); it forms no segment sums (one decay per token), so it is exact to fp32 rounding
     for any dt·A. The D skip is added outside. Every step in float32 (Casts only for fp16 ``x``).
@@ -434,44 +441,14 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
     xd = b.op("Mul", xf, b.op("Unsqueeze", delta, b.const([-1])))  # delta ∘ x  (b, L, h, p)
     skip = b.op("Mul", xf, b.op("Unsqueeze", D, b.const([1])))  # D x  (b, L, h, p)
 
-    def heads_flat(bb: _Body, t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
-        s = lambda *dims: bb.const(list(dims))  # noqa: E731
+    def heads_flat(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
         if hpg > 1:
-            t = bb.op("Expand", bb.op("Unsqueeze", t, s(3)), s(1, 1, 1, hpg, 1))
-        return bb.op("Reshape", t, s(0, 0, h * n))
+            t = b.op("Expand", b.op("Unsqueeze", t, shp(3)), shp(1, 1, 1, hpg, 1))
+        return b.op("Reshape", t, shp(0, 0, h * n))
 
-    def step(bb: _Body):
-        """h1 = exp(dA) h0 + (delta x) Bᵀ, y = h1 C, in the state's own (b, h, p, n) layout: the update is one
-        ``LinearAttention`` token with the roles of k and v swapped (k = delta x over headdim, v = B over d_state,
-        so its (b, h, d_k, d_v) state is the graph's (b, h, p, n): no transpose; its output, q·h1, is not used),
-        then ``y = h1 C`` as one MatMul. Measured on one 130m-shaped layer (CPU here, 2 threads, load ~10): 0.128
-        / 0.239 ms best / median vs 0.153 / 0.326 for the same update as Mul + Mul + Add (three state-sized
-        passes). Only the small per-token tensors are reshaped, never the state (a Reshape of a graph input is a
-        copy in ORT)."""
-        s = lambda *dims: bb.const(list(dims))  # noqa: E731
-        k = bb.op("Reshape", xd, s(0, 0, h * p))  # (b, 1, h*p)
-        _, h1 = bb.op("LinearAttention", k, k, heads_flat(bb, Bf), h0, dA, outputs=2, domain=ORT_DOMAIN,
-                      update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
-        if g == 1:
-            c = bb.op("Reshape", Cf, s(-1, 1, n, 1))
-        else:
-            c = bb.op("Reshape", bb.op("Expand", bb.op("Reshape", Cf, s(-1, g, 1, n)), s(1, 1, hpg, 1)), s(-1, h, n, 1))
-        y = bb.op("MatMul", h1, c)  # (b, h, p, 1)
-        return bb.op("Reshape", y, s(-1, 1, h, p)), h1
-
-    def recurrent(bb: _Body):
-        s = lambda *dims: bb.const(list(dims))  # noqa: E731
-        o, s1 = bb.op("LinearAttention", heads_flat(bb, Cf), heads_flat(bb, Bf), bb.op("Reshape", xd, s(0, 0, h * p)),
-                      bb.op("Transpose", h0, perm=[0, 1, 3, 2]), dA, outputs=2, domain=ORT_DOMAIN,
-                      update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
-        return bb.op("Reshape", o, s(0, 0, h, p)), bb.op("Transpose", s1, perm=[0, 1, 3, 2])
-
-    if decode_step:
-        one_token = b.op("Equal", b.op("Shape", x, start=1, end=2), shp(1))
-        y, final = _if(b, one_token, ("step", step), ("recurrent", recurrent))
-    else:
-        y, final = recurrent(b)
-    y = b.op("Add", y, skip)
+    o, final = b.op("LinearAttention", heads_flat(Cf), heads_flat(Bf), b.op("Reshape", xd, shp(0, 0, h * p)), h0, dA,
+                    outputs=2, domain=ORT_DOMAIN, update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
+    y = b.op("Add", b.op("Reshape", o, shp(0, 0, h, p)), skip)
     if x_dtype == F:
         b.nodes.append(helper.make_node("Identity", [y], [contract.OUTPUT_NAMES[0]]))
     else:
@@ -488,12 +465,14 @@ def native_function_name(k: int) -> str:
 def native_ssm_scan_function(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int, name: str
                              ) -> onnx.FunctionProto:
     """The native body (:func:`_build_native_body`) as model-local function ``m2export::<name>``: no attributes
-    (they are baked in), opsets :data:`NATIVE_OPSETS`. ``x_dtype``: ONNX element type of ``x`` (float or float16).
+    (they are baked in), opsets :data:`NATIVE_OPSETS`, the states in the native layout (:data:`NATIVE_STATE_PERM`).
+    ``x_dtype``: ONNX element type of ``x`` (float or float16).
     """
     nodes, inputs, outputs = _build_native_body(attrs, shape, x_dtype)
     return helper.make_function(contract.OP_DOMAIN, name, list(inputs), list(outputs), nodes,
                                 [helper.make_opsetid(d, v) for d, v in NATIVE_OPSETS.items()],
-                                doc_string=f"m2export::SSMScan v1, native flavour, {attrs}, {shape}")
+                                doc_string=f"m2export::SSMScan v1, native flavour (states (batch, nheads, d_state, "
+                                           f"headdim)), {attrs}, {shape}")
 
 
 def _attribute_defaults() -> list[onnx.AttributeProto]:
@@ -622,10 +601,17 @@ def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "fl
     Inputs: the contract's names (symbolic dims); outputs ``y.{k}``, ``final_state.{k}`` per node.
     For testing the function body, and the sharing of one function by nodes with different attributes.
     ``inline`` returns the plugin-free (function-inlined) form. ``native``: the native flavour's bodies for
-    problems of that shape instead (one function per distinct attribute set, opsets :data:`NATIVE_OPSETS`).
+    problems of that shape instead (one function per distinct attribute set, opsets :data:`NATIVE_OPSETS`), whose
+    ``initial_state`` and ``final_state.{k}`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`).
     """
     elem = _elem_type(dtype)
-    ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, list(s.dims))
+
+    def dims(spec):
+        d = list(spec.dims)
+        return d if native is None or spec.name not in ("initial_state", "final_state") else \
+            [d[i] for i in NATIVE_STATE_PERM]
+
+    ins = [helper.make_tensor_value_info(s.name, elem if s.dtype == "x" else TensorProto.FLOAT, dims(s))
            for s in contract.INPUTS]
     nodes, outs, native_fns = [], [], {}
     for k, a in enumerate(attrs_per_node):
@@ -637,8 +623,8 @@ def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "fl
             fname = native_fns.setdefault(a, native_function_name(len(native_fns)))
             nodes.append(helper.make_node(fname, list(contract.INPUT_NAMES), names, name=f"ssm_scan.{k}",
                                           domain=contract.OP_DOMAIN))
-        outs += [helper.make_tensor_value_info(names[0], elem, list(contract.OUTPUTS[0].dims)),
-                 helper.make_tensor_value_info(names[1], TensorProto.FLOAT, list(contract.OUTPUTS[1].dims))]
+        outs += [helper.make_tensor_value_info(names[0], elem, dims(contract.OUTPUTS[0])),
+                 helper.make_tensor_value_info(names[1], TensorProto.FLOAT, dims(contract.OUTPUTS[1]))]
     graph = helper.make_graph(nodes, "ssm_scan_nodes", ins, outs)
     if native is None:
         opsets, functions = {"": opset}, [ssm_scan_function_proto(opset)]

@@ -64,7 +64,10 @@ def _set_config(key, value):
     (lambda m: m.update(dtype="fp16"), "graph model.onnx's recorded inputs disagree with 'config' (n_layer etc.) "
                                        "and 'dtype' 'fp16': 'past_conv_state.0' is float32, expected float16"),
     (lambda m: m.update(dtype="int8"), "m2export.json: 'dtype': expected one of ['fp32', 'fp16', 'bf16'], got 'int8'"),
-], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown"])
+    (lambda m: m["graphs"][0]["states"][1].update(layout=["batch_size", "nheads", "d_state", "d_inner"]),
+     "m2export.json: graph model.onnx's state past_ssm_state.0: 'layout' ['batch_size', 'nheads', 'd_state', "
+     "'d_inner'] does not order the axes ['batch_size', 'nheads', 'headdim', 'd_state']"),
+], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown", "state-layout"])
 @pytest.mark.parametrize("verb", ["inspect", "generate", "check"])
 def test_tampered_manifest(tiny_out, tmp_path, capsys, edit, expected, verb):
     """Each was a traceback (exit 70: TypeError, ValueError, Polygraphy's "Extra inputs") or, for inspect, a

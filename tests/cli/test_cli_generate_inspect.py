@@ -115,6 +115,7 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert "model.onnx.data  weights" in out and "stored once for model.onnx, model.std.onnx" in out
     assert "2 x chunk_size=16, dt_max=inf, dt_min=0.0, dt_softplus=1" in out
     assert "past_ssm_state.0         float32  [batch_size, 8, 16, 16]" in out
+    assert out.count("    ssm_state  layout [batch_size, nheads, headdim, d_state]") == 2  # per graph
     assert "engines: none" in out
 
     assert main(["inspect", str(tiny_out / "model.onnx"), "--json"]) == 0

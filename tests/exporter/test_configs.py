@@ -68,6 +68,43 @@ def test_pure_mamba2_config():
     assert io.output("logits").shape == ("batch_size", 1, cfg.vocab_size_padded)
 
 
+def test_state_layout_per_flavour():
+    """The native flavour's ssm_state is (batch, nheads, d_state, headdim) (ORT LinearAttention's); ssmscan and std
+    keep the model's (batch, nheads, headdim, d_state), as does no flavour; the manifest records the layout per
+    state and reads it back; an entry without one (written before the field) has the model's."""
+    cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8)
+    model = ("batch_size", cfg.nheads, cfg.headdim, cfg.d_state)
+    for flavour in (None, "ssmscan", "std"):
+        io = GraphIO.for_model(cfg, "fp32", flavour=flavour)
+        assert io.input("past_ssm_state.1").shape == io.output("present_ssm_state.1").shape == model
+        assert all(s.perm is None for s in io.states)
+    io = GraphIO.for_model(cfg, "fp16", flavour="native")
+    ssm = io.state("present_ssm_state.1")
+    assert ssm is io.state("past_ssm_state.1") and ssm.kind == "ssm_state"
+    assert ssm.layout == ("batch_size", "nheads", "d_state", "headdim") and ssm.perm == (0, 1, 3, 2)
+    assert ssm.past.shape == ssm.present.shape == ("batch_size", cfg.nheads, cfg.d_state, cfg.headdim)
+    conv = io.state("past_conv_state.0")
+    assert conv.perm is None and conv.past.shape == ("batch_size", cfg.conv_dim, cfg.d_conv - 1)
+    assert io.zero_feeds(3, numpy_dtype)["past_ssm_state.0"].shape == (3, cfg.nheads, cfg.d_state, cfg.headdim)
+    a = np.random.default_rng(0).standard_normal((3, *model[1:])).astype(np.float32)
+    g = ssm.to_graph_layout(a)
+    assert g.shape == (3, cfg.nheads, cfg.d_state, cfg.headdim) and g.flags.c_contiguous
+    np.testing.assert_array_equal(g[1, 2, 5, 7], a[1, 2, 7, 5])
+    np.testing.assert_array_equal(ssm.to_model_layout(g), a)
+    assert conv.to_graph_layout(a) is a and conv.to_model_layout(a) is a
+    j = io.to_manifest()
+    rec = {s["past"]: s["layout"] for s in j["states"]}
+    assert rec["past_ssm_state.0"] == ["batch_size", "nheads", "d_state", "headdim"]
+    assert rec["past_conv_state.0"] == ["batch_size", "conv_dim", "d_conv - 1"]
+    assert GraphIO.from_manifest(j["inputs"], j["outputs"], j["states"]) == io
+    old = GraphIO.for_model(cfg, "fp32").to_manifest()
+    for st in old["states"]:
+        del st["layout"]
+    assert GraphIO.from_manifest(old["inputs"], old["outputs"], old["states"]) == GraphIO.for_model(cfg, "fp32")
+    with pytest.raises(ValueError, match="flavour"):
+        GraphIO.for_model(cfg, "fp32", flavour="trt")
+
+
 def _toy_infer(feed):
     """Logits one-hot at (sum of all tokens so far + number of past tokens) % VOCAB; states: the running
     sum (ssm_state[..., 0, 0, 0]) and the token history (key[:, 0, :, 0])."""

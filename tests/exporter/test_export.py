@@ -41,13 +41,15 @@ def _ids(batch, seqlen, seed=0, vocab=100):
     return torch.randint(0, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def _compare(name, ref, out: dict, rel):
+def _compare(name, ref, out: dict, rel, io: GraphIO):
+    """``out`` (a graph's outputs, states in its flavour's layout: ``io``) vs the PyTorch model's ``ref``."""
     assert_close(f"{name} logits", ref.logits.float(), torch.from_numpy(out["logits"].astype(np.float32)), rel=rel)
     for i, (c, s) in enumerate(zip(ref.conv_states, ref.ssm_states)):
-        assert out[f"present_ssm_state.{i}"].dtype == np.float32
-        assert_close(f"{name} ssm_state.{i}", s, torch.from_numpy(out[f"present_ssm_state.{i}"]), rel=rel)
+        ssm, conv = (f"present_{k}_state.{i}" for k in ("ssm", "conv"))
+        assert out[ssm].dtype == np.float32
+        assert_close(f"{name} ssm_state.{i}", s, torch.from_numpy(io.state(ssm).to_model_layout(out[ssm])), rel=rel)
         assert_close(f"{name} conv_state.{i}", c.float(),
-                     torch.from_numpy(out[f"present_conv_state.{i}"].astype(np.float32)), rel=rel)
+                     torch.from_numpy(io.state(conv).to_model_layout(out[conv]).astype(np.float32)), rel=rel)
 
 
 # ------------------------------------------------------------------ structure and manifest
@@ -102,10 +104,11 @@ def test_onnx_graph_structure(export_fp32_both):
 
 def test_native_graph_structure(export_fp32_both):
     """native flavour: ORT's contrib kernels; per layer If(one token) CausalConvWithState (channels-last: no
-    transpose of the activations) else the traced conv, If(one token) the step else a LinearAttention, both on
-    one shared seqlen test; the norms as RMSNormalization / SkipSimplifiedLayerNormalization (nothing of the
-    traced RMSNorm left); constant reshapes, no shape arithmetic at the top level (a decode token runs none);
-    no SSMScan, Loop or Scan."""
+    transpose of the activations) else the traced conv, on one shared seqlen test, and one LinearAttention for
+    any number of tokens, reading past_ssm_state.{i} and writing present_ssm_state.{i} themselves (the graph's
+    ssm states are its (batch, nheads, d_state, headdim) state: no Transpose, no If); the norms as
+    RMSNormalization / SkipSimplifiedLayerNormalization (nothing of the traced RMSNorm left); constant reshapes,
+    no shape arithmetic at the top level (a decode token runs none); no SSMScan, Loop or Scan."""
     import onnx_ir as ir
 
     from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
@@ -120,8 +123,16 @@ def test_native_graph_structure(export_fp32_both):
     ops = [n.op_type for n in nodes]
     top = [n.op_type for n in model.graph.node]
     assert ops.count("CausalConvWithState") == ops.count("Conv") == cfg.n_layer
-    assert ops.count("LinearAttention") == 2 * cfg.n_layer  # the one-token step's update and the prefill branch
-    assert top.count("If") == 2 * cfg.n_layer and "Conv" not in top
+    assert ops.count("LinearAttention") == top.count("LinearAttention") == cfg.n_layer
+    assert top.count("If") == cfg.n_layer and "Conv" not in top  # the convs' Ifs only
+    for i in range(cfg.n_layer):
+        (la,) = [n for n in model.graph.node if f"past_ssm_state.{i}" in n.input]
+        assert la.op_type == "LinearAttention" and list(la.input).index(f"past_ssm_state.{i}") == 3
+        assert list(la.output) == [la.output[0], f"present_ssm_state.{i}"]
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    assert dims["past_ssm_state.0"] == dims["present_ssm_state.1"] == ["batch_size", cfg.nheads, cfg.d_state,
+                                                                        cfg.headdim]
     assert {n.domain for n in nodes if n.op_type in ("LinearAttention", "CausalConvWithState")} == {ORT_DOMAIN}
     ifs = [n for n in model.graph.node if n.op_type == "If"]
     assert len({n.input[0] for n in ifs}) == 1  # one seqlen == 1 test
@@ -159,8 +170,12 @@ def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
     assert m.checkpoint_sha256 == load_checkpoint(tiny_g2).sha256
     assert {"torch", "onnx", "onnxscript", "onnxruntime", "m2export"} <= set(m.tool_versions)
     for g in m.graphs:
-        io = GraphIO.for_model(cfg, "fp32")
-        assert g.io() == io  # the manifest records the one description
+        io = GraphIO.for_model(cfg, "fp32", flavour=g.ssm_impl)
+        assert g.io() == io  # the manifest records the one description (the flavour's state layouts)
+        layouts = {st["kind"]: st["layout"] for st in g.states}
+        assert layouts["ssm_state"] == (["batch_size", "nheads", "d_state", "headdim"] if g.ssm_impl == "native"
+                                        else ["batch_size", "nheads", "headdim", "d_state"])
+        assert layouts["conv_state"] == ["batch_size", "conv_dim", "d_conv - 1"]
         model = onnx.load(export_fp32_both / g.file)
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                 for v in list(model.graph.input) + list(model.graph.output)}
@@ -183,7 +198,7 @@ def test_prefill_fp32(export_fp32_both, tiny_g2, impl, case):
     ids = _ids(*PREFILL_CASES[case], seed=len(case))
     with torch.no_grad():
         ref = _model(tiny_g2)(ids)
-    _compare(f"{impl} {case}", ref, om.run(ids.numpy()), FP32_REL)
+    _compare(f"{impl} {case}", ref, om.run(ids.numpy()), FP32_REL, om.io)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -196,7 +211,7 @@ def test_prefill_g1_dt_limit_cli_export(export_fp32_g1_cli, tiny_g1, impl):
         ids = _ids(b, L, seed=L)
         with torch.no_grad():
             ref = model(ids)
-        _compare(f"G1 {impl} B{b} L{L}", ref, om.run(ids.numpy()), FP32_REL)
+        _compare(f"G1 {impl} B{b} L{L}", ref, om.run(ids.numpy()), FP32_REL, om.io)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -212,7 +227,8 @@ def test_chunked_prefill_and_decode_continue_states(export_fp32_both, tiny_g2, i
     d = om.run(ids[:, 20:21].numpy(), om.io.next_past(c), decode=True)
     got = np.concatenate([a["logits"], b["logits"], c["logits"], d["logits"]], axis=1)
     assert_close(f"{impl} chunked logits", ref.logits, torch.from_numpy(got), rel=FP32_REL)
-    assert_close(f"{impl} final ssm_state.1", ref.ssm_states[1], torch.from_numpy(d["present_ssm_state.1"]),
+    assert_close(f"{impl} final ssm_state.1", ref.ssm_states[1],
+                 torch.from_numpy(om.io.state("present_ssm_state.1").to_model_layout(d["present_ssm_state.1"])),
                  rel=FP32_REL)
 
 
@@ -232,6 +248,85 @@ def test_greedy_generation_matches_torch(export_fp32_both, tiny_g2, impl):
     assert_close(f"{impl} generation logits", full, torch.from_numpy(logits), rel=FP32_REL)
 
 
+@pytest.fixture(scope="module")
+def native_rect(tmp_path_factory):
+    """A checkpoint whose ssm states are not square (headdim 8, d_state 16: 16 heads, ngroups 2) and its ssmscan +
+    native export: a state read or written in the wrong layout fails on its shape, not only on its values."""
+    from m2export.exporter import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    d = tmp_path_factory.mktemp("rect")
+    ck = random_checkpoint(d / "ck", d_model=64, n_layer=2, vocab_size=100, d_state=16, headdim=8, chunk_size=8,
+                           ngroups=2, seed=5)
+    export_model(ck, d / "out", ssm_impl="all")
+    return ck, d / "out"
+
+
+def test_native_state_layout_rect(native_rect):
+    """The native graph's ssm state I/O is (batch, nheads, d_state, headdim) = (b, 16, 16, 8) in the graph and in
+    m2export.json, the ssmscan graph's (b, 16, 8, 16); a prefill of 7, another of 6 through the states and 2 decode
+    tokens equal PyTorch's one 15-token run (logits and every state, through ``to_model_layout``); the same
+    states fed to both flavours (each in its layout) give the same outputs."""
+    from m2export.inspect import describe, format_text
+
+    ck, out = native_rect
+    m = read_manifest(out)
+    text = format_text(describe(out))
+    for impl, layout in (("ssmscan", "headdim, d_state"), ("std", "headdim, d_state"), ("native", "d_state, headdim")):
+        line = text.splitlines().index(next(x for x in text.splitlines() if f"ssm_impl={impl} " in x))
+        assert f"ssm_state  layout [batch_size, nheads, {layout}]" in "\n".join(text.splitlines()[line:line + 3])
+    want = {"native": ["batch_size", 16, 16, 8], "ssmscan": ["batch_size", 16, 8, 16]}
+    for impl, shape in want.items():
+        g = m.graph("prefill", impl)
+        assert g.inputs["past_ssm_state.1"]["shape"] == g.outputs["present_ssm_state.0"]["shape"] == shape
+        model = onnx.load(out / g.file)
+        dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                for v in list(model.graph.input) + list(model.graph.output)}
+        assert dims["past_ssm_state.1"] == dims["present_ssm_state.0"] == shape
+    model = _model(ck)
+    ids = _ids(3, 15, seed=6)
+    with torch.no_grad():
+        ref = model(ids)
+    om = OrtModel(out, "native")
+    a = om.run(ids[:, :7].numpy())
+    b = om.run(ids[:, 7:13].numpy(), om.io.next_past(a))
+    c = om.run(ids[:, 13:14].numpy(), om.io.next_past(b), decode=True)
+    d = om.run(ids[:, 14:15].numpy(), om.io.next_past(c), decode=True)
+    got = np.concatenate([a["logits"], b["logits"], c["logits"], d["logits"]], axis=1)
+    _compare("native rect", ref, {**d, "logits": got}, FP32_REL, om.io)  # logits of all 15, final states
+    # the ssmscan graph's states after 9 tokens continue in the native graph once put in its layout
+    sm = OrtModel(out, "ssmscan")
+    first = sm.run(ids[:, :9].numpy())
+    x = om.run(ids[:, 9:12].numpy(), {s.past.name: s.to_graph_layout(first[s.present.name]) for s in om.io.states})
+    y = sm.run(ids[:, 9:12].numpy(), sm.io.next_past(first))
+    for s in om.io.states:
+        np.testing.assert_allclose(s.to_model_layout(x[s.present.name]), y[s.present.name], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(x["logits"], y["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_native_rect_greedy_generate_and_check(native_rect, tmp_path):
+    """Greedy generation from the native graph == PyTorch, also through ``m2export.generate`` (its zero states
+    come from the graph's recorded layout); ``m2export check`` of both flavours passes with continued feeds (the
+    reference's non-zero states go into the native graph transposed, its presents come back transposed) and a
+    decode sequence."""
+    from m2export.check.compare import run_check
+    from m2export.generate import generate
+
+    ck, out = native_rect
+    model = _model(ck)
+    ids = _ids(2, 9, seed=8)
+    with torch.no_grad():
+        ref = model.generate_greedy(ids, 12)
+    toks = ort_generate_greedy(out, ids, 12, ssm_impl="native")
+    assert (torch.from_numpy(toks) == ref).all(), f"native: ORT {toks.tolist()} != torch {ref.tolist()}"
+    res = generate(out, ids[0].tolist(), max_new_tokens=12, ssm_impl="native")
+    assert res.new_ids == ref[0].tolist()
+    report = run_check(out, shapes=[(1, 5), (2, 9)], decode_steps=3, report_dir=tmp_path / "rep")
+    assert report.passed, report.failures()
+    assert report.past_len > 0 and {r.runner for r in report.rows} >= {"onnxrt:model.native.onnx"}
+    assert all(g["passed"] for g in report.greedy.values())
+
+
 # ------------------------------------------------------------------ fp16 / bf16
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp16_export(export_fp16_both, tiny_g2, impl):
@@ -244,7 +339,7 @@ def test_fp16_export(export_fp16_both, tiny_g2, impl):
             ref = m32(ids)
         out = om.run(ids.numpy())
         assert out["logits"].dtype == np.float16 and out["present_conv_state.0"].dtype == np.float16
-        _compare(f"fp16 {impl} B{b} L{L}", ref, out, 1e-2)
+        _compare(f"fp16 {impl} B{b} L{L}", ref, out, 1e-2, om.io)
     toks = om.generate_greedy(_ids(1, 9, seed=2).numpy(), 8)
     assert toks.shape == (1, 8)
 
@@ -266,7 +361,7 @@ def test_bf16_export(export_bf16_both, tiny_g2):
         assert types["logits"] == onnx.TensorProto.BFLOAT16 and types["past_conv_state.0"] == onnx.TensorProto.BFLOAT16
         assert types["past_ssm_state.0"] == types["present_ssm_state.1"] == onnx.TensorProto.FLOAT
         om = OrtModel(export_bf16_both, impl, providers=["onnx.reference"])
-        _compare(f"bf16 {impl}", ref, om.run(ids.numpy()), 3e-2)
+        _compare(f"bf16 {impl}", ref, om.run(ids.numpy()), 3e-2, om.io)
     toks = ort_generate_greedy(export_bf16_both, ids[:1, :9], 4, providers=["onnx.reference"])
     assert toks.shape == (1, 4)
 
@@ -397,7 +492,8 @@ def test_opset_20_export_runs(tiny_g2, tmp_path):
     ids = _ids(2, 11, seed=1)
     with torch.no_grad():
         ref = _model(tiny_g2)(ids)
-    _compare("opset 20", ref, OrtModel(out).run(ids.numpy()), FP32_REL)
+    om = OrtModel(out)
+    _compare("opset 20", ref, om.run(ids.numpy()), FP32_REL, om.io)
 
 
 def test_old_two_graph_export_refused(export_fp32_both, tmp_path):

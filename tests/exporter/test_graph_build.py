@@ -38,7 +38,7 @@ VARIANTS = {
     "g2_tied": (dict(ngroups=2), dict(tie_embeddings=True, residual_in_fp32=True)),
     "g1_untied_dtlimit_biases": (dict(ngroups=1, bias=True, out_bias=True, conv_bias=False, dt_limit=(0.002, 0.08)),
                                  dict(tie_embeddings=False, residual_in_fp32=True)),
-    "g2_norm_before_gate_residual_model_dtype": (dict(ngroups=2, norm_before_gate=True),
+    "g2_norm_before_gate_residual_model_dtype": (dict(ngroups=2, norm_before_gate=True, d_state=8),  # 8 != headdim
                                                  dict(tie_embeddings=False, residual_in_fp32=False)),
     "g1_norm_groups_4": (dict(ngroups=1, norm_group_size=32), dict(tie_embeddings=True, residual_in_fp32=True)),
     "g2_gate_no_norm": (dict(ngroups=2, norm="gate"), dict(tie_embeddings=True, residual_in_fp32=False)),
@@ -52,7 +52,7 @@ VS_TORCH = {"fp32": 1e-5, "fp16": 1e-2}
 
 def _model(name: str, dtype: str) -> HybridLM:
     mamba_kw, model_kw = VARIANTS[name]
-    mixer = MambaSpec(d_model=64, nheads=8, headdim=16, d_state=16, chunk_size=CHUNK, **mamba_kw)
+    mixer = MambaSpec(**{"d_model": 64, "nheads": 8, "headdim": 16, "d_state": 16, "chunk_size": CHUNK, **mamba_kw})
     spec = ModelSpec("mamba2", 64, VOCAB, (LayerSpec(mixer=mixer), LayerSpec(mixer=mixer)), **model_kw)
     torch.manual_seed(0)
     model = init_weights_(HybridLM(spec), seed=7)
@@ -124,28 +124,31 @@ def test_built_equals_traced_and_pytorch(variant, batch, seqlen):
 @pytest.mark.parametrize("flavour", ["ssmscan", "std", "native"])
 def test_built_flavours_decode_through_states(variant, flavour):
     """A prefill of 5 tokens then 3 decode tokens fed back through the state I/O equal PyTorch's one
-    8-token run, in every flavour made from the built graph."""
+    8-token run, in every flavour made from the built graph (the states in the flavour's layout: random past
+    states go in through :meth:`StateIO.to_graph_layout`, the presents come back through ``to_model_layout``)."""
     name, dtype, model, io, graphs = variant
     g = graphs["built"]
+    gio = GraphIO.for_model(model.spec, dtype, flavour=flavour)
     if flavour == "std":
         g = g.clone()
         E._inline(g)
     elif flavour == "native":
-        g = to_native_ort(g, model.spec.layers[0].mixer.nheads, len(model.spec.layers), E._inline)
+        g = to_native_ort(g, model.spec.layers[0].mixer.nheads, len(model.spec.layers), E._inline, gio)
     sess = _session(g)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
     states = _random_states(io, 2, seed=4)
     with torch.no_grad():
         ref = model.forward_states(ids, [t.clone() for t in states])
-    feeds = _feeds(io, ids[:, :5], states)
+    feeds = {"input_ids": ids[:, :5].numpy(), **{s.past.name: s.to_graph_layout(t.numpy())
+                                                 for s, t in zip(gio.states, states)}}
     logits = []
     for t in range(5, 9):
-        out = dict(zip(io.output_names(), sess.run(None, feeds)))
+        out = dict(zip(gio.output_names(), sess.run(None, feeds)))
         logits.append(out["logits"][:, -1])
         if t == 8:
             break
-        feeds = {"input_ids": ids[:, t:t + 1].numpy(), **io.next_past(out)}
-    got = [np.stack(logits, 1), *(out[n] for n in io.output_names()[1:])]
+        feeds = {"input_ids": ids[:, t:t + 1].numpy(), **gio.next_past(out)}
+    got = [np.stack(logits, 1), *(s.to_model_layout(out[s.present.name]) for s in gio.states)]
     want = [ref.logits[:, 4:], *ref.states]
     _check(f"{name} {dtype} {flavour} decode", want, got, VS_TORCH[dtype], io)
 

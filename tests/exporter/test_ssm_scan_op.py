@@ -149,10 +149,12 @@ def test_body_branches_on_one_token():
 
 
 def _native_session(p: SSMScanProblem):
-    """The native flavour's SSMScan bodies for problems of ``p``'s sizes and dtype (If(seqlen == 1) step, else ORT's
-    com.microsoft LinearAttention), inlined; three nodes with different attributes (one function each): a
-    chunk size only, a binding dt_limit, and dt_softplus=0 with dt_min > 0."""
-    from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, NativeScanShape
+    """The native flavour's SSMScan bodies for problems of ``p``'s sizes and dtype (one ORT com.microsoft
+    LinearAttention for any seqlen, states (b, h, d_state, headdim)), inlined; three nodes with different
+    attributes (one function each): a chunk size only, a binding dt_limit, and dt_softplus=0 with dt_min > 0.
+    Returns (attrs, run): ``run(inputs)`` feeds the states in the native layout and returns the outputs with the
+    final states back in the contract's (b, h, headdim, d_state)."""
+    from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, NATIVE_STATE_PERM, NativeScanShape
 
     attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4),
              SSMScanAttrs(dt_softplus=False, dt_min=0.01)]
@@ -162,17 +164,30 @@ def _native_session(p: SSMScanProblem):
     model = ssm_scan_node_model(attrs, dtype=p.dtype, inline=True, native=shape)
     onnx.checker.check_model(model, full_check=True)
     assert {o.domain: o.version for o in model.opset_import} == NATIVE_OPSETS
-    return attrs, _session(model)
+    # the graph I/O of the states is (batch, nheads, d_state, headdim)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    assert dims["initial_state"] == dims["final_state.0"] == ["batch", "nheads", "d_state", "headdim"]
+    sess = _session(model)
+
+    def run(inp):
+        feeds = _feeds(inp)
+        feeds["initial_state"] = np.ascontiguousarray(feeds["initial_state"].transpose(NATIVE_STATE_PERM))
+        outs = sess.run(None, feeds)
+        return [o if k % 2 == 0 else o.transpose(NATIVE_STATE_PERM) for k, o in enumerate(outs)]
+
+    return attrs, run
 
 
 @pytest.mark.parametrize("init_state", [True, False], ids=["init_state", "zero_state"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_node_vs_oracle(case, init_state):
-    """Both branches of the native body (L1 cases: the step; the rest LinearAttention), three attribute sets."""
+    """The native body (L1 cases: one token, a decode step; the rest several), three attribute sets, vs the
+    float64 oracle; headdim != d_state in every case, so a state read in the wrong layout fails."""
     p = SSMScanProblem(*CASES[case])
-    attrs, sess = _native_session(p)
+    attrs, run = _native_session(p)
     inp = make_inputs(p, seed=list(CASES).index(case), init_state=init_state, dt_scale=2.0)
-    outs = sess.run(None, _feeds(inp))
+    outs = run(inp)
     for k, a in enumerate(attrs):
         ref = ssm_scan_recurrent(**inp, dt_softplus=a.dt_softplus, dt_limit=a.dt_limit)
         assert_close(f"native {case} node{k} y", ref.y, torch.from_numpy(outs[2 * k]), rel=FP32_REL)
@@ -182,11 +197,11 @@ def test_native_node_vs_oracle(case, init_state):
 
 @pytest.mark.parametrize("seqlen", [1, 2, 512])
 def test_native_node_large_decay_sums(seqlen):
-    """ORT's LinearAttention (seqlen > 1) and the step (seqlen 1) on dt*A summing to -4,000 per 256 tokens."""
+    """ORT's LinearAttention on dt*A summing to -4,000 per 256 tokens (one token: the decode step)."""
     p = SSMScanProblem(2, seqlen, 8, 16, 2, 16)
-    _, sess = _native_session(p)
+    _, run = _native_session(p)
     inp = large_decay_inputs(p, seed=seqlen)
-    y, s = sess.run(None, _feeds(inp))[:2]
+    y, s = run(inp)[:2]
     ref = ssm_scan_recurrent(**inp)
     assert_close("native y", ref.y, torch.from_numpy(y), rel=5e-6)
     assert_close("native final_state", ref.final_state, torch.from_numpy(s), rel=5e-6)
@@ -194,11 +209,11 @@ def test_native_node_large_decay_sums(seqlen):
 
 @pytest.mark.parametrize("seqlen", [1, 21])
 def test_native_fp16_node(seqlen):
-    """fp16 x/dt/B/C through the native body (both branches): y fp16, final_state fp32, rel-L2 2e-3."""
+    """fp16 x/dt/B/C through the native body (one token and several): y fp16, final_state fp32, rel-L2 2e-3."""
     p = SSMScanProblem(2, seqlen, 4, 8, 2, 16, dtype="float16")
-    _, sess = _native_session(p)
+    _, run = _native_session(p)
     inp = make_inputs(p, seed=12)
-    y, s = sess.run(None, _feeds(inp))[:2]
+    y, s = run(inp)[:2]
     assert y.dtype == np.float16 and s.dtype == np.float32
     ref = ssm_scan_recurrent(**inp)
     assert_close("fp16 y", ref.y, torch.from_numpy(y), rel=2e-3)
