@@ -399,7 +399,9 @@ class _Bits:
     """
 
     #: largest block written (or compared) at once when the array is not contiguous: bounds the temporary copy
-    BLOCK = 64 << 20
+    #: (one buffer, reused for every block of a tensor: a 130m native export peaked at +134 MB over its
+    #: pre-save RSS with 64 MB blocks, two of them alive at once; 1.07 -> 0.95 GiB with one 16 MB buffer)
+    BLOCK = 16 << 20
     #: elements sampled for :meth:`key`
     SAMPLE = 64
 
@@ -437,7 +439,9 @@ class _Bits:
         return self.dtype, self.shape, a.nbytes, a[idx].tobytes() if a.size else b""
 
     def blocks(self):
-        """The bytes in C order, as buffers of at most :data:`BLOCK` bytes (views where contiguous)."""
+        """The bytes in C order, as buffers of at most :data:`BLOCK` bytes (views where contiguous). A
+        non-contiguous array (a folded transpose) is copied block by block into one buffer that every block
+        reuses: each yielded buffer is valid until the next one is asked for (write or compare it first)."""
         import numpy as np
 
         a = self.view
@@ -447,8 +451,11 @@ class _Bits:
                 yield flat[i:i + self.BLOCK]
             return
         rows = max(1, self.BLOCK // max(1, a[0].nbytes))  # a is at least 1-D and non-empty here
+        buf = np.empty((min(rows, a.shape[0]), *a.shape[1:]), dtype=a.dtype)
         for i in range(0, a.shape[0], rows):
-            yield memoryview(np.ascontiguousarray(a[i:i + rows]).reshape(-1).view(np.uint8))
+            part = buf[:min(rows, a.shape[0] - i)]
+            np.copyto(part, a[i:i + rows])
+            yield memoryview(part.reshape(-1).view(np.uint8))
 
     def equals(self, other: "_Bits") -> bool:
         """Byte equality with another tensor (compared in blocks of rows: no whole-tensor temporary)."""
