@@ -96,13 +96,16 @@ def check_plugin_signature(op: str, params: Sequence[str], *, extra: Sequence[st
 
 
 # ----------------------------------------------------------------------------- JIT impl
-def _stream_context(backend: str, stream: int):
-    """torch's current stream = TensorRT's raw ``cudaStream_t`` (the state copy is ordered with the kernels)."""
+def _stream_context(backend: str, stream: int, device):
+    """torch's current stream = TensorRT's raw ``cudaStream_t`` (the state copy is ordered with the kernels), through
+    :func:`m2export.kernels._host.launch_stream` (0 and 1 are the legacy default stream, not a pool stream)."""
     if backend != "cutile":
         return contextlib.nullcontext()
     import torch
 
-    return torch.cuda.stream(torch.cuda.ExternalStream(int(stream)))
+    from m2export.kernels._host import launch_stream
+
+    return torch.cuda.stream(launch_stream(int(stream), device))
 
 
 def run_conv_jit(inputs: Sequence[Any], outputs: Sequence[Any], activation: str, stream: int, *,
@@ -122,7 +125,7 @@ def run_conv_jit(inputs: Sequence[Any], outputs: Sequence[Any], activation: str,
     x, weight, bias, state = (as_tensor(t) for t in inputs)
     y, final = (as_tensor(t) for t in outputs)
     if x.shape[1] == 1:
-        with _stream_context(backend, stream):
+        with _stream_context(backend, stream, final.device):
             final.copy_(state)
         conv_update(x[:, 0], final, weight, bias, activation=activation, backend=backend, out=y[:, 0],
                     stream=int(stream) if backend == "cutile" else None)

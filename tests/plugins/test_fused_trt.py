@@ -230,17 +230,20 @@ def test_norm_aot_kernel_slots_and_extras(group_size, nbg):
 @requires_cutile
 @pytest.mark.parametrize("seqlen", [1, 2, 3, 17, 300])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_conv_jit_body_on_gpu_vs_float64(seqlen, dtype):
-    """The conv plugin's JIT body with the cuTile kernels (update kernel at seqlen 1) on a side stream, TensorRT-like
-    views of NaN-poisoned outputs, vs the float64 reference; the input state is left as it was."""
+@pytest.mark.parametrize("on", ["side_stream", "stream_0"])
+def test_conv_jit_body_on_gpu_vs_float64(seqlen, dtype, on):
+    """The conv plugin's JIT body with the cuTile kernels (update kernel at seqlen 1) on a side stream or TensorRT's
+    stream 0 (the legacy default stream), TensorRT-like views of NaN-poisoned outputs, vs the float64 reference; the
+    input state is left as it was."""
     x, w, b, s = (t.cuda() for t in _conv_case(4, seqlen, 200, 4, dtype, stable_seed("gpu_conv", seqlen, dtype)))
     s_before = s.clone()
     y = torch.full((4, seqlen, 200), float("nan"), dtype=DT[dtype], device="cuda")
     st = torch.full((4, 200, 3), float("nan"), dtype=DT[dtype], device="cuda")
     side = torch.cuda.Stream()
-    fp.run_conv_jit([FakeTensor(t) for t in (x, w, b, s)], [FakeTensor(y), FakeTensor(st)], "silu", side.cuda_stream,
-                    as_tensor=fp.cached_torch_view)
-    side.synchronize()
+    torch.cuda.synchronize()
+    fp.run_conv_jit([FakeTensor(t) for t in (x, w, b, s)], [FakeTensor(y), FakeTensor(st)], "silu",
+                    side.cuda_stream if on == "side_stream" else 0, as_tensor=fp.cached_torch_view)
+    torch.cuda.synchronize()
     ref = causal_conv1d_ref(x.cpu(), w.cpu(), b.cpu(), s.cpu(), dtype=torch.float64)
     assert_close("y", ref.y, y.double().cpu(), rel=Y_REL[dtype])
     assert torch.equal(st.double().cpu(), ref.final_conv_state) and torch.equal(s, s_before)
