@@ -255,7 +255,9 @@ def fuse_conv1d(model) -> int:
     ``present = Slice(cat, ...)`` a graph output, ``c = Conv(cat, W (C, 1, K)[, bias], group=C, no padding,
     stride 1, dilation 1)``, ``Mul(c, Sigmoid(c))``, ``Transpose(., [0, 2, 1])``. The node reads ``x`` and writes
     ``y`` channels last; its weight is ``Squeeze(W, [1])`` (C, K) (``W`` stays the one initializer), its bias a zero one when the conv has
-    none. Anything else (e.g. bfloat16's float32 island around the conv) is left as it is. Returns the count.
+    none. bfloat16 as traced (``Cast(cat)`` to float32, the conv on float32 copies of the weights, ``Cast`` back, the
+    SiLU) is matched too: the node computes in float32 and rounds once, the weights reach it cast back to the
+    dtype of ``x`` in the graph (exact). Anything else is left as it is. Returns the count.
     """
     import onnx_ir as ir
 
@@ -263,6 +265,11 @@ def fuse_conv1d(model) -> int:
     fused = 0
     for conv in [n for n in g if n.op_type == "Conv" and n.domain == ""]:
         cat = _producer(conv.inputs[0], "Concat")
+        island = None  # bfloat16 as traced: Cast(cat) to float32 -> Conv -> Cast back, then the SiLU
+        if cat is None:
+            island = _producer(conv.inputs[0], "Cast")
+            cat = _producer(island.inputs[0], "Concat") if island is not None and len(conv.inputs[0].uses()) == 1 \
+                else None
         if cat is None or len(cat.inputs) != 2 or cat.attributes["axis"].as_int() != 2:
             continue
         past, t = cat.inputs
@@ -276,13 +283,19 @@ def fuse_conv1d(model) -> int:
                 and all(d == 1 for d in attrs.get("dilations", [1]))
                 and attrs.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")):
             continue
-        uses = [u.node for u in conv.outputs[0].uses()]
+        c = conv.outputs[0]
+        if island is not None:
+            back = _only_use(c, "Cast")
+            if back is None or back.attributes["to"].value != cat.outputs[0].dtype:
+                continue
+            c = back.outputs[0]
+        uses = [u.node for u in c.uses()]
         sig = next((u for u in uses if u.op_type == "Sigmoid"), None)
         mul = next((u for u in uses if u.op_type == "Mul"), None)
         if len(uses) != 2 or sig is None or mul is None or _only_use(sig.outputs[0], "Mul") is not mul:
             continue
         post = _only_use(mul.outputs[0], "Transpose")
-        slices = [u.node for u in cat.outputs[0].uses() if u.node is not conv]
+        slices = [u.node for u in cat.outputs[0].uses() if u.node is not (island or conv)]
         if post is None or _perm(post) != [0, 2, 1] or len(slices) != 1 or slices[0].op_type != "Slice" \
                 or not slices[0].outputs[0].is_graph_output():
             continue
@@ -298,11 +311,15 @@ def fuse_conv1d(model) -> int:
         weight.name, weight.dtype, weight.shape = f"{name}.taps", conv.inputs[1].dtype, ir.Shape([w.shape[0], w.shape[2]])
         g.insert_before(pre, squeeze)
         bias = conv.inputs[2] if len(conv.inputs) > 2 and conv.inputs[2] is not None else None
+        xdt = x.dtype
+        if island is not None:  # the island's float32 weights are exact copies of x-dtype ones: cast back in the graph
+            weight = _cast_before(g, pre, weight, xdt, f"{name}.taps_{xdt.name.lower()}")
+            bias = None if bias is None else _cast_before(g, pre, bias, xdt, f"{name}.bias_{xdt.name.lower()}")
         if bias is None:  # zeros made in the graph (ConstantOfShape): no stored copy
             zeros = ir.node("ConstantOfShape", [_initializer(model, f"{name}.channels", np.array([w.shape[0]], np.int64))],
-                            {"value": ir.tensor(np.zeros(1, w.dtype))}, name=f"{name}.zero_bias")
+                            {"value": ir.tensor(np.zeros(1, weight.dtype.numpy()))}, name=f"{name}.zero_bias")
             bias = zeros.outputs[0]
-            bias.name, bias.dtype, bias.shape = f"{name}.zero_bias", conv.inputs[1].dtype, ir.Shape([w.shape[0]])
+            bias.name, bias.dtype, bias.shape = f"{name}.zero_bias", weight.dtype, ir.Shape([w.shape[0]])
             g.insert_before(pre, zeros)
         node = ir.node(cc.OP_NAME, [x, weight, bias, past], {"activation": "silu", **PLUGIN_ATTRIBUTES},
                        domain=cc.OP_DOMAIN, version=cc.OP_VERSION, num_outputs=2, name=f"{name}.causal_conv1d")
@@ -313,6 +330,16 @@ def fuse_conv1d(model) -> int:
         _replace(present, node.outputs[1])
         fused += 1
     return fused
+
+
+def _cast_before(g, before, v, dtype, name: str):
+    """``Cast(v, to=dtype)`` inserted before node ``before``; its output (named ``name``)."""
+    import onnx_ir as ir
+
+    c = ir.node("Cast", [v], {"to": dtype}, name=name)
+    c.outputs[0].name, c.outputs[0].dtype, c.outputs[0].shape = name, dtype, v.shape
+    g.insert_before(before, c)
+    return c.outputs[0]
 
 
 def _rms_core(mul):

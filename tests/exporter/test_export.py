@@ -360,6 +360,8 @@ def test_bf16_export(export_bf16_both, tiny_g2):
         types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
         assert types["logits"] == onnx.TensorProto.BFLOAT16 and types["past_conv_state.0"] == onnx.TensorProto.BFLOAT16
         assert types["past_ssm_state.0"] == types["present_ssm_state.1"] == onnx.TensorProto.FLOAT
+        ops = [n.op_type for n in model.graph.node]  # the traced bf16 conv (a float32 island) is fused too
+        assert ops.count("CausalConv1d") == ops.count("GatedRMSNorm") == (m16.cfg.n_layer if impl == "ssmscan" else 0)
         om = OrtModel(export_bf16_both, impl, providers=["onnx.reference"])
         _compare(f"bf16 {impl}", ref, om.run(ids.numpy()), 3e-2, om.io)
     toks = ort_generate_greedy(export_bf16_both, ids[:1, :9], 4, providers=["onnx.reference"])
