@@ -21,7 +21,7 @@ Each state's axis order in a graph is its ``layout`` (:data:`STATE_AXES` names t
 reference, the SSMScan contract and the ssmscan/std flavours (and TensorRT) use; :data:`STATE_LAYOUTS` the
 flavours that differ): the native flavour keeps ``ssm_state`` as (batch_size, nheads, d_state, headdim), the
 state layout of ONNX Runtime's LinearAttention, so its one-token step yields y without another pass over the
-state. Runtimes pass states through by name; anything comparing a graph's states with the model's goes through
+state, and ``conv_state`` channels-last, (batch_size, d_conv - 1, conv_dim), as CausalConvWithState keeps it. Runtimes pass states through by name; anything comparing a graph's states with the model's goes through
 :meth:`StateIO.to_model_layout` / :meth:`StateIO.to_graph_layout`.
 
 Attention names and axes follow optimum (``OnnxConfigWithPast.add_past_key_values``): the key/value caches
@@ -95,11 +95,13 @@ STATE_AXES: dict[str, tuple[str, ...]] = {
     "value": (BATCH, "num_key_value_heads", PAST_SEQ, "head_dim"),
 }
 #: flavour -> state kind -> that state's axes in the flavour's graph I/O, where they differ from
-#: :data:`STATE_AXES`: the native flavour's ssm_state is ONNX Runtime LinearAttention's (b, h, d_k, d_v) state
-#: with d_k = d_state, d_v = headdim (m2export/exporter/native_ort.py); every other flavour (ssmscan, std, and
-#: TensorRT's engines, built from ssmscan) keeps the model's layout
+#: :data:`STATE_AXES`: the native flavour keeps its states as ONNX Runtime's kernels do
+#: (m2export/exporter/native_ort.py): ssm_state as LinearAttention's (b, h, d_k, d_v) state with d_k = d_state,
+#: d_v = headdim, conv_state channels-last as CausalConvWithState(channels_last=1) reads and writes it (a decode
+#: token transposes neither); every other flavour (ssmscan, std, and TensorRT's engines, built from ssmscan)
+#: keeps the model's layout
 STATE_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "native": {"ssm_state": (BATCH, "nheads", "d_state", "headdim")},
+    "native": {"ssm_state": (BATCH, "nheads", "d_state", "headdim"), "conv_state": (BATCH, "d_conv - 1", "conv_dim")},
 }
 
 

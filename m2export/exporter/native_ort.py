@@ -12,17 +12,18 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
   no transpose of a state anywhere, where the contract's (b, h, headdim, d_state) would cost a pass over
   every state per call;
 * every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
-  the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
+  the ``Slice`` of the concatenation that is ``present_conv_state``) becomes ``If(seqlen == 1)`` one
   ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)``, which reads and writes the
-  activations in the (batch, seqlen, channels) layout the in-projection produces: the traced graph's
-  Transposes of the activations around the conv go; the small conv states are transposed instead (the
-  graph I/O keeps (batch, channels, d_conv - 1));
+  activations in the (batch, seqlen, channels) layout the in-projection produces (the traced graph's
+  Transposes of the activations around the conv go) and the conv states channels-last, the native graph
+  I/O's (batch, d_conv - 1, conv_dim): a decode token runs that node alone; else the traced conv;
 * every RMSNorm as traced (``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps))``, then the weight) becomes
   one ``RMSNormalization`` (opset 23), or ``com.microsoft::SkipSimplifiedLayerNormalization`` where its input
   is a residual ``Add`` (the sum is that node's fourth output);
 * every ``Reshape`` whose target shape is computed at run time (``Shape`` → ``Squeeze`` → ``Concat``) but
   whose output shape is known up to the batch and sequence symbols gets a constant shape (``0`` copies a
-  dim, ``-1`` infers one), so the shape arithmetic drops out.
+  dim, ``-1`` infers one), so the shape arithmetic drops out; then chains of reshapes merge
+  (:func:`fold_reshapes`).
 
 Every pass expects the model to import :data:`~m2export.exporter.ssm_scan_op.NATIVE_OPSETS` (opset 27 and
 ``com.microsoft``), as :func:`to_native_ort` sets first.
@@ -72,6 +73,7 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
     share_seqlen_test(out)
     fuse_rms_norm(out)
     constant_reshapes(out)
+    fold_reshapes(out)
     sink_into_branches(out)  # last: constant_reshapes frees the shape arithmetic the branches alone still read
     import onnx_ir as ir
 
@@ -81,6 +83,10 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
                           f"LinearAttention nodes, found {n_scan} SSMScan nodes, {fused} convs and "
                           f"{n_la} LinearAttention nodes")
     return out
+
+
+#: the native flavour's conv state layout as positions of the model's (batch, conv_dim, d_conv - 1) axes
+CONV_CHANNELS_LAST = (0, 2, 1)
 
 
 def _is_native_scan(node) -> bool:
@@ -122,13 +128,14 @@ def relayout_states(model, io) -> int:
     g = model.graph
     relaid = [s for s in io.states if s.perm is not None]
     for s in relaid:
-        if s.kind != "ssm_state" or s.perm != NATIVE_STATE_PERM:
-            raise ExportError(f"internal: the native flavour keeps {s.kind} in {s.layout}; its scans take only "
-                              f"ssm_state as {NATIVE_STATE_PERM}")
+        if (s.kind, s.perm) not in (("ssm_state", NATIVE_STATE_PERM), ("conv_state", CONV_CHANNELS_LAST)):
+            raise ExportError(f"internal: the native flavour keeps {s.kind} in {s.layout}; it handles ssm_state as "
+                              f"{NATIVE_STATE_PERM} (the scans) and conv_state as {CONV_CHANNELS_LAST} "
+                              "(fuse_causal_conv) only")
     if not relaid:
         return 0
     inv = tuple(int(i) for i in np.argsort(NATIVE_STATE_PERM))
-    for node in [n for n in g if _is_native_scan(n)]:
+    for node in [n for n in g if _is_native_scan(n) and any(s.kind == "ssm_state" for s in relaid)]:
         name = node.name or "ssm_scan"
         h0 = node.inputs[7]
         t_in = _transpose(h0, NATIVE_STATE_PERM, f"{name}.initial_state_native")
@@ -149,15 +156,16 @@ def relayout_states(model, io) -> int:
     for s in relaid:
         v = by_name[s.past.name]
         uses = list(v.uses())
-        t = _transpose(v, inv, f"{s.past.name}.model_layout")
+        v.shape = _shape(s.past.shape)  # the graph's layout; the Transpose gives the model's back
+        t = _transpose(v, tuple(int(i) for i in np.argsort(s.perm)), f"{s.past.name}.model_layout")
         g.insert_before(first, t)
         for use in uses:
             use.node.replace_input_with(use.idx, t.outputs[0])
-        v.shape = _shape(s.past.shape)
         k = outs[s.present.name]
         o = g.outputs[k]
         o.name = f"{s.present.name}.model_layout"
         t = _transpose(o, s.perm, s.present.name)
+        t.outputs[0].name = s.present.name
         g.append(t)
         g.outputs[k] = t.outputs[0]
         t.outputs[0].shape = _shape(s.present.shape)
@@ -239,12 +247,138 @@ def _specialise_scans(model, nheads: int) -> int:
         key = (attrs, NativeScanShape(*dims), int(x.dtype))
         node.op_type = bodies.setdefault(key, native_function_name(len(bodies)))
         node.attributes.clear()
+        _unflatten_y(model, node, dims[0], dims[1])
         count += 1
     model.functions.clear()
     for (attrs, shape, dtype), name in bodies.items():
         fn = ir.serde.deserialize_function(native_ssm_scan_function(attrs, shape, dtype, name))
         model.functions[fn.identifier()] = fn
     return count
+
+
+def _unflatten_y(model, node, nheads: int, headdim: int) -> None:
+    """The native body's ``y`` is flat (batch, seqlen, nheads * headdim): give the call's output that shape and its
+    readers ``Reshape(y, [0, 0, nheads, headdim])`` (the contract's shape), which :func:`fold_reshapes` then
+    merges with the caller's reshape back to the flat activations (the builder's ``layers.i/y``)."""
+    import numpy as np
+    import onnx_ir as ir
+
+    y = node.outputs[0]
+    uses = list(y.uses())
+    shape = list(y.shape) if y.shape is not None else None
+    name = y.name
+    y.name = f"{name}.flat"
+    if shape is not None and len(shape) == 4:
+        y.shape = ir.Shape([shape[0], shape[1], nheads * headdim])
+    target = ir.Value(name=f"{name}.heads_shape", shape=ir.Shape([4]), type=ir.TensorType(ir.DataType.INT64),
+                      const_value=ir.tensor(np.array([0, 0, nheads, headdim], np.int64), name=f"{name}.heads_shape"))
+    model.graph.register_initializer(target)
+    r = ir.node("Reshape", [y, target], name=f"{name}.heads")
+    r.outputs[0].name, r.outputs[0].type = name, y.type
+    if shape is not None:
+        r.outputs[0].shape = ir.Shape(shape)
+    model.graph.insert_after(node, r)
+    for use in uses:
+        use.node.replace_input_with(use.idx, r.outputs[0])
+    _replace_graph_output(model.graph, y, r.outputs[0])
+    r.outputs[0].name = name
+
+
+def _const_ints(value) -> list[int] | None:
+    """The 1-D int64 constant held by ``value`` (initializer or Constant node), else None."""
+    import onnx_ir as ir
+
+    t = ir.convenience.get_const_tensor(value) if value is not None else None
+    if t is None:
+        return None
+    a = t.numpy()
+    return [int(v) for v in a.reshape(-1)] if a.ndim == 1 and a.dtype.kind == "i" else None
+
+
+def _plain_reshape(node) -> list[int] | None:
+    """The constant target of a top-level default-domain ``Reshape`` without ``allowzero``, else None."""
+    if node is None or node.op_type != "Reshape" or node.domain != "":
+        return None
+    az = node.attributes.get("allowzero")
+    if az is not None and az.value:
+        return None
+    return _const_ints(node.inputs[1])
+
+
+def fold_reshapes(model) -> int:
+    """Merge chains of shape-only ops at the top level; returns the number of rewrites. Until nothing changes:
+
+    * ``Reshape(Reshape(v, c1), c2)`` -> ``Reshape(v, c2)`` where every ``0`` of ``c2`` copies a dim ``c1`` copied
+      from ``v`` (the same position);
+    * ``Unsqueeze(Reshape(v, c1), axes)`` -> ``Reshape(v, c1 with 1 at axes)`` where ``c1``'s zeros all precede the
+      first new axis;
+    * ``Reshape(v, c)`` whose ``v`` has ``c``'s shape already (rank and every literal size equal; a ``0`` copies,
+      at most one ``-1``) -> ``v`` (not for a graph output).
+
+    Every target is a constant (:func:`constant_reshapes` first). On the native graph: the body's reshape of ``x``
+    to flat undoes the builder's reshape to heads, the flat ``y`` goes straight to the gate, the group axis of
+    ``B``/``C`` is inserted by their reshape: 4 kernels per layer and token fewer.
+    """
+    import numpy as np
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    g = model.graph
+
+    def target(dims, name):
+        v = ir.Value(name=name, shape=ir.Shape([len(dims)]), type=ir.TensorType(ir.DataType.INT64),
+                     const_value=ir.tensor(np.array(dims, np.int64), name=name))
+        g.register_initializer(v)
+        return v
+
+    done, changed = 0, True
+    while changed:
+        changed = False
+        for node in list(g):
+            if node.graph is not g:
+                continue
+            c2 = _plain_reshape(node)
+            if c2 is not None:
+                src = node.inputs[0].producer() if node.inputs[0] is not None else None
+                c1 = _plain_reshape(src) if src is not None and src.graph is g else None
+                if c1 is not None and node.outputs[0].uses() \
+                        and all(i < len(c1) and c1[i] == 0 for i, d in enumerate(c2) if d == 0):
+                    node.replace_input_with(0, src.inputs[0])
+                    done, changed = done + 1, True
+                    continue
+                v, out = node.inputs[0], node.outputs[0]
+                if out.uses() and v.shape is not None and len(v.shape) == len(c2) and not out.is_graph_output() \
+                        and sum(d == -1 for d in c2) <= 1 \
+                        and all(d in (0, -1) or (isinstance(s, int) and s == d) for d, s in zip(c2, v.shape)):
+                    out.replace_all_uses_with(v)
+                    done, changed = done + 1, True
+                continue
+            if node.op_type == "Unsqueeze" and node.domain == "" and len(node.inputs) == 2:
+                src = node.inputs[0].producer() if node.inputs[0] is not None else None
+                c1 = _plain_reshape(src) if src is not None and src.graph is g else None
+                axes = _const_ints(node.inputs[1])
+                if c1 is None or axes is None or not node.outputs[0].uses():
+                    continue
+                rank = len(c1) + len(axes)
+                axes = sorted(a % rank for a in axes)
+                zeros = [i for i, d in enumerate(c1) if d == 0]
+                if len(set(axes)) != len(axes) or (zeros and max(zeros) >= axes[0]):
+                    continue
+                rest = iter(c1)
+                dims = [1 if i in axes else next(rest) for i in range(rank)]
+                name = node.name or node.outputs[0].name or "unsqueeze"
+                r = ir.node("Reshape", [src.inputs[0], target(dims, f"{name}.as_reshape")], name=f"{name}.as_reshape")
+                out = node.outputs[0]
+                r.outputs[0].type, r.outputs[0].shape = out.type, out.shape
+                g.insert_before(node, r)
+                out_name = out.name
+                out.replace_all_uses_with(r.outputs[0], replace_graph_outputs=True)
+                g.remove(node, safe=True)
+                r.outputs[0].name = out_name
+                done, changed = done + 1, True
+    if done:
+        common.RemoveUnusedNodesPass()(model)
+    return done
 
 
 def _single_consumer(value, op_type: str):
@@ -327,11 +461,14 @@ def fuse_causal_conv(model) -> int:
     Pattern (as torch.onnx traces ``Mamba2Mixer``): ``cat = Concat(past, x, axis=2)``; ``present =
     Slice(cat, ...)`` (a graph output); ``c = Conv(cat, W[, bias], group=channels, no padding, stride 1,
     dilation 1)``; ``y = Mul(c, Sigmoid(c))``; usually ``x = Transpose(t, perm=[0, 2, 1])`` and a
-    ``Transpose(y, perm=[0, 2, 1])`` after it (the in-projection's channels-last layout). Why two branches:
+    ``Transpose(y, perm=[0, 2, 1])`` after it (the in-projection's channels-last layout). ``past`` is a graph
+    input, or a ``Transpose(perm=[0, 2, 1])`` of one (a channels-last conv state, :func:`relayout_states`), and
+    ``present`` a graph output or a ``Transpose(perm=[0, 2, 1])`` of the Slice that is one. Why two branches:
     ORT 1.32's CPU CausalConvWithState is 3-5x faster than the traced nodes for one token and 2-3x slower
     from ~128 tokens on (one 130m-shaped conv, benchmarks/RESULTS.md). The decode branch runs it
-    channels-last on ``t`` (no transpose of the activations; the small conv states are transposed, the
-    graph I/O keeps (batch, channels, d_conv - 1)). Anything else is left as it is. Returns the number fused.
+    channels-last on ``t`` (no transpose of the activations) and on the states as the graph I/O has them:
+    a channels-last state (the native flavour's I/O) goes in and out untransposed, a (batch, channels,
+    d_conv - 1) one is transposed. Anything else is left as it is. Returns the number fused.
     """
     import onnx_ir as ir
 
@@ -344,7 +481,10 @@ def fuse_causal_conv(model) -> int:
         past, x = cat.inputs
         w = conv.inputs[1]
         attrs = {k: v.value for k, v in conv.attributes.items()}
-        if not (past.is_graph_input() and w.shape is not None and len(w.shape) == 3 and w.shape[1] == 1
+        past_t = _producer(past, "Transpose")
+        past_cl = past_t.inputs[0] if _perm(past_t) == [0, 2, 1] and past_t.inputs[0].is_graph_input() else None
+        if not ((past.is_graph_input() or past_cl is not None) and w.shape is not None and len(w.shape) == 3
+                and w.shape[1] == 1
                 and attrs.get("group") == w.shape[0] and all(p == 0 for p in attrs.get("pads", [0, 0]))
                 and all(s == 1 for s in attrs.get("strides", [1])) and all(d == 1 for d in attrs.get("dilations", [1]))
                 and attrs.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")):
@@ -355,11 +495,20 @@ def fuse_causal_conv(model) -> int:
         if len(uses) != 2 or sig is None or mul is None or _single_consumer(sig.outputs[0], "Mul") is not mul:
             continue
         slices = [u.node for u in cat.outputs[0].uses() if u.node is not conv]
-        if len(slices) != 1 or slices[0].op_type != "Slice" or not slices[0].outputs[0].is_graph_output():
+        if len(slices) != 1 or slices[0].op_type != "Slice":
             continue
-        present = slices[0].outputs[0]
+        present, present_t = slices[0].outputs[0], None
+        if not present.is_graph_output():
+            su = [u.node for u in present.uses()]
+            present_t = su[0] if len(su) == 1 and su[0].op_type == "Transpose" and _perm(su[0]) == [0, 2, 1] \
+                and su[0].outputs[0].is_graph_output() else None
+            if present_t is None:
+                continue
+            present = present_t.outputs[0]  # the channels-last present state
+        if (past_cl is None) != (present_t is None):  # one layout for both states
+            continue
         name = conv.name or "conv"
-        traced = [cat, conv, sig, mul, slices[0]]
+        traced = [cat, conv, sig, mul, slices[0]] + ([present_t] if present_t is not None else [])
         pre = _producer(x, "Transpose")
         if _perm(pre) == [0, 2, 1] and len(x.uses()) == 1:
             traced.insert(0, pre)
@@ -370,7 +519,7 @@ def fuse_causal_conv(model) -> int:
         post = post[0] if len(post) == 1 and post[0].op_type == "Transpose" and _perm(post[0]) == [0, 2, 1] \
             and not y.is_graph_output() else None
         if post is not None:
-            traced.insert(-1, post)
+            traced.insert(traced.index(slices[0]), post)
         y_out = post.outputs[0] if post is not None else y  # the pattern's output, channels-last when post
 
         # decode branch: CausalConvWithState, channels-last
@@ -384,14 +533,14 @@ def fuse_causal_conv(model) -> int:
 
         x_cl = pre.inputs[0] if pre is not None else t(x, "x_channels_last")
         ccws = ir.node("CausalConvWithState", [x_cl, w, conv.inputs[2] if len(conv.inputs) > 2 else None,
-                                               t(past, "past_channels_last")],
+                                               past_cl if past_cl is not None else t(past, "past_channels_last")],
                        {"activation": "silu", "channels_last": 1}, domain=ORT_DOMAIN, num_outputs=2,
                        name=f"{name}.causal_conv_with_state")
         dec.append(ccws)
         ccws.outputs[0].name, ccws.outputs[1].name = f"{name}.y_channels_last", f"{name}.state_channels_last"
         ccws.outputs[0].type, ccws.outputs[1].type = y_out.type, present.type
         y_dec = ccws.outputs[0] if post is not None else t(ccws.outputs[0], "y_channels_first")
-        s_dec = t(ccws.outputs[1], "present_channels_first")
+        s_dec = ccws.outputs[1] if present_t is not None else t(ccws.outputs[1], "present_channels_first")
 
         outs = [ir.Value(name=f"{name}.if_y", type=y_out.type, shape=y_out.shape),
                 ir.Value(name=f"{name}.if_state", type=present.type, shape=present.shape)]

@@ -407,8 +407,9 @@ NATIVE_STATE_PERM = (0, 1, 3, 2)
 def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int = TensorProto.FLOAT
                        ) -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
     """The native flavour's SSMScan body for one attribute set, one model's sizes and the dtype of ``x``; its
-    ``initial_state`` and ``final_state`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`), the
-    other inputs and ``y`` as the contract says.
+    ``initial_state`` and ``final_state`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`),
+    ``y`` is flat, (batch, seqlen, nheads * headdim) (LinearAttention's own output plus the D skip: the caller
+    reshapes it, :func:`~m2export.exporter.native_ort.to_native_ort`), the other inputs as the contract says.
 
     ``delta = clip(Softplus(dt + dt_bias), dt_min, dt_max)`` (ORT's fp32 Softplus is accurate to 7e-8 relative
     over the whole range, large inputs included; the clip only where the limits bind), then one
@@ -418,7 +419,9 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
     recurrence, no chunk machinery) as for a prefill. ORT 1.32's CPU LinearAttention is a token-by-token
     recurrence and, on a 130m-shaped layer, as fast as the chunked SSD body from 2 to 512 tokens or faster
     (benchmarks/RESULTS.md); it forms no segment sums (one decay per token), so it is exact to fp32 rounding
-    for any dt·A. The D skip is added outside. Every step in float32 (Casts only for fp16 ``x``).
+    for any dt·A. The D skip is added on the flat output (``x`` reshaped flat, which undoes the caller's reshape
+    of the flat activations, times D repeated per headdim, a constant). Every step in float32 (Casts only for
+    fp16 ``x``).
     """
     F = TensorProto.FLOAT
     b = _Body()
@@ -439,7 +442,8 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
                      "" if hi is None else b.const(hi, np.float32))
     dA = b.op("Mul", delta, A)  # (b, L, h) log-decay, <= 0
     xd = b.op("Mul", xf, b.op("Unsqueeze", delta, b.const([-1])))  # delta ∘ x  (b, L, h, p)
-    skip = b.op("Mul", xf, b.op("Unsqueeze", D, b.const([1])))  # D x  (b, L, h, p)
+    d_rep = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", D, b.const([1])), shp(h, p)), shp(h * p))  # (h*p,)
+    skip = b.op("Mul", f32(b.op("Reshape", x, shp(0, 0, h * p))), d_rep)  # D x  (b, L, h*p)
 
     def heads_flat(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
         if hpg > 1:
@@ -448,7 +452,7 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
 
     o, final = b.op("LinearAttention", heads_flat(Cf), heads_flat(Bf), b.op("Reshape", xd, shp(0, 0, h * p)), h0, dA,
                     outputs=2, domain=ORT_DOMAIN, update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
-    y = b.op("Add", b.op("Reshape", o, shp(0, 0, h, p)), skip)
+    y = b.op("Add", o, skip)  # (b, L, h*p)
     if x_dtype == F:
         b.nodes.append(helper.make_node("Identity", [y], [contract.OUTPUT_NAMES[0]]))
     else:
@@ -602,12 +606,15 @@ def ssm_scan_node_model(attrs_per_node: Sequence[SSMScanAttrs], dtype: str = "fl
     For testing the function body, and the sharing of one function by nodes with different attributes.
     ``inline`` returns the plugin-free (function-inlined) form. ``native``: the native flavour's bodies for
     problems of that shape instead (one function per distinct attribute set, opsets :data:`NATIVE_OPSETS`), whose
-    ``initial_state`` and ``final_state.{k}`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`).
+    ``initial_state`` and ``final_state.{k}`` are (batch, nheads, d_state, headdim) (:data:`NATIVE_STATE_PERM`)
+    and ``y.{k}`` is flat (batch, seqlen, nheads * headdim).
     """
     elem = _elem_type(dtype)
 
     def dims(spec):
         d = list(spec.dims)
+        if native is not None and spec.name == "y":  # the native body's y is flat
+            return [d[0], d[1], native.nheads * native.headdim]
         return d if native is None or spec.name not in ("initial_state", "final_state") else \
             [d[i] for i in NATIVE_STATE_PERM]
 

@@ -69,8 +69,8 @@ def test_pure_mamba2_config():
 
 
 def test_state_layout_per_flavour():
-    """The native flavour's ssm_state is (batch, nheads, d_state, headdim) (ORT LinearAttention's); ssmscan and std
-    keep the model's (batch, nheads, headdim, d_state), as does no flavour; the manifest records the layout per
+    """The native flavour's ssm_state is (batch, nheads, d_state, headdim) (ORT LinearAttention's) and its conv_state
+    channels-last; ssmscan and std keep the model's (batch, nheads, headdim, d_state), as does no flavour; the manifest records the layout per
     state and reads it back; an entry without one (written before the field) has the model's."""
     cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8)
     model = ("batch_size", cfg.nheads, cfg.headdim, cfg.d_state)
@@ -83,19 +83,23 @@ def test_state_layout_per_flavour():
     assert ssm is io.state("past_ssm_state.1") and ssm.kind == "ssm_state"
     assert ssm.layout == ("batch_size", "nheads", "d_state", "headdim") and ssm.perm == (0, 1, 3, 2)
     assert ssm.past.shape == ssm.present.shape == ("batch_size", cfg.nheads, cfg.d_state, cfg.headdim)
-    conv = io.state("past_conv_state.0")
-    assert conv.perm is None and conv.past.shape == ("batch_size", cfg.conv_dim, cfg.d_conv - 1)
+    conv = io.state("past_conv_state.0")  # channels-last, as CausalConvWithState keeps it
+    assert conv.layout == ("batch_size", "d_conv - 1", "conv_dim") and conv.perm == (0, 2, 1)
+    assert conv.past.shape == conv.present.shape == ("batch_size", cfg.d_conv - 1, cfg.conv_dim)
     assert io.zero_feeds(3, numpy_dtype)["past_ssm_state.0"].shape == (3, cfg.nheads, cfg.d_state, cfg.headdim)
     a = np.random.default_rng(0).standard_normal((3, *model[1:])).astype(np.float32)
     g = ssm.to_graph_layout(a)
     assert g.shape == (3, cfg.nheads, cfg.d_state, cfg.headdim) and g.flags.c_contiguous
     np.testing.assert_array_equal(g[1, 2, 5, 7], a[1, 2, 7, 5])
     np.testing.assert_array_equal(ssm.to_model_layout(g), a)
-    assert conv.to_graph_layout(a) is a and conv.to_model_layout(a) is a
+    c = a[:, :, :, 0]
+    np.testing.assert_array_equal(conv.to_model_layout(conv.to_graph_layout(c)), c)
+    model_conv = GraphIO.for_model(cfg, "fp16").state("past_conv_state.0")
+    assert model_conv.to_graph_layout(c) is c and model_conv.to_model_layout(c) is c
     j = io.to_manifest()
     rec = {s["past"]: s["layout"] for s in j["states"]}
     assert rec["past_ssm_state.0"] == ["batch_size", "nheads", "d_state", "headdim"]
-    assert rec["past_conv_state.0"] == ["batch_size", "conv_dim", "d_conv - 1"]
+    assert rec["past_conv_state.0"] == ["batch_size", "d_conv - 1", "conv_dim"]
     assert GraphIO.from_manifest(j["inputs"], j["outputs"], j["states"]) == io
     old = GraphIO.for_model(cfg, "fp32").to_manifest()
     for st in old["states"]:

@@ -104,7 +104,8 @@ def test_onnx_graph_structure(export_fp32_both):
 
 def test_native_graph_structure(export_fp32_both):
     """native flavour: ORT's contrib kernels; per layer If(one token) CausalConvWithState (channels-last: no
-    transpose of the activations) else the traced conv, on one shared seqlen test, and one LinearAttention for
+    transpose of the activations, nor of the channels-last conv state I/O) else the traced conv, on one shared
+    seqlen test, and one LinearAttention for
     any number of tokens, reading past_ssm_state.{i} and writing present_ssm_state.{i} themselves (the graph's
     ssm states are its (batch, nheads, d_state, headdim) state: no Transpose, no If); the norms as
     RMSNormalization / SkipSimplifiedLayerNormalization (nothing of the traced RMSNorm left); constant reshapes,
@@ -133,6 +134,12 @@ def test_native_graph_structure(export_fp32_both):
             for v in list(model.graph.input) + list(model.graph.output)}
     assert dims["past_ssm_state.0"] == dims["present_ssm_state.1"] == ["batch_size", cfg.nheads, cfg.d_state,
                                                                         cfg.headdim]
+    # the conv states are channels-last, as CausalConvWithState keeps them: the one-token branch is that node alone
+    assert dims["past_conv_state.1"] == dims["present_conv_state.0"] == ["batch_size", cfg.d_conv - 1, cfg.conv_dim]
+    for n in (n for n in model.graph.node if n.op_type == "If"):
+        then = next(a.g for a in n.attribute if a.name == "then_branch")
+        assert [x.op_type for x in then.node] == ["CausalConvWithState"]
+        assert then.node[0].input[3].startswith("past_conv_state.") and then.output[1].name == then.node[0].output[1]
     assert {n.domain for n in nodes if n.op_type in ("LinearAttention", "CausalConvWithState")} == {ORT_DOMAIN}
     ifs = [n for n in model.graph.node if n.op_type == "If"]
     assert len({n.input[0] for n in ifs}) == 1  # one seqlen == 1 test
@@ -175,7 +182,8 @@ def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
         layouts = {st["kind"]: st["layout"] for st in g.states}
         assert layouts["ssm_state"] == (["batch_size", "nheads", "d_state", "headdim"] if g.ssm_impl == "native"
                                         else ["batch_size", "nheads", "headdim", "d_state"])
-        assert layouts["conv_state"] == ["batch_size", "conv_dim", "d_conv - 1"]
+        assert layouts["conv_state"] == (["batch_size", "d_conv - 1", "conv_dim"] if g.ssm_impl == "native"
+                                         else ["batch_size", "conv_dim", "d_conv - 1"])
         model = onnx.load(export_fp32_both / g.file)
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                 for v in list(model.graph.input) + list(model.graph.output)}
@@ -272,17 +280,25 @@ def test_native_state_layout_rect(native_rect):
     ck, out = native_rect
     m = read_manifest(out)
     text = format_text(describe(out))
-    for impl, layout in (("ssmscan", "headdim, d_state"), ("std", "headdim, d_state"), ("native", "d_state, headdim")):
+    for impl, layout, conv in (("ssmscan", "headdim, d_state", "conv_dim, d_conv - 1"),
+                               ("std", "headdim, d_state", "conv_dim, d_conv - 1"),
+                               ("native", "d_state, headdim", "d_conv - 1, conv_dim")):
         line = text.splitlines().index(next(x for x in text.splitlines() if f"ssm_impl={impl} " in x))
-        assert f"ssm_state  layout [batch_size, nheads, {layout}]" in "\n".join(text.splitlines()[line:line + 3])
-    want = {"native": ["batch_size", 16, 16, 8], "ssmscan": ["batch_size", 16, 8, 16]}
-    for impl, shape in want.items():
+        near = "\n".join(text.splitlines()[line:line + 3])
+        assert f"ssm_state  layout [batch_size, nheads, {layout}]" in near
+        assert f"conv_state layout [batch_size, {conv}]" in near
+    conv_dim = 128 + 2 * 2 * 16  # d_inner + 2 ngroups d_state
+    want = {"native": (["batch_size", 16, 16, 8], ["batch_size", 3, conv_dim]),
+            "ssmscan": (["batch_size", 16, 8, 16], ["batch_size", conv_dim, 3])}
+    for impl, (shape, conv) in want.items():
         g = m.graph("prefill", impl)
         assert g.inputs["past_ssm_state.1"]["shape"] == g.outputs["present_ssm_state.0"]["shape"] == shape
+        assert g.inputs["past_conv_state.0"]["shape"] == g.outputs["present_conv_state.1"]["shape"] == conv
         model = onnx.load(out / g.file)
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                 for v in list(model.graph.input) + list(model.graph.output)}
         assert dims["past_ssm_state.1"] == dims["present_ssm_state.0"] == shape
+        assert dims["past_conv_state.0"] == dims["present_conv_state.1"] == conv
     model = _model(ck)
     ids = _ids(3, 15, seed=6)
     with torch.no_grad():

@@ -149,3 +149,46 @@ def test_fuse_rms_norm_fp16_vs_traced(export_fp16_both):
     new = _native_copy(model)
     assert native_ort.fuse_rms_norm(new) == 2 * m.model_config().n_layer + 1
     _compare(model, new, m.model_config().vocab_size, dtype=np.float16, rel=2e-3)
+
+
+def test_fold_reshapes_vs_unfolded():
+    """fold_reshapes on a small graph: Reshape(Reshape), Unsqueeze(Reshape) and a Reshape to the shape its input
+    has merge or go (counted, and the op counts drop), the outputs equal the unfolded graph's in ONNX Runtime; a
+    chain whose second target's 0 would copy another dim, and a graph output, stay."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    c = lambda name, dims: helper.make_tensor(name, TensorProto.INT64, [len(dims)], dims)  # noqa: E731
+    nodes = [
+        helper.make_node("Reshape", ["x", "to_heads"], ["x4"]),  # (b, L, 24) -> (b, L, 4, 6)
+        helper.make_node("Reshape", ["x4", "to_flat"], ["x3"]),  # back to (b, L, 24): merges, then is x itself
+        helper.make_node("Mul", ["x3", "two"], ["a"]),
+        helper.make_node("Unsqueeze", ["x4", "axis3"], ["x5"]),  # (b, L, 4, 1, 6): one Reshape of x
+        helper.make_node("Mul", ["x5", "two"], ["b5"]),
+        helper.make_node("Reshape", ["x4", "swap"], ["x4b"]),  # [0, 0, 0, 6] on (b, L, 4, 6): identity
+        helper.make_node("Mul", ["x4b", "two"], ["c4"]),
+        helper.make_node("Reshape", ["x", "lead"], ["y2"]),  # (b*L, 24)
+        helper.make_node("Reshape", ["y2", "zero_late"], ["y3"]),  # its 0 copies y2's dim 1 (24), not x's: stays
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "L", 24])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in (
+            ("a", ["b", "L", 24]), ("b5", ["b", "L", 4, 1, 6]), ("c4", ["b", "L", 4, 6]), ("y3", [2, 24, "r"]),
+            ("x4", ["b", "L", 4, 6]))],
+        [c("to_heads", [0, 0, 4, 6]), c("to_flat", [0, 0, 24]), c("axis3", [3]), c("swap", [0, 0, 0, 6]),
+         c("lead", [-1, 24]), c("zero_late", [2, 0, -1]), helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    ref = ir.serde.deserialize_model(model)
+    new = ir.serde.deserialize_model(model)
+    assert native_ort.fold_reshapes(new) == 4
+    ops = [n.op_type for n in new.graph]
+    assert "Unsqueeze" not in ops and ops.count("Reshape") == 4  # x4 (a graph output), x5, y2, y3
+    assert new.graph.node(0).op_type == "Reshape" and [n.inputs[0].name for n in new.graph if n.op_type == "Mul"] \
+        == ["x", "x5", "x4"]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 4, 24)).astype(np.float32)}
+    for a, b in zip(_session(ref).run(None, feeds), _session(new).run(None, feeds)):
+        np.testing.assert_array_equal(a, b)

@@ -152,8 +152,9 @@ def _native_session(p: SSMScanProblem):
     """The native flavour's SSMScan bodies for problems of ``p``'s sizes and dtype (one ORT com.microsoft
     LinearAttention for any seqlen, states (b, h, d_state, headdim)), inlined; three nodes with different
     attributes (one function each): a chunk size only, a binding dt_limit, and dt_softplus=0 with dt_min > 0.
-    Returns (attrs, run): ``run(inputs)`` feeds the states in the native layout and returns the outputs with the
-    final states back in the contract's (b, h, headdim, d_state)."""
+    Returns (attrs, run): ``run(inputs)`` feeds the states in the native layout and returns the outputs in the
+    contract's shapes: the final states back in (b, h, headdim, d_state), y (flat in the native body) as
+    (b, L, h, headdim)."""
     from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, NATIVE_STATE_PERM, NativeScanShape
 
     attrs = [SSMScanAttrs(chunk_size=CHUNK), SSMScanAttrs(chunk_size=3, dt_min=0.05, dt_max=0.4),
@@ -168,13 +169,15 @@ def _native_session(p: SSMScanProblem):
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in list(model.graph.input) + list(model.graph.output)}
     assert dims["initial_state"] == dims["final_state.0"] == ["batch", "nheads", "d_state", "headdim"]
+    assert dims["y.0"] == ["batch", "seqlen", p.nheads * p.headdim]
     sess = _session(model)
 
     def run(inp):
         feeds = _feeds(inp)
         feeds["initial_state"] = np.ascontiguousarray(feeds["initial_state"].transpose(NATIVE_STATE_PERM))
         outs = sess.run(None, feeds)
-        return [o if k % 2 == 0 else o.transpose(NATIVE_STATE_PERM) for k, o in enumerate(outs)]
+        return [o.reshape(*o.shape[:2], p.nheads, p.headdim) if k % 2 == 0 else o.transpose(NATIVE_STATE_PERM)
+                for k, o in enumerate(outs)]
 
     return attrs, run
 
