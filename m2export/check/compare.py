@@ -1,9 +1,9 @@
 """``m2export check``: compare an export against the PyTorch reference with Polygraphy.
 
 Two sections, both compared with one ``SimpleCompareFunc`` (what ``CompareFunc.simple`` builds; Polygraphy
-0.53 deprecates the factory in favour of the class), computed in slices for large outputs
+0.53 deprecates the factory in favour of the class), computed in slices, logits and states alike
 (:class:`~m2export.check.metrics.SlicedCompareFunc`: the same max statistics and verdicts without
-whole-array temporaries): per-output atol/rtol with ``""`` as the default key,
+whole-array temporaries or medians): per-output atol/rtol with ``""`` as the default key,
 ``check_error_stat="elemwise"``: an element fails when its abs error > atol *and* its rel error > rtol.
 
 * ``prefill``: :class:`~m2export.check.data.TokenDataLoader` feeds (real byte tokens, several batch/seqlen
@@ -49,6 +49,7 @@ from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTr
                                     OnnxReferenceRunner, SharedInitializers, onnxrt_runner, reference_runner,
                                     trt_runners)
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
+from m2export.check.weights import ExportWeights
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
@@ -103,7 +104,7 @@ def _abbrev_names(names: list[str], limit: int = 6) -> str:
 
 def make_compare_func(atol: dict[str, float], rtol: dict[str, float]):
     """Polygraphy ``SimpleCompareFunc`` (= ``CompareFunc.simple``) with exact output-name matching, elementwise,
-    computed in slices for large outputs (:class:`~m2export.check.metrics.SlicedCompareFunc`)."""
+    computed in slices (:class:`~m2export.check.metrics.SlicedCompareFunc`)."""
     from m2export.check.metrics import SlicedCompareFunc
 
     def exact(output_name, index, iter_result, base_iter_result=None):
@@ -160,6 +161,27 @@ class CheckReport:
     versions: dict[str, str] = field(default_factory=dict)
     past_len: int = 0  # prefill sizes are also fed continuing this many reference tokens (0: fresh only)
     vocab_coverage: str = ""  # which token ids the prefill feeds hold (TokenDataLoader.coverage)
+    #: where the reference's tensors were (ExportWeights.summary: views of the export's mapped weights, each
+    #: bit-equal to the checkpoint's, or the checkpoint's own copy)
+    reference_weights: dict[str, Any] = field(default_factory=dict)
+
+    def weights_note(self) -> str:
+        """The reference's weights in words: how many are views of the export's weights (bit-equal to the
+        checkpoint's) and which are the checkpoint's own copies."""
+        w = self.reference_weights
+        if not w:
+            return ""
+        from m2export.check.console import human_bytes
+
+        n = w["shared_tensors"] + w["own_tensors"]
+        text = (f"{w['shared_tensors']} of {n} tensors ({human_bytes(w['shared_bytes'])} of "
+                f"{human_bytes(w['shared_bytes'] + w['own_bytes'])}) are views of the export's weights, each checked "
+                "bit-equal to the checkpoint's at load (one copy in memory for the reference and ONNX Runtime)")
+        if w["own_tensors"]:
+            own = w["own"]
+            text += (f"; {w['own_tensors']} ({human_bytes(w['own_bytes'])}) are the checkpoint's own: no bit-equal "
+                     f"tensor in the export ({', '.join(own[:4])}{' ...' if len(own) > 4 else ''})")
+        return text
 
     def __bool__(self) -> bool:
         return self.passed
@@ -202,6 +224,7 @@ class CheckReport:
                  f"- output folder: `{self.outdir}` (dtype {self.dtype})",
                  f"- reference: `{self.reference}` ({self.runners[0]['detail'] if self.runners else ''})",
                  f"- vocabulary: {self.vocab_coverage or 'not recorded'}",
+                 *([f"- reference weights: {self.weights_note()}"] if self.reference_weights else []),
                  "- runtimes: " + ", ".join(f"`{r['name']}` ({r['detail']})" for r in self.runners)]
         lines += [f"- {s}" for s in self.skipped]
         lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
@@ -460,8 +483,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                                        f"the one {MANIFEST_FILE} records ({manifest.source_checkpoint})")
         raise CheckpointError(f"reference checkpoint {ck_path} (from {MANIFEST_FILE}) does not exist",
                               hint="pass the checkpoint the export was made from (`checkpoint`)")
+    shared = SharedInitializers()  # every ONNX Runtime session's weights: one memory-mapped copy of model.onnx.data
+    weights = ExportWeights(shared, [outdir / g.file for g in manifest.graphs])  # ... and the reference's, verified
+    on_cpu = reference_backend == "torch"  # a cuTile reference copies its weights to the GPU: nothing to share
     ref_loader = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None,
-                                     kernel_backend=reference_backend)
+                                     kernel_backend=reference_backend, share=weights if on_cpu else None)
     if reference == "transformers":
         ref_loader = ModelFromTransformers(ck_path, ref_loader)
 
@@ -474,13 +500,14 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
     loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader)
-    shared = SharedInitializers()  # every ONNX Runtime session's weights: one memory-mapped copy of model.onnx.data
     rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt,
                                   shared=shared)
     if len(rts) < 2:
         raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
                              hint="keep 'onnxrt' in `runtimes`")
     loaded = ref_loader()  # load now: a bad checkpoint fails before any runtime starts
+    ck = loaded.ck if reference == "transformers" else loaded
+    ref_weights = ExportWeights.summary(ck.model, ck.shared) if on_cpu else {}
     scan = loaded.model.mixers[0].scan_fn
     rts[0].detail = f"PyTorch fp32, {ck_path}, scan {scan.__module__}.{scan.__qualname__}"
     if reference_backend != "torch":
@@ -494,7 +521,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                          f"m2export's PyTorch model (scan {scan.__module__}.{scan.__qualname__}), which transformers "
                          "does not expose in this layout"
                          + "".join(f"; follows mamba_ssm: {n}" for n in loaded.notes))
-    del loaded  # the loader keeps it until the reference's last call (release_reference)
+    del loaded, ck  # the loader keeps it until the reference's last call (release_reference)
     hist: dict[str, list[np.ndarray]] = {}
     ref_bad: set[str] = set()
     prog = progress or (lambda desc, total: (lambda: None))
@@ -531,6 +558,11 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         ref_loader.release()
         shared.release()
         gc.collect()
+    changed = weights.unchanged()
+    if changed:  # the reference and ONNX Runtime read these files' pages while they ran: the comparison is void
+        raise ExportFolderError(f"{', '.join(changed)}: changed while the check ran (the reference and ONNX Runtime "
+                                "both read it); the comparison is void", hint="re-run the check when nothing "
+                                "writes to the folder")
 
     report = CheckReport(
         outdir=str(outdir), dtype=dtype, reference=rts[0].name,
@@ -538,7 +570,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
-        vocab_coverage=loader.coverage)
+        vocab_coverage=loader.coverage, reference_weights=ref_weights)
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
@@ -650,6 +682,7 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
         for k, feed in enumerate(loader):
             check_feed_dict(feed)
             ref = run(0, feed)
+            release_freed_memory()  # the reference's freed temporaries, before the runtimes allocate theirs
             if rec is not None:
                 rec.record_outputs(k, ref)
             if ref_bad is not None:  # outputs where the reference itself is non-finite (named in the rows' notes)

@@ -18,11 +18,14 @@ cast up as ``polygraphy.comparator.util.cast_up`` does: fp16 -> fp32, small ints
 * ``mean_absdiff`` / ``mean_reldiff``: the slices' float64 sums over the element count. Polygraphy
   averages in float32 (``numpy.mean(dtype=float32)``); the two agree to float32 rounding (~1e-7 relative),
   and a NaN or inf anywhere gives NaN or inf in both.
-* medians and quantiles are not computed for outputs larger than one slice (``None`` in the result, which
-  Polygraphy's result type allows): ``m2export check``'s report does not use them.
+* medians and quantiles are not computed (``None`` in the result, which Polygraphy's result type allows):
+  ``m2export check``'s report does not use them.
 
-Outputs of at most one slice, non-numpy arrays, booleans and every statistic other than ``elemwise`` are
-left to Polygraphy's own ``SimpleCompareFunc`` unchanged.
+Every numpy output pair of one shape goes this way, however small: the per-layer states too (a 130m check
+compares ~1,900 of them; Polygraphy's whole-array statistics, medians included, took ~24 ms each, ~45 s of CPU
+in all: benchmarks/RESULTS.md, issue 17). Non-numpy arrays, booleans, outputs whose shapes differ (Polygraphy
+aligns or refuses them) and every statistic other than ``elemwise`` are left to Polygraphy's own
+``SimpleCompareFunc`` unchanged.
 """
 
 from __future__ import annotations
@@ -120,10 +123,10 @@ def sliced_elementwise(out0: np.ndarray, out1: np.ndarray, atol: float, rtol: fl
 
 
 class SlicedCompareFunc(SimpleCompareFunc):
-    """Polygraphy's ``SimpleCompareFunc`` whose ``elemwise`` comparison of outputs larger than ``slice_elements``
-    runs in slices (:func:`sliced_elementwise`): same max statistics and verdicts, float64-summed means, no
-    medians, and no whole-array temporaries. Everything else (options, output matching, shape alignment,
-    other statistics, small outputs) is ``SimpleCompareFunc``'s own.
+    """Polygraphy's ``SimpleCompareFunc`` whose ``elemwise`` comparison of same-shape numpy outputs runs in slices
+    of ``slice_elements`` (:func:`sliced_elementwise`; an output of at most one slice is one slice): same max
+    statistics and verdicts, float64-summed means, no medians, and no whole-array temporaries. Everything else
+    (options, output matching, shape alignment, other statistics, booleans) is ``SimpleCompareFunc``'s own.
 
     Args:
         slice_elements: elements per slice (default :data:`SLICE_ELEMENTS`); the rest as ``SimpleCompareFunc``.
@@ -136,8 +139,7 @@ class SlicedCompareFunc(SimpleCompareFunc):
     def _check_outputs_match(self, out0, out0_name, out1, out1_name, per_out_rtol, per_out_atol, per_out_err_stat,
                              runner0_name, runner1_name, per_out_quantile):
         if (per_out_err_stat != "elemwise" or not isinstance(out0, np.ndarray) or not isinstance(out1, np.ndarray)
-                or out0.dtype == np.bool_ or out1.dtype == np.bool_ or out0.size <= self.slice_elements
-                or out0.shape != out1.shape):
+                or out0.dtype == np.bool_ or out1.dtype == np.bool_ or out0.size == 0 or out0.shape != out1.shape):
             return super()._check_outputs_match(out0, out0_name, out1, out1_name, per_out_rtol, per_out_atol,
                                                 per_out_err_stat, runner0_name, runner1_name, per_out_quantile)
         st = sliced_elementwise(out0, out1, per_out_atol, per_out_rtol, slice_elements=self.slice_elements,
@@ -147,7 +149,7 @@ class SlicedCompareFunc(SimpleCompareFunc):
                              "quantity to these when computing relative difference. Note that this may cause some "
                              "relative differences to be extremely high. ", mode=LogMode.ONCE)
         res = st.result(per_out_err_stat)
-        G_LOGGER.info(f"Error Metrics: {out0_name} (in slices of {self.slice_elements} elements) | max abs "
+        G_LOGGER.info(f"Error Metrics: {out0_name} (in slices of up to {self.slice_elements} elements) | max abs "
                       f"{res.max_absdiff:.5g}, max rel {res.max_reldiff:.5g}, mean abs {res.mean_absdiff:.5g}, "
                       f"mean rel {res.mean_reldiff:.5g}")
         return res

@@ -24,7 +24,6 @@ calling it does the work (:class:`ModelFromCheckpoint`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import OrderedDict
@@ -55,12 +54,17 @@ class ModelFromCheckpoint(BaseLoader):
         expected_sha256: when given (the manifest's ``checkpoint_sha256``), a checkpoint whose files hash
             differently raises :class:`CheckpointError`: comparing an export against other weights
             proves nothing.
+        share: ``load_checkpoint``'s ``share`` (the check passes :class:`~m2export.check.weights.ExportWeights`:
+            tensors bit-equal to the export's mapped weights become views of them; the rest stay the
+            checkpoint's; ``LoadedCheckpoint.shared`` says which).
     """
 
-    def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None, kernel_backend: str = "torch"):
+    def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None, kernel_backend: str = "torch",
+                 share=None):
         self.checkpoint = Path(checkpoint)
         self.expected_sha256 = expected_sha256
         self.kernel_backend = kernel_backend  # "cutile": the model on the GPU, its Mamba layers on the cuTile kernels
+        self.share = share
         self._cache: dict = {}  # loaded once, shared by the prefill and decode runners
 
     def call_impl(self):
@@ -70,7 +74,7 @@ class ModelFromCheckpoint(BaseLoader):
 
         from m2export.models.checkpoint import load_checkpoint
 
-        ck = load_checkpoint(self.checkpoint, dtype=torch.float32)
+        ck = load_checkpoint(self.checkpoint, dtype=torch.float32, share=self.share)
         if self.expected_sha256 and ck.sha256 != self.expected_sha256:
             raise CheckpointError(
                 f"{self.checkpoint}: sha256 {ck.sha256[:12]}... differs from the exported checkpoint's "
@@ -245,6 +249,15 @@ class SharedInitializers:
         self._maps: dict[Path, np.ndarray] = {}
         self._arrays: dict[tuple, np.ndarray] = {}
         self._values: dict[tuple, Any] = {}
+        self._file_of: dict[int, Path] = {}
+
+    def files(self) -> list[Path]:
+        """The data files mapped so far (by :meth:`arrays`)."""
+        return list(self._maps)
+
+    def file_of(self, arr: np.ndarray) -> Path | None:
+        """The data file an array of :meth:`arrays` is a view of."""
+        return self._file_of.get(id(arr))
 
     def arrays(self, onnx_path: Path) -> dict[str, np.ndarray]:
         """Initializer name -> read-only array (a view of the mapped file) for every shareable external
@@ -279,6 +292,7 @@ class SharedInitializers:
                 if offset < 0 or offset + length > data.size:
                     continue
                 self._arrays[key] = np.frombuffer(data, dtype=dt, count=n, offset=offset).reshape(tuple(t.dims))
+                self._file_of[id(self._arrays[key])] = file
             out[t.name] = self._arrays[key]
         return out
 
@@ -296,25 +310,9 @@ class SharedInitializers:
 
     def release(self) -> None:
         self._values.clear()
+        self._file_of.clear()
         self._arrays.clear()
         self._maps.clear()
-
-
-@functools.cache
-def _shared_cpu_arena() -> bool:
-    """Register one CPU arena allocator in ONNX Runtime's environment (once per process), which sessions opt into
-    with ``session.use_env_allocators``: sessions that run one after another then reuse one arena instead of each
-    keeping its own at its peak (two 130m flavours after 1x256, 3x127 and 2x257 feeds: 1.01 -> 0.65 GB private
-    memory, CPU here). False where this ONNX Runtime cannot (the sessions keep their own)."""
-    import onnxruntime as ort
-
-    try:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-    except Exception as e:  # an older or differently built onnxruntime: not fatal, only more memory
-        log.debug("check: no shared ONNX Runtime CPU arena (%s: %s)", type(e).__name__, e)
-        return False
-    return True
 
 
 class _CpuSessionFromOnnx(BaseLoader):
@@ -326,8 +324,16 @@ class _CpuSessionFromOnnx(BaseLoader):
     With ``shared`` (:class:`SharedInitializers`), built to hold as little of its own as it can: the weights are
     ``shared``'s mapped pages (MatMul prepacking off: it would copy them), constant folding is off (it wrote a
     transposed copy of weights used through Transpose nodes: 150 MB per 130m session; ORT's Transpose+MatMul
-    fusion reads them in place instead; prefill speed unchanged, measured), the CPU arena is the process's
-    shared one (:func:`_shared_cpu_arena`), and every run ends by shrinking it (:class:`_ShrinkingSession`).
+    fusion reads them in place instead; prefill speed unchanged, measured), and no CPU arena: every tensor of
+    a run is allocated from and freed to the process's heap, which the check trims after each compared input
+    (:func:`m2export.check.compare.release_freed_memory`). An arena keeps the regions it grew to (a shared,
+    shrinking one still ~0.45 GB after each 130m prefill of 2x257 tokens, whose chunks the run's outputs held
+    when it shrank); without it the peak of a reference + two-session round on 130m was 1.34-1.45 GB against
+    1.61-1.77 GB (2x257, 1x512, 2x257 inputs, CPU here, benchmarks/RESULTS.md). The price is CPU: without an
+    arena ONNX Runtime's memory pattern (one planned block for a run's intermediates) is allocated and
+    page-faulted anew every run: 557k minor faults, +13% user and +3.3 s sys CPU over three 2x257 runs of a 130m
+    session. Turning the pattern off too halves that (+3% user, +1.4 s sys) but raised the peak of the same round
+    by ~0.2 GB (1.63 vs 1.43-1.45 GB at 2x257), so it stays on (CPU here, load 6).
     """
 
     def __init__(self, path: Path, shared: SharedInitializers | None = None):
@@ -346,40 +352,16 @@ class _CpuSessionFromOnnx(BaseLoader):
             extra = {}
             if self.shared is not None:
                 options.add_session_config_entry("session.disable_prepacking", "1")
-                if _shared_cpu_arena():
-                    options.add_session_config_entry("session.use_env_allocators", "1")
+                options.enable_cpu_mem_arena = False
                 for name, value in self.shared.for_graph(self.path):
                     options.add_initializer(name, value)
                 extra["disabled_optimizers"] = ["ConstantFolding"]
-            sess = ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"],
+            return ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"],
                                         **extra)
-            return sess if self.shared is None else _ShrinkingSession(sess)
         except Exception as e:
             if not type(e).__module__.startswith("onnxruntime"):
                 raise
             raise _unloadable(self.path, "ONNX Runtime cannot load the graph", e) from None
-
-
-class _ShrinkingSession:
-    """An ``InferenceSession`` whose ``run`` without run options ends by handing the CPU arena's unused chunks back
-    (ONNX Runtime's ``memory.enable_memory_arena_shrinkage`` run option), so what a prefill of the largest input
-    took does not stay reserved while the PyTorch reference and the other sessions run. One 130m session, 2x257
-    then 1x333 then 2x257 tokens (CPU here, tokens' logits dropped after each): private memory after the runs
-    0.57, 0.57, 0.59 GB without, 0.56, 0.43, 0.42 GB with; peak unchanged (1.18-1.20 GB RSS). Everything else is
-    the session's own (``OnnxrtRunner`` calls ``run``, ``get_inputs``, ``get_outputs``)."""
-
-    def __init__(self, sess):
-        import onnxruntime as ort
-
-        self._sess = sess
-        self._options = ort.RunOptions()
-        self._options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-
-    def run(self, output_names, input_feed, run_options=None):
-        return self._sess.run(output_names, input_feed, run_options or self._options)
-
-    def __getattr__(self, name):
-        return getattr(self._sess, name)
 
 
 def onnxrt_runner(onnx_path: str | Path, *, name: str | None = None, shared: SharedInitializers | None = None):

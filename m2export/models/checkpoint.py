@@ -57,6 +57,9 @@ class LoadedCheckpoint:
     files: list[Path]
     sha256: str
     spec: ModelSpec | None = None
+    #: state-dict name -> where the tensor's memory is, for the tensors ``load_checkpoint(share=...)`` took from
+    #: elsewhere (bit-equal to the checkpoint's, checked); every other tensor is the checkpoint's own
+    shared: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.spec is None:
@@ -273,7 +276,7 @@ _FLOAT_ST = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    allow_nonfinite: bool = False) -> LoadedCheckpoint:
+                    allow_nonfinite: bool = False, share=None) -> LoadedCheckpoint:
     """Load a Mamba-2 or hybrid checkpoint (directory or weight-file path), format/family auto-detected.
 
     Every tensor name and size config.json declares is checked against the weight files (their safetensors
@@ -287,6 +290,15 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
             computes the logits in the model dtype, m2export in float32: closer to the float32 routing).
         allow_nonfinite: accept NaN/Inf weights and, for fp16/bf16 ``dtype``, values beyond that dtype's
             range (which the cast would turn into inf); refused by default (:func:`check_weights`).
+        share: where equal tensors may already be in memory (``m2export check``: the export's memory-mapped
+            weights, which ONNX Runtime uses): called as ``share(name, tensor)`` for every tensor of the model
+            (state-dict name, the checkpoint's tensor in the model's dtype), it yields ``(candidate, label)``
+            pairs; the first candidate of the same shape and dtype whose bits equal the checkpoint tensor's
+            (checked here, every element: :func:`bit_equal`) replaces it, and ``label`` goes to
+            :attr:`LoadedCheckpoint.shared`; a tensor without one stays the checkpoint's. Either way the model
+            computes with exactly the checkpoint's values. With ``share``, safetensors files are read one tensor
+            at a time into the process's own memory (:class:`_TensorsOnDisk`), not mapped whole, so a replaced
+            tensor's checkpoint copy is gone once replaced (a mapping would keep every page read resident).
     Returns:
         LoadedCheckpoint with the model in eval mode.
     Raises:
@@ -339,9 +351,13 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     if tied_head is not None and shapes[tied_head][0] != expected["backbone.embedding.weight"]:
         raise CheckpointError(f"{where}: tensor {tied_head!r} has shape {shapes[tied_head][0]}, but the "
                               "embeddings are tied (tie_word_embeddings/tie_embeddings)")
+    if sd is None and share is not None:
+        sd = _TensorsOnDisk.of(files, wm)
+        if sd is not None and not allow_nonfinite:
+            sd.check = (dtype, where)  # every tensor checked as it is read (each is read at least once below)
     if sd is None:
         sd = _read_tensors(files, wm)
-    if not allow_nonfinite:
+    if not allow_nonfinite and not isinstance(sd, _TensorsOnDisk):
         check_weights(sd, dtype, where)
     for m in model.modules():
         if isinstance(m, Router):
@@ -359,10 +375,16 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         for n in src.keys:
             uses[n] = uses.get(n, 0) + 1
     new: dict[str, torch.Tensor] = {}
+    shared: dict[str, str] = {}
     for k, src in plan.sources.items():
         t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
         new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
         del t
+        if share is not None:
+            for cand, label in share(k, new[k]):
+                if cand.shape == new[k].shape and cand.dtype == new[k].dtype and bit_equal(cand, new[k]):
+                    new[k], shared[k] = cand, label
+                    break
         for n in src.keys:  # a read tensor converted or stacked is dropped once nothing else reads it
             uses[n] -= 1
             if not uses[n] and n not in later:
@@ -375,7 +397,111 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                   "the blocks are not shared (transformers 5.24 unties Zamba2's shared blocks when "
                                   "tie_word_embeddings is false), which m2export does not support")
     model.eval()
-    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec)
+    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec, shared)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor, slice_elements: int = 1 << 22) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bits in every element (NaN payloads, the sign
+    of zero included: stricter than ``torch.equal``), compared in slices along the first axis of at most
+    ``slice_elements`` elements (strided views such as a transposed one are read in place, no whole copy)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    if a.dim() == 0:
+        a, b = a.reshape(1), b.reshape(1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if as_int is not None and a.dtype != torch.bool:  # compare bits, not values (-0.0 == 0.0, NaN != NaN)
+        a, b = a.view(as_int), b.view(as_int)
+    rows = max(1, slice_elements // (a.numel() // a.shape[0]))
+    return all(torch.equal(a[i:i + rows], b[i:i + rows]) for i in range(0, a.shape[0], rows))
+
+
+#: tensors of at least this many bytes are read by :class:`_TensorsOnDisk` into their own anonymous mapping: glibc
+#: keeps freed heap blocks below its (dynamic, up to 32 MB) mmap threshold, which after a 130m model's load were
+#: 0.24 GB of memory the process held and no tensor used (CPU here)
+_OWN_MAPPING_BYTES = 1 << 20
+#: safetensors dtype names :class:`_TensorsOnDisk` reads (anything else: the file is read by safetensors)
+_ST_READ = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}
+
+
+class _TensorsOnDisk(dict):
+    """name -> tensor of safetensors files, each tensor read from its file (plain reads, the process's own
+    memory) every time it is looked up, never kept: the form of the state dict that ``load_checkpoint(share=...)``
+    needs, where a tensor replaced by an equal one elsewhere must leave nothing resident behind (safetensors'
+    ``load_file`` maps the whole file, and the mapping keeps every page read resident while any tensor of it
+    lives). The dict's values are (file, dtype, shape, start, end) of the data; ``[]`` reads, and with
+    :attr:`check` = (dtype, where) refuses a tensor :func:`check_weights` refuses as it reads it (so the tensors
+    are not read once more just for that check)."""
+
+    check: tuple[torch.dtype | None, str] | None = None
+
+    @classmethod
+    def of(cls, files: list[Path], weight_map: dict[str, str] | None) -> "_TensorsOnDisk | None":
+        """The tensors of ``files`` (only the ones ``weight_map`` assigns to each shard), or None where a file is
+        not plain little-endian safetensors of :data:`_ST_READ` dtypes with consistent offsets (the caller then
+        reads it with safetensors, which reports what is wrong). Names are checked unique by the caller."""
+        import sys
+
+        if sys.byteorder != "little" or not all(f.suffix == ".safetensors" for f in files):
+            return None
+        out = cls()
+        for f in files:
+            try:
+                size = f.stat().st_size
+                with open(f, "rb") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    if n > size - 8:
+                        return None
+                    header = json.loads(fh.read(n))
+            except (OSError, ValueError, struct.error):
+                return None
+            base = 8 + n
+            for k, v in header.items():
+                if k == "__metadata__" or (weight_map is not None and weight_map.get(k) != f.name):
+                    continue
+                try:
+                    dt, shape, (start, end) = _ST_READ[v["dtype"]], tuple(int(x) for x in v["shape"]), v["data_offsets"]
+                    start, end = base + int(start), base + int(end)
+                except (KeyError, TypeError, ValueError):
+                    return None
+                numel = 1
+                for x in shape:
+                    numel *= x
+                if end - start != numel * torch.empty((), dtype=dt).element_size() or start < base or end > size:
+                    return None
+                dict.__setitem__(out, k, (f, dt, shape, start, end))
+        return out
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        f, dt, shape, start, end = dict.__getitem__(self, k)
+        if end - start >= _OWN_MAPPING_BYTES:  # its own anonymous mapping: unmapped as soon as the tensor is freed
+            import mmap
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable|.*non-writable")
+                t = torch.frombuffer(mmap.mmap(-1, end - start), dtype=dt).reshape(shape)
+        else:
+            t = torch.empty(shape, dtype=dt)
+        if end > start:
+            buf = t.reshape(-1).view(torch.uint8).numpy()
+            with open(f, "rb") as fh:
+                fh.seek(start)
+                got = fh.readinto(memoryview(buf))
+            if got != end - start:
+                raise CheckpointError(f"{f}: tensor {k!r} is truncated ({got} of {end - start} bytes)")
+        if self.check is not None:
+            check_weights({k: t}, *self.check)
+        return t
+
+    def items(self):
+        return ((k, self[k]) for k in self.keys())
+
+    def values(self):
+        return (self[k] for k in self.keys())
 
 
 def _assign_state(model: HybridLM, tensors: dict[str, torch.Tensor]) -> None:

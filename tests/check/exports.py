@@ -102,6 +102,28 @@ def scale_initializer(onnx_path: Path, name: str, factor: float) -> None:
     onnx.save(m, str(onnx_path))
 
 
+def change_external_weight(onnx_path: Path, name: str, change) -> Path:
+    """Change the external-data initializer ``name`` of ``onnx_path`` where it is stored: ``change(values)`` edits
+    the flat numpy view of its bytes in place in its data file (``model.onnx.data``, which every graph of the
+    folder reads; the graph itself is unchanged). Returns the data file."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    t = next((t for t in m.graph.initializer if t.name == name), None)
+    if t is None or t.data_location != onnx.TensorProto.EXTERNAL:
+        raise KeyError(f"{onnx_path.name}: no external initializer {name!r}")
+    info = {e.key: e.value for e in t.external_data}
+    data = onnx_path.parent / info["location"]
+    dt = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+    raw = np.memmap(data, dtype=np.uint8, mode="r+", offset=int(info.get("offset", 0)), shape=(int(info["length"]),))
+    change(raw.view(dt))
+    raw.flush()
+    del raw
+    return data
+
+
 def zero_graph_input(onnx_path: Path, input_name: str, op_type: str) -> int:
     """Make the graph ignore input ``input_name``: its ``op_type`` consumers read ``Sub(x, x)`` (zeros of the
     same shape and dtype) instead, in the main graph and in If branches (which read outer values by name: the
