@@ -16,6 +16,8 @@ windows from ``[all conv states; all tokens]`` with indices computed once from `
 then the taps summed in float32. The scan is one ``m2export::SSMScanPacked`` node (contract:
 :data:`m2export.contract.PACKED_INPUTS`; its model-local function runs one SSMScan per sequence; the TensorRT
 plugin runs the cuTile kernel). An empty sequence (two equal offsets) passes its states through unchanged.
+A ``cu_seqlens`` that breaks the contract (not from 0, decreasing, last != total tokens) either fails in the
+runtime (an index out of range) or makes every output NaN (:meth:`Packing.poison`): never finite values.
 
 Only models whose every layer is a built Mamba-2 layer (pure Mamba-2, fp32/fp16): attention layers would need
 per-sequence KV caches (varlen attention), which this graph does not build; such a model is refused by name.
@@ -108,6 +110,30 @@ class Packing:
         self.start_of_token = b.op("Gather", [self.starts, self.seq], {"axis": 0}, name="packed/start_of_token",
                                    shape=[T], dtype=i64)
         self._idx: dict[int, tuple] = {}
+        # the contract's offsets (from 0, non-decreasing, last = total tokens), as one (1,) bool for poison()
+        b_ = ir.DataType.BOOL
+        first = b.op("Slice", [cu, b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))],
+                     name="packed/cu_first", shape=[1], dtype=i64)
+        last = b.op("Slice", [cu, b.const(np.array([-1], np.int64)), b.const(big)], name="packed/cu_last", shape=[1],
+                    dtype=i64)
+        drops = b.op("ReduceSum", [b.op("Cast", [b.op("Less", [self.ends, self.starts], name="packed/cu_drop",
+                                                      shape=[S], dtype=b_)], {"to": int(i64)},
+                                        name="packed/cu_drop64", shape=[S], dtype=i64),
+                                   b.const(np.array([0], np.int64))], {"keepdims": 1},
+                     name="packed/cu_drops", shape=[1], dtype=i64)
+        self.valid = b.op("And", [b.op("And", [
+            b.op("Equal", [first, b.const(np.array([0], np.int64))], name="packed/cu_from_0", shape=[1], dtype=b_),
+            b.op("Equal", [last, n_tok], name="packed/cu_to_total", shape=[1], dtype=b_)],
+            name="packed/cu_ends_ok", shape=[1], dtype=b_),
+            b.op("Equal", [drops, b.const(np.array([0], np.int64))], name="packed/cu_nondecreasing", shape=[1],
+                 dtype=b_)], name="packed/cu_valid", shape=[1], dtype=b_)
+
+    def poison(self, b, v, name: str):
+        """``v`` where ``cu_seqlens`` keeps the contract, else NaN everywhere (an invalid pack's logits and states
+        are never finite values computed on the wrong tokens; ONNX has no assertion to refuse it)."""
+        nan = b.const(np.array(np.nan, dtype=v.dtype.numpy()))
+        v.name = f"{name}.unchecked"  # the caller gives the checked value v's name (a graph output's)
+        return b.op("Where", [self.valid, v, nan], name=name, shape=list(v.shape), dtype=v.dtype)
 
     @staticmethod
     def _unsq(b, v, axis: int, name: str, shape):
@@ -233,9 +259,10 @@ def build_packed(model, io: GraphIO, opset: int):
         graph.inputs.extend(past)
         h, new = build.mamba_layer(b, layer, h, past, f"layers.{i}/", packing=packing)
         for s, v in zip(layer_io, new):
+            v = packing.poison(b, v, f"layers.{i}/{s.kind}_checked")
             v.name = s.present.name
             presents.append(v)
-    logits = build.head(b, model, h)
+    logits = packing.poison(b, build.head(b, model, h), "logits_checked")
     logits.name = "logits"
     graph.outputs.extend([logits, *presents])
     if [v.name for v in graph.inputs] != pio.input_names() or [v.name for v in graph.outputs] != pio.output_names():

@@ -116,3 +116,28 @@ def test_hybrid_is_refused_before_anything_is_written(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: packed prefill: supported for pure Mamba-2 models") and "Traceback" not in "".join(err)
     assert not (tmp_path / "out2").exists()
+
+
+#: cu_seqlens the contract forbids (m2export/contract.py: from 0, non-decreasing, last = total tokens), on 10
+#: tokens: a decreasing offset that still covers every token ([0, -1, 10] ran to finite outputs: sequence 1 read
+#: "token -1"), not from 0, past the end, short of the end, decreasing inside
+BAD_CU = [[0, -1, 10], [2, 5, 10], [0, 5, 12], [0, 5, 8], [0, 7, 3, 10], [0, 11, 10]]
+
+
+@pytest.mark.parametrize("cu", BAD_CU, ids=[str(c) for c in BAD_CU])
+def test_bad_cu_seqlens_never_give_finite_outputs(cu, tmp_path_factory):
+    """An invalid cu_seqlens either fails in ONNX Runtime or NaN-poisons every output (logits and every present
+    state), so a server can never continue a sequence from states computed on the wrong tokens."""
+    out = _export("fp32", tmp_path_factory)
+    sess = ort.InferenceSession(str(out / PACKED_FILE), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(stable_seed("packed_bad_cu", str(cu)))
+    feeds = {"input_ids": rng.integers(0, 256, (1, 10)).astype(np.int64), "cu_seqlens": np.array(cu, np.int32)}
+    for i in sess.get_inputs()[2:]:
+        feeds[i.name] = rng.standard_normal([len(cu) - 1 if d == NSEQ else d for d in i.shape]).astype(np.float32)
+    try:
+        outs = sess.run(None, feeds)
+    except Exception as e:  # ORT's own refusal (an index out of range, a broadcast)
+        assert "ONNXRuntimeError" in str(e) or "onnxruntime" in type(e).__module__
+        return
+    for o, v in zip(sess.get_outputs(), outs):
+        assert np.isnan(v).all(), f"cu_seqlens {cu}: {o.name} has finite values"
