@@ -403,7 +403,7 @@ def _check_reference_backend(backend: str, reference: str) -> None:
     if backend == "cutile":
         if reference != REFERENCE:
             raise ParameterError(f"`reference_backend` 'cutile' runs m2export's PyTorch model; `reference` is "
-                                 f"{reference!r}", hint="drop --reference-backend, or use --reference torch")
+                                 f"{reference!r}", hint="drop `reference_backend`, or use `reference` 'torch'")
         from m2export.kernels._host import require_cuda_tile
 
         require_cuda_tile({})
