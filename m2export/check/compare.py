@@ -396,15 +396,19 @@ a GPU (:meth:`m2export.models.mamba2.HybridLM.set_kernel_backend`)."""
 
 
 def _check_reference_backend(backend: str, reference: str) -> None:
-    """Refuse an unknown backend, or "cutile" with transformers' reference or without CUDA / cuda.tile, before any
-    file is read (ParameterError exit 2, BackendUnavailable exit 4; one line each)."""
+    """Refuse an unknown backend, or "cutile" with transformers' reference, a bad ``M2EXPORT_AUTOTUNE``
+    (:func:`m2export.kernels._tune.enabled`) or without CUDA / cuda.tile, before any file is read (ParameterError
+    exit 2 from argparse's choices else 1, BackendUnavailable exit 4; one line each)."""
     if backend not in REFERENCE_BACKENDS:
         raise ParameterError(f"`reference_backend` {backend!r}: expected one of {list(REFERENCE_BACKENDS)}")
     if backend == "cutile":
         if reference != REFERENCE:
             raise ParameterError(f"`reference_backend` 'cutile' runs m2export's PyTorch model; `reference` is "
                                  f"{reference!r}", hint="drop `reference_backend`, or use `reference` 'torch'")
+        from m2export.kernels import _tune
         from m2export.kernels._host import require_cuda_tile
+
+        _tune.enabled()  # the cuTile scan reads M2EXPORT_AUTOTUNE on every eager call: a bad value fails here
 
         require_cuda_tile({})
 

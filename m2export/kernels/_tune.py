@@ -39,10 +39,14 @@ C = TypeVar("C")
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether eager calls search (``M2EXPORT_AUTOTUNE``). Raises ValueError on any value but "0" and "1"."""
+    """Whether eager calls search (``M2EXPORT_AUTOTUNE``). Raises :class:`~m2export.errors.ParameterError` (a
+    ValueError; one line in the CLI) on any value but "0" and "1" (blanks around it ignored, unset or empty = "0")."""
     value = environ.get(ENV, "").strip()
     if value not in _VALUES:
-        raise ValueError(f"{ENV}={value!r}: expected one of '0' (heuristic plans) or '1' (search each new shape)")
+        from m2export.errors import ParameterError
+
+        raise ParameterError(f"{ENV}={value!r}: expected one of '0' (heuristic plans) or '1' (search each new shape)",
+                             hint=f"unset {ENV} or set it to 0 or 1")
     return _VALUES[value]
 
 

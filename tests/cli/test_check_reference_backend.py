@@ -28,6 +28,16 @@ def test_cutile_with_transformers_reference_is_refused(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def test_bad_autotune_switch_is_one_line_before_anything_is_read(tmp_path, capsys, monkeypatch):
+    """M2EXPORT_AUTOTUNE is read by the cuTile scan's eager calls, i.e. by this reference: a bad value is refused
+    with one line before any file is read (it was a ValueError traceback from inside the first scan, on a GPU)."""
+    monkeypatch.setenv("M2EXPORT_AUTOTUNE", "true")
+    rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.startswith("error: M2EXPORT_AUTOTUNE='true': expected one of '0'") and "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the error path is the CPU one")
 def test_cutile_without_cuda_is_exit_4_one_line(tmp_path, capsys):
     rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile"])
