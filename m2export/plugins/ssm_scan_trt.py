@@ -95,10 +95,14 @@ def autotune_combinations(x_shape: Sequence[Any], B_shape: Sequence[Any], packed
 
 def tiles_for_tactic(tactic: Any, x_shape: Sequence[Any], B_shape: Sequence[Any], dtype: Any):
     """The :class:`~m2export.kernels.ssd.plan.TileFamily` of ``tactic`` (None for 0/None: the heuristic).
-    Raises InternalError for a tactic this layer never advertised."""
+    Raises InternalError for a tactic this layer never advertised.
+
+    The sequence length is not looked at: a tactic > 0 was advertised for a layer whose seqlen is dynamic at build
+    time, and at run time that engine may get one token (a 1-token prompt or packed call), which
+    :func:`layer_tile_families` would read as a decode graph's constant 1."""
     if not tactic:
         return None
-    families = layer_tile_families(x_shape, B_shape, dtype)
+    families = layer_tile_families((x_shape[0], None, *x_shape[2:]), B_shape, dtype)
     if not 1 <= int(tactic) <= len(families):
         raise InternalError(f"SSMScan plugin: tactic {tactic} not among the {len(families)} advertised for x "
                             f"{tuple(x_shape)}, B {tuple(B_shape)}")

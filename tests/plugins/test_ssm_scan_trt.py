@@ -419,3 +419,27 @@ def test_tactics_select_tile_families_and_reach_the_kernel(monkeypatch):
             plug.aot_launch(shapes, "bfloat16", SSMScanAttrs(), gpu_code="sm_90", compile_kernel=compile_kernel,
                             tactic=tactic)
     assert len(calls[0]) == 9 and calls[1][9] == fams[2]
+
+
+def test_chosen_tactic_runs_on_a_one_token_call_of_a_prefill_engine(monkeypatch):
+    """A prefill engine's layer advertises tactics (its seqlen is dynamic at build time); at run time the same
+    engine may get one token (a 1-token prompt, a packed call of 1 token): the tactic TensorRT chose must still
+    select its family. It raised InternalError ('tactic 2 not among the 0 advertised'): the run-time x's seqlen 1
+    read as a decode graph's constant 1."""
+    from dataclasses import replace
+
+    import m2export.kernels.ssd as ssd
+    from m2export.kernels.ssd.plan import tile_families
+
+    p = SSMScanProblem(1, 1, 8, 64, 2, 128, "bfloat16")
+    fams = tile_families(p)
+    assert len(fams) > 1 and plug.layer_tile_families(_sym(replace(p, seqlen=100), "x"), _sym(p, "B"), "bfloat16")
+    seen = []
+    monkeypatch.setattr(ssd, "ssm_scan", lambda *a, **kw: seen.append(kw["tiles"]))
+    inp = {n: torch.zeros(p.shape_of(n), dtype=torch.float32 if p.dtype_of(n) == "float32" else torch.bfloat16)
+           for n in INPUT_NAMES}
+    y, fs = torch.empty(p.shape_of("y"), dtype=torch.bfloat16), torch.empty(p.shape_of("final_state"))
+    for tactic in (0, 2, len(fams)):
+        plug.run_jit([FakeTensor(inp[n]) for n in INPUT_NAMES], [FakeTensor(y), FakeTensor(fs)], SSMScanAttrs(), 0,
+                     tactic=tactic, as_tensor=lambda t: t.tensor)
+    assert seen == [None, fams[1], fams[-1]]
