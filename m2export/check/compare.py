@@ -51,7 +51,8 @@ from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTr
 from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
 from m2export.check.weights import ExportWeights
 from m2export._paths import atomic_file, atomic_write_text
-from m2export.errors import CheckpointError, ExportFolderError, M2ExportError, OutputFolderError, ParameterError
+from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,
+                             ParameterError)
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
 from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
 from m2export.exporter.runtime import Decoder, feed_dtype_of
@@ -410,7 +411,13 @@ def _check_reference_backend(backend: str, reference: str) -> None:
 
         _tune.enabled()  # the cuTile scan reads M2EXPORT_AUTOTUNE on every eager call: a bad value fails here
 
-        require_cuda_tile({})
+        try:
+            require_cuda_tile({})
+        except BackendUnavailable as e:  # the kernels' own hint names their Python `backend` argument
+            why = e.raw_message.split(": ", 1)[-1]
+            raise BackendUnavailable(f"`reference_backend='cutile'`: {why}",
+                                     hint="run it on a CUDA machine with the GPU extra (pip install m2export[gpu]), "
+                                          "or use `reference_backend='torch'` (the default)") from None
 
 
 def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol: list[str] | None = None,

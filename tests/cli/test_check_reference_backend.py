@@ -43,8 +43,10 @@ def test_cutile_without_cuda_is_exit_4_one_line(tmp_path, capsys):
     rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile"])
     err = capsys.readouterr().err
     assert rc == 4, err
-    first = err.strip().splitlines()[0]
-    assert first == 'error: backend="cutile": no CUDA device is available' and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0] == "error: --reference-backend cutile: no CUDA device is available" and "Traceback" not in err
+    # the hint names the CLI flag, not the kernels' Python argument (it said 'pass backend="torch"')
+    assert lines[1].startswith("hint: ") and "--reference-backend torch" in lines[1] and 'backend="' not in err
 
 
 @pytest.mark.gpu
