@@ -251,6 +251,10 @@ def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Ite
     if target.exists() and not target.is_dir():
         raise error(f"{target}: exists and is not a directory", hint="choose another output folder (`outdir`)")
     if target.is_dir() and _interesting_entries(target):
+        if not force and force_foreign:  # the user asked for a replacement, with half the switch
+            raise error(f"{target}: exists and is not empty; `force_foreign` replaces a folder only together with "
+                        "`force`", hint="pass `force=True` as well to delete its contents, or choose another "
+                                        "output folder (`outdir`)")
         if not force:
             raise error(f"{target}: exists and is not empty",
                         hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")

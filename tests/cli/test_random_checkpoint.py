@@ -24,6 +24,9 @@ def test_refuses_non_empty_dir_without_force(tmp_path, capsys):
     assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 1  # not m2export's folder
     assert "m2export did not write (keep.txt)" in capsys.readouterr().err
     assert keep.read_text() == "precious"
+    assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force-foreign"]) == 1  # half the switch: says so
+    assert "--force-foreign replaces a folder only together with --force" in capsys.readouterr().err
+    assert keep.read_text() == "precious"
     assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force", "--force-foreign"]) == 0
     assert not keep.exists() and (tmp_path / "ck" / "model.safetensors").is_file()
     assert main(ARGS + ["-o", str(tmp_path / "ck"), "--force"]) == 0  # m2export's own now

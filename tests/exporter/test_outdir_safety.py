@@ -122,6 +122,19 @@ def test_force_foreign_replaces_on_request(tmp_path, ck):
     assert is_complete_export(out, "plugin")
 
 
+def test_force_foreign_alone_says_it_needs_force(tmp_path, capsys, ck):
+    """--force-foreign without --force refuses (nothing deleted) and says the two go together; it used to answer
+    'pass --force to replace it' as if the user had asked for nothing."""
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "thesis.tex").write_text("draft")
+    assert main(["export", str(ck), "-o", str(out), "--force-foreign", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}: exists and is not empty; --force-foreign replaces a folder only together "
+                          "with --force\nhint: pass --force as well"), err
+    assert (out / "thesis.tex").read_text() == "draft" and "Traceback" not in err
+
+
 def test_force_never_follows_a_symlinked_outdir(tmp_path, capsys, ck, previous):
     real = tmp_path / "real"
     shutil.copytree(previous, real)
