@@ -59,6 +59,7 @@ def test_cli_maps_library_parameters_to_its_flags(tiny_out, tmp_path, capsys):
     rc = main(["check", str(tiny_out), "--atol", "logit:1", "--report-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error: --atol 'logit:1': no output named 'logit'"), err
+    assert "\nhint: the outputs are logits, " in err, err  # one hint, no 'hint: Note:' stutter
 
 
 def test_internal_invariant_exits_70_with_traceback(monkeypatch, tmp_path, capsys):

@@ -92,7 +92,7 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
         matched = [n for n in output_names if fnmatch.fnmatchcase(n, name)]
         if not matched:
             raise ParameterError(f"`{param}` {v!r}: no output named {name!r}",
-                                hint=f"Note: outputs are {_abbrev_names(output_names)}; globs like "
+                                hint=f"the outputs are {_abbrev_names(output_names)}; globs like "
                                      "'present_ssm_state.*' work")
         for n in matched:
             out[n] = x
