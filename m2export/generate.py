@@ -138,6 +138,10 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
         raise ExportFolderError(f"{src}: no such file or directory",
                                 hint="pass an OUTDIR written by 'm2export export' (or a checkpoint with "
                                      "`runtime='torch'`)")
+    if src.is_file() and (src.parent / MANIFEST_FILE).is_file():  # model.onnx, model.plan ... of an export
+        raise ExportFolderError(f"{src}: a file of the export folder {src.parent}; generate reads the folder "
+                                f"(its {MANIFEST_FILE} names the graphs)",
+                                hint=f"pass {src.parent} (`ssm_impl` picks the graph flavour)")
     is_outdir = src.is_dir() and (src / MANIFEST_FILE).is_file()
     if runtime == "torch":
         if is_outdir:

@@ -41,7 +41,7 @@ def test_generate_checkpoint_default_torch_and_ids(tiny_ck, capsys):
     assert out.startswith("def") and err == ""
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "wrong_file", "ort_on_checkpoint", "bad_ids"])
+@pytest.mark.parametrize("case", ["missing_dir", "wrong_file", "graph_default_runtime", "ort_on_checkpoint", "bad_ids"])
 def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
     args, code, msg = ["generate"], 1, None
     if case == "missing_dir":
@@ -49,7 +49,10 @@ def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
         msg = "nope: no such file or directory"
     elif case == "wrong_file":
         args += [str(tiny_out / "model.onnx"), "--prompt", "x", "--runtime", "onnxrt"]
-        msg = "model.onnx: not an m2export output folder"
+        msg = f"model.onnx: a file of the export folder {tiny_out}"
+    elif case == "graph_default_runtime":  # a graph of an export, no --runtime: it was taken for a checkpoint file
+        args += [str(tiny_out / "model.onnx"), "--prompt", "x"]
+        msg = f"model.onnx: a file of the export folder {tiny_out}; generate reads the folder"
     elif case == "ort_on_checkpoint":
         args += [str(tiny_ck), "--prompt", "x", "--runtime", "onnxrt"]
         msg = "not an m2export output folder (no m2export.json)"
