@@ -509,7 +509,8 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     node's attributes (referenced), so each sequence is its own scan and no state crosses a boundary. An empty
     sequence (equal offsets) yields no tokens and its initial state as final state (``If``: the scan body is not
     entered with seqlen 0). ``y`` grows by Concat along seqlen in float32 (the If/Loop outputs need one element
-    type) and is cast back to the dtype of ``x``; ``final_state`` is the Loop's scan output, (nseq, h, p, n).
+    type) and is cast back to the dtype of ``x``; ``final_state`` is the Loop's scan output, (nseq, h, p, n) (reshaped
+    to ``initial_state``'s shape, so no sequences give (0, h, p, n)).
     Offsets are not validated in the graph (a runtime reading past seqlen clips like ``Slice``); hosts check them
     with :func:`m2export.contract.check_cu_seqlens`."""
     F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -553,7 +554,8 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
         helper.make_tensor_value_info("_seq_final_out", F, None)])
     y, final = b.op("Loop", nseq, "", y0, outputs=2, body=body)
     b.nodes.append(helper.make_node("CastLike", [y, x], [contract.PACKED_OUTPUT_NAMES[0]]))
-    b.nodes.append(helper.make_node("Identity", [final], [contract.PACKED_OUTPUT_NAMES[1]]))
+    # initial_state's shape: the same for nseq > 0, and (0, h, p, n) where zero iterations gave (0, 0, 0, 0)
+    b.nodes.append(helper.make_node("Reshape", [final, b.op("Shape", h0)], [contract.PACKED_OUTPUT_NAMES[1]]))
     return b.nodes, contract.PACKED_INPUT_NAMES, contract.PACKED_OUTPUT_NAMES
 
 

@@ -81,3 +81,19 @@ def test_packed_contract_is_the_unpacked_one_plus_offsets():
     assert contract.PACKED_INPUTS[7].dims[0] == "nseq" and not contract.PACKED_INPUTS[7].optional
     assert contract.PACKED_OUTPUTS[1].dims[0] == "nseq"
     assert contract.packed_output_shapes((1, 300, 8, 64), (1, 300, 2, 128), (4,))[1] == (3, 8, 64, 128)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_no_sequences_gives_final_state_of_its_declared_shape(inline):
+    """cu_seqlens [0] (no sequences, no tokens): final_state is (0, nheads, headdim, d_state) as declared (the
+    Loop's scan output of zero iterations was (0, 0, 0, 0)) and y is (1, 0, nheads, headdim)."""
+    model = ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64), inline=inline)
+    p, inp, _ = _packed_inputs([3], "float32", seed=5)
+    feeds = {n: inp[n].numpy() for n in contract.PACKED_INPUT_NAMES[:-1]}
+    for n in ("x", "dt", "B", "C"):
+        feeds[n] = feeds[n][:, :0]
+    feeds["initial_state"] = feeds["initial_state"][:0]
+    feeds["cu_seqlens"] = np.zeros(1, np.int32)
+    y, fs = _session(model).run(list(contract.PACKED_OUTPUT_NAMES), feeds)
+    assert y.shape == (1, 0, p.nheads, p.headdim)
+    assert fs.shape == (0, p.nheads, p.headdim, p.d_state)
