@@ -73,6 +73,9 @@ def run(args) -> int:
     from m2export.generate import ByteTokenizer, check_prompt_ids, choose_tokenizer, generate, open_runtime
 
     quiet_polygraphy(args.verbose)
+    if args.top_k and args.temperature <= 0:  # greedy decoding: the top-k filter never applies
+        print(f"note: --top-k {args.top_k} has no effect with greedy decoding (--temperature 0, the default); "
+              "pass --temperature T > 0 to sample among the top-k", file=sys.stderr)
     src = Path(args.source)
     runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)

@@ -177,6 +177,19 @@ def test_generate_bad_sampling_numbers_are_usage_errors(tiny_out, capsys, args, 
     assert_usage_error(["generate", str(tiny_out), "--prompt", "x", *args], msg, capsys)
 
 
+def test_generate_top_k_without_temperature_says_it_is_greedy(tiny_out, capsys):
+    """--top-k alone decodes greedily (as before), and a note on stderr says the filter had no effect (it was
+    silently ignored); stdout holds the text alone. --temperature > 0 with --top-k: no note."""
+    assert main(["generate", str(tiny_out), "--prompt", "def ", "--max-new-tokens", "3", "--top-k", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: --top-k 5 has no effect with greedy decoding" in err and "(greedy)" in err and "note" not in out
+    assert main(["generate", str(tiny_out), "--prompt", "def ", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == out  # the same greedy tokens
+    assert main(["generate", str(tiny_out), "--prompt", "def ", "--max-new-tokens", "3", "--top-k", "5",
+                 "--temperature", "0.5"]) == 0
+    assert "no effect" not in capsys.readouterr().err
+
+
 def test_generate_library_rejects_bad_sampling(tiny_out):
     """The library names its parameters (top_k), not the CLI's flags (--top-k)."""
     from m2export.errors import ParameterError
