@@ -67,7 +67,8 @@ def run(args) -> int:
         raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size (or --config CONFIG_JSON)")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
-                            force=args.force, force_foreign=args.force_foreign, config_json=config_json, **fields)
+                            force=args.force, force_foreign=args.force_foreign, config_json=config_json,
+                            config_source=args.config, **fields)
     if not args.quiet:  # the result on stdout
         from m2export.check.console import write_stdout
 

@@ -735,7 +735,8 @@ def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str =
 
 def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, format: str = "mamba_ssm",
                       seed: int = 0, dtype: torch.dtype | None = None, force: bool = False,
-                      force_foreign: bool = False, config_json: dict | None = None, **overrides) -> Path:
+                      force_foreign: bool = False, config_json: dict | None = None, config_source: str | None = None,
+                      **overrides) -> Path:
     """Write a randomly initialised checkpoint (mamba_ssm init, see :func:`init_weights_`).
 
     Args:
@@ -744,6 +745,7 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
             d_model/n_layer/vocab_size in ``overrides`` (or a ``config_json``).
         config_json: a parsed HF config.json (any supported family) to write random weights for; ``format``
             is then the family's own.
+        config_source: where ``config_json`` came from (a path), named by its errors (default: "config").
         overrides: any :class:`Mamba2Config` field (Mamba-2 presets); config.json keys (hybrid presets).
         force, force_foreign: as in :func:`save_checkpoint` (a non-empty ``outdir`` is refused by default).
     Raises:
@@ -757,9 +759,10 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
         overrides = {}
     if config_json is not None:
         raw = decode_hf_floats(dict(config_json))
-        fam = detect_format(raw, f"preset {preset}" if preset else "config")
+        source = f"preset {preset}" if preset else (config_source or "config")
+        fam = detect_format(raw, source)
         if fam in READERS:
-            spec = READERS[fam](raw, f"preset {preset}" if preset else "config")
+            spec = READERS[fam](raw, source)
             model = init_weights_(_built_in(dtype, lambda: HybridLM(spec)), seed=seed)
             return save_checkpoint(model, outdir, format=fam, dtype=dtype, force=force, force_foreign=force_foreign,
                                    config_json=config_json)

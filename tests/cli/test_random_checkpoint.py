@@ -49,3 +49,16 @@ def test_output_is_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(ARGS + ["-o", str(tmp_path / "afile"), "--force"]) == 1
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_config_errors_name_the_file(tmp_path, capsys):
+    """--config FILE with a JSON that is no model config (here an export's m2export.json-like dict): the one error
+    line names FILE (it said 'config: cannot tell the model family')."""
+    import json
+
+    bad = tmp_path / "m2export.json"
+    bad.write_text(json.dumps({"manifest_version": 3, "graphs": []}))
+    assert main(["random-checkpoint", "--config", str(bad), "-o", str(tmp_path / "ck"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}: cannot tell the model family"), err
+    assert not (tmp_path / "ck").exists() and "Traceback" not in err
