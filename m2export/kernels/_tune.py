@@ -101,7 +101,7 @@ class Autotuner:
     def __init__(self, *, budget_s: float = DEFAULT_BUDGET_S, clock: Callable[[], float] = time.monotonic):
         self.budget_s, self.clock = budget_s, clock
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
-        #: key -> [(candidate, ms or None if it failed)], for reports and tests
+        #: key -> [(candidate, ms or None if it failed)], for reports and tests (the cached keys' only)
         self.trials: dict[tuple, list] = {}
 
     def cached(self, key: tuple) -> Any | None:
@@ -143,7 +143,8 @@ class Autotuner:
                                                               for c, ms in trials))
         self.trials[key] = trials
         if len(self._cache) >= CACHE_SIZE:
-            self._cache.popitem(last=False)
+            old, _ = self._cache.popitem(last=False)
+            self.trials.pop(old, None)  # bounded with the cache
         self._cache[key] = best
         return best
 

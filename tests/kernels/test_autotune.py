@@ -114,3 +114,6 @@ def test_cache_is_bounded(monkeypatch):
     for k in ("k1", "k2", "k3"):
         tuner.choose((k,), ["a"], run, _timer_from({"a": 1.0}))
     assert tuner.cached(("k1",)) is None and tuner.cached(("k3",)) == "a"
+    # the trials kept for reports are bounded with the cache (they grew by one entry per new key: every new
+    # sequence length of an eager scan is a new key, so a long-running process leaked them)
+    assert set(tuner.trials) == {("k2",), ("k3",)}
