@@ -43,7 +43,8 @@ from m2export.check.data import (TokenDataLoader, byte_tokens, chunk_size_of, de
                                  token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
 from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
-from m2export.check.repro import RecordingLoader, reproduction_commands, ssmscan_build_note, write_saved
+from m2export.check.repro import (RecordingLoader, left_out_note, reproduction_commands, ssmscan_build_note,
+                                   write_saved)
 from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, ModelLayoutStates,
                                     OnnxReferenceRunner, SharedInitializers, onnxrt_runner, reference_runner,
@@ -154,6 +155,7 @@ class CheckReport:
     polygraphy_commands: list[str] = field(default_factory=list)  # polygraphy run --onnxrt, from commands_dir
     tensorrt_commands: list[str] = field(default_factory=list)  # trtexec / polygraphy run --trt, from commands_dir
     tensorrt_note: str = ""
+    reproduce_note: str = ""  # graphs without a polygraphy command, and why (m2export.check.repro.left_out_note)
     commands_dir: str = ""
     saved: dict[str, Any] = field(default_factory=dict)  # what check_inputs.json etc. hold (m2export.check.repro)
     histogram: str | None = None
@@ -261,6 +263,8 @@ class CheckReport:
             lines += ["", "## Reproduce anywhere with Polygraphy", "", reproduce_intro(self), "",
                       "```sh", f"cd {shlex.quote(self.commands_dir)}"] + [command_block(c, 100) for c in
                                                                           self.polygraphy_commands] + ["```"]
+        if self.reproduce_note:
+            lines += ["", f"Note: {self.reproduce_note}."]
         if self.tensorrt_commands or self.tensorrt_note:
             lines += ["", "With TensorRT (on the TensorRT machine, in the copied folder):", "", "```sh"] + [
                 command_block(c, 100) for c in self.tensorrt_commands] + ["```"] + (
@@ -588,6 +592,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             report.polygraphy_commands, report.tensorrt_commands = cmds["onnxrt"], cmds["tensorrt"]
             report.saved, report.commands_dir = describe_saved(rec), str(report_dir)
             report.tensorrt_note = ssmscan_build_note(manifest) or ""
+            report.reproduce_note = left_out_note(manifest) or ""
         report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())

@@ -197,6 +197,8 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
         console.print(Text(f"cd {shlex.quote(report.commands_dir)}"), soft_wrap=True, crop=False)
         for c in report.polygraphy_commands:
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
+    if report.reproduce_note:
+        console.print(Text(f"note: {report.reproduce_note}"), soft_wrap=False)
     if report.tensorrt_commands:
         console.print(Text("with TensorRT, in the copied folder (trtexec builds the std flavour with the profile "
                            "'m2export build' uses):"), soft_wrap=False)

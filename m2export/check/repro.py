@@ -194,6 +194,17 @@ def reproduction_commands(outdir: Path, manifest, report_dir: Path, atol: dict[s
     return {"onnxrt": onnxrt, "tensorrt": trt}
 
 
+def left_out_note(manifest) -> str | None:
+    """Why prefill graphs have no ``polygraphy run`` command (:func:`reproduction_commands` leaves out graphs whose
+    states are in another layout than the saved feeds': the native flavour's); None when none is left out."""
+    left = [g.file for g in manifest.graphs
+            if g.serves("prefill") and any(s.perm is not None for s in g.io().states)]
+    if not left:
+        return None
+    return (f"no polygraphy command for {', '.join(left)}: its states are in ONNX Runtime's own layouts, not the "
+            "saved feeds' (the model's); 'm2export check' compares it with the reference itself")
+
+
 def ssmscan_build_note(manifest) -> str | None:
     """What to do for graphs with SSMScan nodes, and JIT engines, on a TensorRT machine (None: nothing)."""
     notes = []

@@ -158,3 +158,21 @@ def test_recording_loader_keeps_a_prefix_within_budget():
     for k, f in enumerate(rec):
         rec.record_outputs(k, {"y": f["x"]})
     assert rec.saved() == 1  # the first feed is always kept
+
+
+def test_native_graph_left_out_is_said(tiny_ck, tmp_path, capsys):
+    """A native-flavour graph gets no polygraphy command (its states are not in the saved feeds' layout): the console
+    and check_report.md say so and name it, instead of printing nothing (a native-only export printed no
+    'reproduce' section at all and no reason)."""
+    from m2export.cli.main import main
+
+    out = tmp_path / "native"
+    assert main(["export", str(tiny_ck), "-o", str(out), "--ssm-impl", "native", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(out), "--shapes", "1x3", "--decode-steps", "1"]) == 0
+    stdout = capsys.readouterr().out
+    note = ("no polygraphy command for model.onnx: its states are in ONNX Runtime's own layouts, not the saved "
+            "feeds'")
+    assert "note: " + note in " ".join(stdout.split()), stdout
+    assert "polygraphy run" not in stdout
+    assert "Note: " + note in (out / "check_report.md").read_text()
