@@ -156,7 +156,9 @@ class Manifest:
                                 hint="re-export with both graph flavours (`ssm_impl='both'`)")
 
     def ssm_impls(self) -> list[str]:
-        return sorted({g.ssm_impl for g in self.graphs})
+        """The flavours of the prefill graph (sorted): the packed prefill graph, whose entry says ssmscan whatever
+        the export's flavours are, is none of them."""
+        return sorted({g.ssm_impl for g in self.graphs if _has_role(g.role, "prefill")})
 
     def engine(self, role: str) -> EngineEntry | None:
         """The engine serving ``role``: one built for that role alone (e.g. ``model.decode.plan``) first,

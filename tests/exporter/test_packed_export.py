@@ -141,3 +141,15 @@ def test_bad_cu_seqlens_never_give_finite_outputs(cu, tmp_path_factory):
         return
     for o, v in zip(sess.get_outputs(), outs):
         assert np.isnan(v).all(), f"cu_seqlens {cu}: {o.name} has finite values"
+
+
+def test_std_export_with_packed_graph_checks(tmp_path, capsys):
+    """--ssm-impl std --packed-prefill: the packed graph (ssm_impl ssmscan in the manifest) is no flavour of the
+    prefill graph; check refused the folder ('no prefill graph with ssm_impl=ssmscan', exit 1)."""
+    from m2export.cli.main import main
+
+    out = tmp_path / "out"
+    m = export_model(BUNDLED, out, ssm_impl="std", packed_prefill=True)
+    assert m.ssm_impls() == ["std"]
+    capsys.readouterr()
+    assert main(["check", str(out), "-q", "--shapes", "1x5", "--decode-steps", "1"]) == 0, capsys.readouterr().err
