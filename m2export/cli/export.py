@@ -93,5 +93,10 @@ def run(args) -> int:
         p = out / f
         files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
     if not args.quiet:
-        write_stdout(f"wrote {args.output}: {', '.join(files)}, m2export.json (dtype {m.dtype}, opset {m.opset})\n")
+        from m2export.exporter.ssm_scan_op import NATIVE_OPSET
+
+        native = [g.file for g in m.graphs if g.ssm_impl == "native"]  # built at NATIVE_OPSET whatever --opset
+        opsets = (f"opset {NATIVE_OPSET}" if len(native) == len(m.graphs) else
+                  f"opset {m.opset}" + "".join(f", {f} opset {NATIVE_OPSET}" for f in native))
+        write_stdout(f"wrote {args.output}: {', '.join(files)}, m2export.json (dtype {m.dtype}, {opsets})\n")
     return 0

@@ -39,6 +39,24 @@ def test_export_results_on_stdout_steps_with_v(tiny_ck, tmp_path, capsys, caplog
     assert "export: building the graph" in caplog.text and "done in" in caplog.text  # -v: m2export's debug log
 
 
+@pytest.mark.parametrize("impl,says", [("native", "(dtype fp32, opset 27)\n"),
+                                       ("all", "(dtype fp32, opset 18, model.native.onnx opset 27)\n"),
+                                       ("std", "(dtype fp32, opset 18)\n")])
+def test_export_line_states_each_graphs_opset(impl, says, tiny_ck, tmp_path, capsys):
+    """The native flavour is built at opset 27 whatever --opset: the 'wrote' line says so (it said 'opset 18' for a
+    native-only export, whose model.onnx imports ai.onnx 27), and it agrees with the graph files."""
+    import onnx
+
+    out = tmp_path / impl
+    assert main(["export", str(tiny_ck), "-o", str(out), "--no-check", "--ssm-impl", impl]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.endswith(says), stdout
+    native = out / ("model.onnx" if impl == "native" else "model.native.onnx")
+    if impl != "std":
+        opset = {o.domain: o.version for o in onnx.load(native, load_external_data=False).opset_import}[""]
+        assert f"opset {opset}" in stdout and opset == 27
+
+
 def test_generate_zero_new_tokens(tiny_out, capsys):
     assert main(["generate", str(tiny_out), "--prompt", "ab", "--max-new-tokens", "0"]) == 0
     out, err = capsys.readouterr()
