@@ -23,7 +23,7 @@ SSMScan plugin cannot be registered.
 examples:
   m2export build out/tiny
   m2export build out/tiny --plugin aot --max-batch 16 --max-seq 4096
-  m2export build out/tiny/model.std.onnx --opt-batch 8 --workspace 8G --opt-level 5
+  m2export build out/tiny-fp16/model.std.onnx --opt-batch 8 --workspace 8G --opt-level 5
 """
 
 
