@@ -62,7 +62,7 @@ def run(args) -> int:
     from m2export.errors import M2ExportError
     from m2export.inspect import load_onnx_structure
     from m2export.errors import BackendUnavailable
-    from m2export.trt.build import (ShapeRange, build_engines, parse_size, require_gpu, require_tensorrt,
+    from m2export.trt.build import (build_engines, parse_size, require_gpu, require_tensorrt,
                                     resolve_targets)
 
     isa = None
@@ -74,8 +74,7 @@ def run(args) -> int:
         isa = (major, minor)
     cache = False if args.no_timing_cache else (args.timing_cache or True)
     roles = ("prefill", "decode") if args.role == "both" else (args.role,)
-    batch = ShapeRange(args.min_batch, args.opt_batch, args.max_batch)
-    seq = ShapeRange(args.min_seq, args.opt_seq, args.max_seq)
+    batch, seq = (_flag_range(args, dim) for dim in ("batch", "seq"))
     workspace = parse_size(args.workspace) if args.workspace else None
     # order of the errors: the path (exit 1), then TensorRT (exit 4) before any graph is parsed, then the
     # graphs themselves (exit 1: a corrupt .onnx is a clean error, not a protobuf traceback)
@@ -104,3 +103,20 @@ def run(args) -> int:
         if result.manifest_updated:
             write_stdout(f"updated {result.outdir}/m2export.json\n")
     return 0
+
+
+def _flag_range(args, dim: str):
+    """The ShapeRange of --min-DIM/--opt-DIM/--max-DIM; its refusal names those flags and the values given."""
+    from m2export.errors import ParameterError
+    from m2export.names import DEFAULT_PROFILE
+    from m2export.trt.build import ShapeRange
+
+    flags = [f"--{k}-{dim}" for k in ("min", "opt", "max")]
+    values = [getattr(args, f"{k}_{dim}") for k in ("min", "opt", "max")]
+    try:
+        return ShapeRange(*values)
+    except ParameterError:
+        raise ParameterError(f"{', '.join(f'{f} {v}' for f, v in zip(flags, values))}: expected 1 <= "
+                             f"{' <= '.join(flags)}", hint=f"the defaults are {'/'.join(map(str, DEFAULT_PROFILE[dim]))}"
+                             "; give the ones you change consistent with them") from None
+
