@@ -330,7 +330,7 @@ def format_text(info: dict[str, Any]) -> str:
             L.append(f"  TensorRT: {info['tensorrt']}")
     else:
         c = info["config"]
-        L.append(f"{info['path']}: m2export output folder, dtype {info['dtype']}, opset {info['opset']}")
+        L.append(f"{info['path']}: m2export output folder, dtype {info['dtype']}, {_folder_opsets(info)}")
         L.append(f"  checkpoint: {info['source_checkpoint']} ({info['checkpoint_format']}, sha256 "
                  f"{info['checkpoint_sha256'][:12]}...)")
         L.append("  model: " + ", ".join(f"{k}={c[k]}" for k in ("d_model", "n_layer", "vocab_size", "d_state",
@@ -371,3 +371,15 @@ def format_text(info: dict[str, Any]) -> str:
 
 
 __all__ = ["describe", "describe_onnx", "describe_engine", "describe_outdir", "format_text"]
+
+
+def _folder_opsets(info: dict) -> str:
+    """``opset N``: the manifest's default-domain opset, with the graphs that import another one (the native
+    flavour's 27) named; only that other opset when every present graph imports it."""
+    other = {g["file"]: g["opsets"].get("ai.onnx") for g in info["graphs"] if g.get("present") and "opsets" in g}
+    other = {f: v for f, v in other.items() if v is not None and v != info["opset"]}
+    present = [g for g in info["graphs"] if g.get("present")]
+    if other and len(other) == len(present) and len(set(other.values())) == 1:
+        return f"opset {next(iter(other.values()))}"
+    return f"opset {info['opset']}" + "".join(f", {f} opset {v}" for f, v in other.items())
+

@@ -190,6 +190,18 @@ def test_generate_top_k_without_temperature_says_it_is_greedy(tiny_out, capsys):
     assert "no effect" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("impl,says", [("native", "dtype fp32, opset 27\n"),
+                                       ("all", "dtype fp32, opset 18, model.native.onnx opset 27\n")])
+def test_inspect_header_gives_the_native_graphs_opset(impl, says, tiny_ck, tmp_path, capsys):
+    """The folder line of inspect names the opset the graphs import: a native-only folder's model.onnx imports
+    ai.onnx 27 (the header said 'opset 18', the manifest's requested default)."""
+    out = tmp_path / impl
+    assert main(["export", str(tiny_ck), "-o", str(out), "--no-check", "--ssm-impl", impl, "-q"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"{out}: m2export output folder, {says.strip()}", first
+
+
 def test_generate_library_rejects_bad_sampling(tiny_out):
     """The library names its parameters (top_k), not the CLI's flags (--top-k)."""
     from m2export.errors import ParameterError
