@@ -82,6 +82,14 @@ def run(args) -> int:
     from m2export.check.console import human_bytes, write_stdout
     from m2export.exporter import export_model
 
+    from m2export.exporter.ssm_scan_op import NATIVE_OPSET
+    from m2export.names import GROUPS
+
+    if args.opset is not None and args.opset != NATIVE_OPSET and "native" in GROUPS.get(args.ssm_impl, (args.ssm_impl,)):
+        import sys
+
+        print(f"note: --opset {args.opset} applies to the ssmscan and std flavours; the native flavour is built at "
+              f"opset {NATIVE_OPSET} (ONNX Runtime's fused kernels need it)", file=sys.stderr)
     m = export_model(args.checkpoint, args.output, ssm_impl=args.ssm_impl, dtype=args.dtype, opset=args.opset,
                      force=args.force, force_foreign=args.force_foreign,
                      allow_nonfinite=args.allow_nonfinite, check=not args.no_check, progress=not args.quiet,
@@ -93,8 +101,6 @@ def run(args) -> int:
         p = out / f
         files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
     if not args.quiet:
-        from m2export.exporter.ssm_scan_op import NATIVE_OPSET
-
         native = [g.file for g in m.graphs if g.ssm_impl == "native"]  # built at NATIVE_OPSET whatever --opset
         opsets = (f"opset {NATIVE_OPSET}" if len(native) == len(m.graphs) else
                   f"opset {m.opset}" + "".join(f", {f} opset {NATIVE_OPSET}" for f in native))

@@ -57,6 +57,25 @@ def test_export_line_states_each_graphs_opset(impl, says, tiny_ck, tmp_path, cap
         assert f"opset {opset}" in stdout and opset == 27
 
 
+def test_opset_with_the_native_flavour_says_it_does_not_apply(tiny_ck, tmp_path, capsys):
+    """--opset N with the native flavour: a note on stderr says native stays at opset 27 (--opset was silently
+    ignored for it); the other flavours take N; no note without --opset or without native."""
+    import onnx
+
+    out = tmp_path / "all"
+    assert main(["export", str(tiny_ck), "-o", str(out), "--no-check", "--ssm-impl", "all", "--opset", "20"]) == 0
+    stdout, err = capsys.readouterr()
+    assert "note: --opset 20 applies to the ssmscan and std flavours; the native flavour is built at opset 27" in err
+    assert "note" not in stdout and stdout.endswith("(dtype fp32, opset 20, model.native.onnx opset 27)\n"), stdout
+    imports = {f: {o.domain: o.version for o in onnx.load(out / f, load_external_data=False).opset_import}[""]
+               for f in ("model.onnx", "model.std.onnx", "model.native.onnx")}
+    assert imports == {"model.onnx": 20, "model.std.onnx": 20, "model.native.onnx": 27}
+    assert main(["export", str(tiny_ck), "-o", str(tmp_path / "b"), "--no-check", "--ssm-impl", "both", "--opset",
+                 "20", "-q"]) == 0
+    assert main(["export", str(tiny_ck), "-o", str(tmp_path / "n"), "--no-check", "--ssm-impl", "native", "-q"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
 def test_generate_zero_new_tokens(tiny_out, capsys):
     assert main(["generate", str(tiny_out), "--prompt", "ab", "--max-new-tokens", "0"]) == 0
     out, err = capsys.readouterr()
