@@ -62,14 +62,14 @@ class FileTokenizer:
     """A HF ``tokenizers`` JSON file (tokenizer.json)."""
 
     def __init__(self, path: str | Path):
+        p = Path(path)
+        if not p.is_file():  # before the package: a mistyped path is the first thing to fix
+            raise ParameterError(f"`tokenizer` {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise M2ExportError(f"`tokenizer` {path}: the 'tokenizers' package is not installed",
                                 hint="pip install tokenizers, or pass token ids (`prompt_ids`)") from None
-        p = Path(path)
-        if not p.is_file():
-            raise ParameterError(f"`tokenizer` {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
         try:
             self.tok = Tokenizer.from_file(str(p))
         except Exception as e:  # tokenizers raises a bare Exception subclass on malformed files

@@ -202,6 +202,20 @@ def test_inspect_header_gives_the_native_graphs_opset(impl, says, tiny_ck, tmp_p
     assert first == f"{out}: m2export output folder, {says.strip()}", first
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_generate_missing_tokenizer_file_is_named_first(installed, tiny_out, tmp_path, monkeypatch, capsys):
+    """--tokenizer with a path that does not exist: 'no such file', whether or not the tokenizers package is there
+    (without it the error was 'the tokenizers package is not installed', and after installing it, the next error)."""
+    import sys
+
+    if not installed:
+        monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails
+    missing = tmp_path / "nosuch.json"
+    rc = main(["generate", str(tiny_out), "--prompt", "a", "--tokenizer", str(missing)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith(f"error: --tokenizer {missing}: no such file"), err
+
+
 def test_generate_library_rejects_bad_sampling(tiny_out):
     """The library names its parameters (top_k), not the CLI's flags (--top-k)."""
     from m2export.errors import ParameterError
