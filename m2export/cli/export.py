@@ -4,7 +4,7 @@ from __future__ import annotations
 
 HELP = "export a checkpoint to ONNX (one graph for prefill and decode; SSMScan custom-op or standard-op flavour)"
 DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers format) or a hybrid (Nemotron-H,
-Granite 4.0-H, Bamba) to ONNX:
+Granite 4.0-H, Bamba, Falcon-H1, Zamba2) to ONNX:
 
   OUTDIR/model.onnx       input_ids [batch_size, sequence_length] + past states -> logits + present states;
                           prefill, and decode with sequence_length 1

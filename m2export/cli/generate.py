@@ -49,8 +49,8 @@ def add_arguments(p):
                    default=None, help="default: onnxrt for an OUTDIR, torch for a checkpoint; onnx-reference runs "
                         "the graphs in ONNX's reference evaluator (any dtype, bf16 included; slow)")
     g.add_argument("--ssm-impl", choices=list(names.FLAVOURS), type=names.cli_type("flavour", "--ssm-impl"),
-                   default=None, help="onnxrt/onnx-reference: which graph flavour, ssmscan (SSMScan custom op) or std "
-                        "(standard ops) (default: the primary model.onnx)")
+                   default=None, help="onnxrt/onnx-reference: which graph flavour, ssmscan (SSMScan custom op), std "
+                        "(standard ops) or native (ONNX Runtime's fused kernels) (default: the primary model.onnx)")
     g = p.add_argument_group("Decoding")
     g.add_argument("--max-new-tokens", type=non_negative_int, default=64, metavar="N", help="(default: %(default)s)")
     g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
