@@ -226,27 +226,14 @@ def build_packed(model, io: GraphIO, opset: int):
     the regular graph's names (``model.<parameter>``), so the shared weights file stores them once.
     Raises ParameterError for a model :func:`check_packable` refuses.
     """
-    ir = _ir()
     from m2export.exporter import build
-    from m2export.exporter.stamp import _tensors
+    from m2export.exporter.stamp import initializer_names, model_builder
 
     check_packable(model)
     pio = packed_io(io)
     out = build.new_model(opset)
     graph = out.graph
-    names = {id(t): "model." + n for n, t in _tensors(model).items()}
-    inits: dict = {}
-
-    def derived(key, make, name):
-        if key not in inits:
-            a = make()
-            v = ir.Value(name=name, shape=ir.Shape(a.shape), type=ir.TensorType(ir.DataType.from_numpy(a.dtype)),
-                         const_value=ir.Tensor(a, name=name))
-            graph.register_initializer(v)
-            inits[key] = v
-        return inits[key]
-
-    b = build.Builder(graph, lambda t: derived(id(t), lambda: t.detach().numpy(), names[id(t)]), derived)
+    b = model_builder(graph, initializer_names(model), {})
     ids = build.graph_input(pio.input("input_ids"))
     cu = build.graph_input(pio.input(contract.CU_SEQLENS.name))
     graph.inputs.extend([ids, cu])

@@ -70,6 +70,36 @@ def _tensors(module) -> dict[str, torch.Tensor]:
             **dict(module.named_buffers(remove_duplicate=False))}
 
 
+def initializer_names(model) -> dict[int, str]:
+    """id(tensor) -> its initializer name in a whole-model trace: the wrapper's ``model.`` prefix and, for aliases
+    (a tied lm_head), the last name, as torch.export keeps it."""
+    return {id(t): "model." + n for n, t in _tensors(model).items()}
+
+
+def model_builder(graph, names: dict[int, str], inits: dict):
+    """A :class:`~m2export.exporter.build.Builder` appending to ``graph`` (an onnx_ir Graph).
+
+    ``weight(t)`` is the initializer of model tensor ``t``, named ``names[id(t)]`` (:func:`initializer_names`);
+    ``derived(key, make, name)`` the initializer of a value computed from model tensors (``make()`` -> numpy array,
+    called once per ``key``). ``inits`` (key -> initializer value) is shared with the caller's other initializers,
+    so each tensor or derived value becomes one initializer of the graph.
+    """
+    import onnx_ir as ir
+
+    from m2export.exporter import build
+
+    def derived(key, make, name):
+        if key not in inits:
+            a = make()
+            nv = ir.Value(name=name, shape=ir.Shape(a.shape), type=ir.TensorType(ir.DataType.from_numpy(a.dtype)),
+                          const_value=ir.Tensor(a, name=name))
+            graph.register_initializer(nv)
+            inits[key] = nv
+        return inits[key]
+
+    return build.Builder(graph, lambda t: derived(id(t), lambda: t.detach().numpy(), names[id(t)]), derived)
+
+
 def _kind_key(step: _LayerStep) -> tuple:
     tensors = _tensors(step)
     first: dict[int, int] = {}
@@ -118,9 +148,7 @@ def trace_stamped(model, io: GraphIO, opset: int, trace_module, *, build_pieces:
     kind_of = pieces.pop("kind_of", None)
 
     # ---------------------------------------------------------------- compose
-    names = {}  # id(tensor) -> its initializer name in a whole-model trace: the wrapper's "model." and, for
-    for n, t in _tensors(model).items():  # aliases (a tied lm_head), the last name, as torch.export keeps it
-        names[id(t)] = "model." + n
+    names = initializer_names(model)
     base = pieces["embed"] if "embed" in pieces else build.new_model(opset)
     graph = base.graph
     inits: dict[object, ir.Value] = {}
@@ -133,17 +161,7 @@ def trace_stamped(model, io: GraphIO, opset: int, trace_module, *, build_pieces:
             inits[key] = nv
         return inits[key]
 
-    def derived(key, make, name):
-        """The initializer of a built piece for ``key`` (a model tensor's id, or a value derived from it)."""
-        if key not in inits:
-            a = make()
-            nv = ir.Value(name=name, shape=ir.Shape(a.shape), type=ir.TensorType(ir.DataType.from_numpy(a.dtype)),
-                          const_value=ir.Tensor(a, name=name))
-            graph.register_initializer(nv)
-            inits[key] = nv
-        return inits[key]
-
-    builder = build.Builder(graph, lambda t: derived(id(t), lambda: t.detach().numpy(), names[id(t)]), derived)
+    builder = model_builder(graph, names, inits)
 
     def clone(piece, vmap, prefix, owner=None):
         """Append ``piece``'s nodes to ``graph``; ``vmap`` maps its inputs; initializers are ``owner``'s tensors."""
