@@ -50,6 +50,10 @@ from onnx import TensorProto, helper
 
 from m2export import contract_conv1d as cc
 from m2export import contract_gated_norm as cg
+from m2export.exporter._match import const_array as _const_array
+from m2export.exporter._match import perm as _perm
+from m2export.exporter._match import producer as _producer
+from m2export.exporter._match import rms_core
 from m2export.exporter.ssm_scan_op import PLUGIN_ATTRIBUTES, _Body, _elem_type
 
 _ATTR_PROTO = {"int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
@@ -165,31 +169,11 @@ def function_protos(opset: int = 18) -> list[onnx.FunctionProto]:
 
 
 # ----------------------------------------------------------------------------- the ssmscan flavour's rewrite
-def _producer(value, op_type: str):
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain == "" else None
-
-
 def _only_use(value, op_type: str | None = None):
     uses = [u.node for u in value.uses()] if value is not None else []
     if len(uses) != 1 or value.is_graph_output() or uses[0].domain != "":
         return None
     return uses[0] if op_type is None or uses[0].op_type == op_type else None
-
-
-def _perm(node) -> list[int] | None:
-    a = node.attributes.get("perm") if node is not None else None
-    return list(a.value) if a is not None else None
-
-
-def _scalar(value) -> float | None:
-    import onnx_ir as ir
-
-    t = ir.convenience.get_const_tensor(value) if value is not None else None
-    if t is None:
-        return None
-    a = t.numpy()
-    return float(a.reshape(-1)[0]) if a.size == 1 else None
 
 
 def _silu_input(value):
@@ -231,13 +215,6 @@ def _unique(model, name: str) -> str:
         k += 1
         out = f"{name}.{k}"
     return out
-
-
-def _const_array(value) -> np.ndarray | None:
-    import onnx_ir as ir
-
-    t = ir.convenience.get_const_tensor(value) if value is not None else None
-    return None if t is None else t.numpy()
 
 
 def _replace(old, new) -> None:
@@ -301,7 +278,6 @@ def fuse_conv1d(model) -> int:
             continue
         x, present, y_cl = pre.inputs[0], slices[0].outputs[0], post.outputs[0]
         name = conv.outputs[0].name  # value names are unique in the graph (node names of traced pieces need not be)
-        wname = conv.inputs[1].name or f"{name}.weight"
         axis1 = model.graph.initializers.get("fused_ops.axis_1")
         # (C, 1, K) -> (C, K) in the graph: the weight stays one initializer shared with the other flavours
         squeeze = ir.node("Squeeze", [conv.inputs[1], axis1 or _initializer(model, "fused_ops.axis_1",
@@ -342,32 +318,6 @@ def _cast_before(g, before, v, dtype, name: str):
     return c.outputs[0]
 
 
-def _rms_core(mul):
-    """``(u, eps)`` if ``mul`` is ``Mul(u, Reciprocal(Sqrt(Add(ReduceMean(Pow(u, 2), axes=[-1], keepdims=1), eps))))``
-    (either operand order), else None."""
-    import onnx_ir as ir
-
-    for u, r in (mul.inputs, mul.inputs[::-1]):
-        rec = _producer(r, "Reciprocal")
-        sqrt = _producer(rec.inputs[0], "Sqrt") if rec else None
-        add = _producer(sqrt.inputs[0], "Add") if sqrt else None
-        if add is None:
-            continue
-        for m, e in (add.inputs, add.inputs[::-1]):
-            mean, eps = _producer(m, "ReduceMean"), _scalar(e)
-            pw = _producer(mean.inputs[0], "Pow") if mean is not None else None
-            if pw is None or eps is None or pw.inputs[0] is not u or _scalar(pw.inputs[1]) != 2.0:
-                continue
-            axes = _const_array(mean.inputs[1]) if len(mean.inputs) > 1 else None
-            keep = mean.attributes.get("keepdims")
-            rank = len(u.shape) if u.shape is not None else None
-            if axes is None or rank is None or [int(a) % rank for a in axes.reshape(-1)] != [rank - 1] \
-                    or (keep is not None and keep.value != 1):
-                continue
-            return u, eps
-    return None
-
-
 def fuse_gated_norm(model) -> int:
     """Replace each gated RMSNorm by one ``m2export::GatedRMSNorm`` node (in place); returns the count.
 
@@ -383,11 +333,10 @@ def fuse_gated_norm(model) -> int:
     g = model.graph
     fused = 0
     for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
-        found = _rms_core(core)
+        found = rms_core(core)
         if found is None:
             continue
-        u, eps = found
-        d_shape = None
+        u, eps, _ = found
         rs_in = _producer(u, "Reshape")
         if rs_in is not None and u.shape is not None and len(u.shape) >= 2 and isinstance(u.shape[-1], int):
             group_size = int(u.shape[-1])
@@ -414,7 +363,7 @@ def fuse_gated_norm(model) -> int:
         if w is None or w.shape != (d_inner,):
             continue
         # the gate: before (v = y * silu(z)) or after (out = wmul * silu(z))
-        nbg, gated = None, None
+        nbg = None
         vm = _producer(v, "Mul")
         if vm is not None and len(v.uses()) == 1:
             for y, s in (vm.inputs, vm.inputs[::-1]):
@@ -478,10 +427,10 @@ def rms_normalization(model) -> int:
     g = model.graph
     done = 0
     for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
-        found = _rms_core(core)
+        found = rms_core(core)
         if found is None:
             continue
-        u, eps = found
+        u, eps, _ = found
         if u.dtype != ir.DataType.FLOAT or u.shape is None or not isinstance(u.shape[-1], int):
             continue
         d = int(u.shape[-1])

@@ -40,6 +40,9 @@ from __future__ import annotations
 
 from m2export import contract
 from m2export.errors import ExportError
+from m2export.exporter._match import perm as _perm
+from m2export.exporter._match import producer as _producer
+from m2export.exporter._match import rms_core
 from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
 
 #: IR version of the native graphs (onnx 1.22's, the first with opset 27)
@@ -386,16 +389,6 @@ def _single_consumer(value, op_type: str):
     return uses[0] if len(uses) == 1 and uses[0].op_type == op_type and uses[0].domain == "" else None
 
 
-def _producer(value, op_type: str):
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain == "" else None
-
-
-def _perm(node) -> list[int] | None:
-    a = node.attributes.get("perm") if node is not None else None
-    return list(a.value) if a is not None else None
-
-
 def seqlen_is_one(model):
     """The graph's one ``sequence_length == 1`` test (bool, shape (1,)) on the first graph input with a
     ``sequence_length`` axis, created on first use (``Shape`` + ``Equal`` at the top of the graph)."""
@@ -593,45 +586,6 @@ def sink_into_branches(model) -> int:
     return moved
 
 
-def _scalar(value) -> float | None:
-    """The value of a one-element constant (initializer or Constant node), else None."""
-    import onnx_ir as ir
-
-    t = ir.convenience.get_const_tensor(value) if value is not None else None
-    if t is None:
-        return None
-    a = t.numpy()
-    return float(a.reshape(-1)[0]) if a.size == 1 else None
-
-
-def _rms_core(mul):
-    """``(x, eps, nodes)`` if ``mul`` is ``Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), axes=[-1]), eps))))``
-    (either operand order) with every intermediate used once; else None."""
-    import onnx_ir as ir
-
-    for x, r in (mul.inputs, mul.inputs[::-1]):
-        rec = _producer(r, "Reciprocal")
-        sqrt = _producer(rec.inputs[0], "Sqrt") if rec else None
-        add = _producer(sqrt.inputs[0], "Add") if sqrt else None
-        if add is None:
-            continue
-        for m, e in (add.inputs, add.inputs[::-1]):
-            mean, eps = _producer(m, "ReduceMean"), _scalar(e)
-            pw = _producer(mean.inputs[0], "Pow") if mean is not None else None
-            if pw is None or eps is None or pw.inputs[0] is not x or _scalar(pw.inputs[1]) != 2.0:
-                continue
-            axes = ir.convenience.get_const_tensor(mean.inputs[1]) if len(mean.inputs) > 1 else None
-            keep = mean.attributes.get("keepdims")
-            rank = len(x.shape) if x.shape is not None else None
-            if axes is None or rank is None or [int(a) % rank for a in axes.numpy().reshape(-1)] != [rank - 1] \
-                    or (keep is not None and keep.value != 1):
-                continue
-            chain = (pw, mean, add, sqrt, rec)
-            if all(len(n.outputs[0].uses()) == 1 for n in chain):
-                return x, eps, chain
-    return None
-
-
 def fuse_rms_norm(model) -> int:
     """Replace each traced RMSNorm over the last axis by ``RMSNormalization`` (or, on a residual sum,
     ``com.microsoft::SkipSimplifiedLayerNormalization``); returns the number fused.
@@ -654,7 +608,7 @@ def fuse_rms_norm(model) -> int:
     for mul in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
         if mul.graph is not g:  # removed by an earlier fusion
             continue
-        core = _rms_core(mul)
+        core = rms_core(mul, single_use=True)
         if core is None:
             continue
         x, eps, chain = core
