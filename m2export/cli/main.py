@@ -40,8 +40,18 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-q", "--quiet", action="store_true", help="only errors (and the PASSED/FAILED line of check)")
 
 
+class Parser(argparse.ArgumentParser):
+    """Every parser of the ``m2export`` command line (the verbs' subparsers are made of this class too):
+    long options only by their full names. argparse's prefix abbreviations are off (``allow_abbrev=False``):
+    ``--ssm`` is no ``--ssm-impl``, and a flag added later cannot change what an old command line means."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="m2export", description="Export Mamba-2 checkpoints to ONNX and TensorRT engines and check their accuracy.",
         epilog="Run 'm2export VERB --help' for a verb's options and examples.\n\nexit codes:\n  "
                + exit_codes_text("\n  "),
