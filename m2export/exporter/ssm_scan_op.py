@@ -272,6 +272,50 @@ def _step_scan(b: _Body, e: dict[str, str]) -> tuple[str, str]:
     return y, h1
 
 
+def _within_chunks(b: _Body, xc: str, dc: str, Bc: str, Cc: str, A3: str, Q: str) -> tuple[str, str, str, str]:
+    """Steps 3-5 on chunked tensors (every chunk from a zero state): xc (b, nc, g, hpg, Q, p), dc (b, nc, g, hpg, Q)
+    (delta; 0 on padded steps), Bc/Cc (b, nc, g, 1, Q, n), A3 (g, hpg, 1), Q (1-D int64).
+
+    Returns (cs (b, nc, g, hpg, Q): decay from the chunk start, y_diag (b, nc, g, hpg, Q, p): intra-chunk output,
+    states (b, nc, g, hpg, p, n): state at the chunk end, cs_last (b, nc, g, hpg, 1): chunk totals of delta*A).
+    Shared by the SSMScan body and the SSMScanPacked body (whose chunks never straddle a sequence boundary).
+    """
+    F = TensorProto.FLOAT
+    i1 = lambda v: b.const([v])  # noqa: E731  1-D int64
+    zero_f = b.const(0.0, np.float32)
+    one = i1(1)
+    # 3. within-chunk inclusive cumsum of delta*A as a MatMul with U[j, i] = (j <= i): the decay from the
+    #    chunk start to token i (a sum from the anchor at the chunk start, accurate to its own terms)
+    Qs = b.op("Squeeze", Q, b.const([0]))
+    r = b.op("Range", b.const(0), Qs, b.const(1))
+    r_col, r_row = b.op("Unsqueeze", r, i1(1)), b.op("Unsqueeze", r, i1(0))
+    causal = b.op("GreaterOrEqual", r_col, r_row)  # [i, j] = i >= j
+    strict = b.op("Greater", r_col, r_row)  # [k, j] = k > j
+    upper = b.op("Cast", b.op("LessOrEqual", r_col, r_row), to=F)  # [j, i] = j <= i
+    dA = b.op("Mul", dc, A3)  # (b, nc, g, hpg, Q)
+    cs = b.op("MatMul", dA, upper)  # cs_i = sum_{j <= i} dA_j
+
+    # 4. segment sums seg[i, j] = sum_{j < k <= i} dA_k from their own terms: dA_k masked to k > j, summed
+    #    down i (one CumSum, axis -2, no reverse/exclusive). Not cs_i - cs_j: that difference carries the
+    #    fp32 rounding of |cs| (thousands for large dt), ~1e-4 absolute error in every exponent.
+    terms = b.op("Where", strict, b.op("Unsqueeze", dA, i1(-1)), zero_f)  # (b, nc, g, hpg, Q(k), Q(j))
+    seg = b.op("CumSum", terms, b.const(-2))  # [i, j]; 0 above the diagonal (empty sum), <= 0
+    # intra-chunk output: mask before use (exp of the finite seg, kept on j <= i only; no inf*0)
+    decay = b.op("Where", causal, b.op("Exp", seg), zero_f)
+    CB = b.op("MatMul", Cc, b.op("Transpose", Bc, perm=[0, 1, 2, 3, 5, 4]))  # (b, nc, g, 1, Q, Q)
+    xd = b.op("Mul", xc, b.op("Unsqueeze", dc, i1(-1)))  # delta ∘ x: (b, nc, g, hpg, Q, p)
+    y_diag = b.op("MatMul", b.op("Mul", CB, decay), xd)  # (b, nc, g, hpg, Q, p)
+
+    # 5. chunk states (zero state at chunk start): the last row of seg is the decay from token j to the chunk end
+    Qm1 = b.op("Sub", Q, one)
+    to_end = b.op("Squeeze", b.op("Slice", seg, Qm1, Q, i1(-2)), i1(-2))  # (b, nc, g, hpg, Q)
+    xw = b.op("Mul", xd, b.op("Unsqueeze", b.op("Exp", to_end), i1(-1)))
+    states = b.op("MatMul", b.op("Transpose", xw, perm=[0, 1, 2, 3, 5, 4]), Bc)  # (b, nc, g, hpg, p, n)
+    cs_last = b.op("Slice", cs, i1(-1), i1(np.iinfo(np.int64).max), i1(-1))  # (b, nc, g, hpg, 1): chunk totals
+
+    return cs, y_diag, states, cs_last
+
+
 def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = None) -> tuple[str, str]:
     """Steps 2-7 appended to ``b`` (``e`` from :func:`_entry`, ``Q`` from :func:`_chunk_len`).
 
@@ -305,35 +349,7 @@ def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = N
 
     Bc, Cc = chunk_bc(Bf), chunk_bc(Cf)
     A3 = b.op("Reshape", Af, b.op("Concat", g, hpg, one, axis=0))  # (g, hpg, 1)
-
-    # 3. within-chunk inclusive cumsum of delta*A as a MatMul with U[j, i] = (j <= i): the decay from the
-    #    chunk start to token i (a sum from the anchor at the chunk start, accurate to its own terms)
-    Qs = b.op("Squeeze", Q, b.const([0]))
-    r = b.op("Range", b.const(0), Qs, b.const(1))
-    r_col, r_row = b.op("Unsqueeze", r, i1(1)), b.op("Unsqueeze", r, i1(0))
-    causal = b.op("GreaterOrEqual", r_col, r_row)  # [i, j] = i >= j
-    strict = b.op("Greater", r_col, r_row)  # [k, j] = k > j
-    upper = b.op("Cast", b.op("LessOrEqual", r_col, r_row), to=F)  # [j, i] = j <= i
-    dA = b.op("Mul", dc, A3)  # (b, nc, g, hpg, Q)
-    cs = b.op("MatMul", dA, upper)  # cs_i = sum_{j <= i} dA_j
-
-    # 4. segment sums seg[i, j] = sum_{j < k <= i} dA_k from their own terms: dA_k masked to k > j, summed
-    #    down i (one CumSum, axis -2, no reverse/exclusive). Not cs_i - cs_j: that difference carries the
-    #    fp32 rounding of |cs| (thousands for large dt), ~1e-4 absolute error in every exponent.
-    terms = b.op("Where", strict, b.op("Unsqueeze", dA, i1(-1)), zero_f)  # (b, nc, g, hpg, Q(k), Q(j))
-    seg = b.op("CumSum", terms, b.const(-2))  # [i, j]; 0 above the diagonal (empty sum), <= 0
-    # intra-chunk output: mask before use (exp of the finite seg, kept on j <= i only; no inf*0)
-    decay = b.op("Where", causal, b.op("Exp", seg), zero_f)
-    CB = b.op("MatMul", Cc, b.op("Transpose", Bc, perm=[0, 1, 2, 3, 5, 4]))  # (b, nc, g, 1, Q, Q)
-    xd = b.op("Mul", xc, b.op("Unsqueeze", dc, i1(-1)))  # delta ∘ x: (b, nc, g, hpg, Q, p)
-    y_diag = b.op("MatMul", b.op("Mul", CB, decay), xd)  # (b, nc, g, hpg, Q, p)
-
-    # 5. chunk states (zero state at chunk start): the last row of seg is the decay from token j to the chunk end
-    Qm1 = b.op("Sub", Q, one)
-    to_end = b.op("Squeeze", b.op("Slice", seg, Qm1, Q, i1(-2)), i1(-2))  # (b, nc, g, hpg, Q)
-    xw = b.op("Mul", xd, b.op("Unsqueeze", b.op("Exp", to_end), i1(-1)))
-    states = b.op("MatMul", b.op("Transpose", xw, perm=[0, 1, 2, 3, 5, 4]), Bc)  # (b, nc, g, hpg, p, n)
-    cs_last = b.op("Slice", cs, i1(-1), i1(np.iinfo(np.int64).max), i1(-1))  # (b, nc, g, hpg, 1): chunk totals
+    cs, y_diag, states, cs_last = _within_chunks(b, xc, dc, Bc, Cc, A3, Q)
 
     # 6. state passing over chunks in closed form; index m = 0 is the initial state, m = c + 1 chunk c
     T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (b, g, hpg, nc)
@@ -503,72 +519,150 @@ def ssm_scan_function_proto(opset: int = 18) -> onnx.FunctionProto:
 
 
 def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
-    """The body of ``m2export::SSMScanPacked`` (contract: :data:`m2export.contract.PACKED_INPUTS`): a ``Loop`` over
-    the ``nseq = len(cu_seqlens) - 1`` sequences; iteration s slices tokens ``[cu_seqlens[s], cu_seqlens[s+1])`` of
-    x/dt/B/C (batch row 0), takes ``initial_state[s]`` and calls ``m2export::SSMScan`` on them with the calling
-    node's attributes (referenced), so each sequence is its own scan and no state crosses a boundary. An empty
-    sequence (equal offsets) yields no tokens and its initial state as final state (``If``: the scan body is not
-    entered with seqlen 0). ``y`` grows by Concat along seqlen in float32 (the If/Loop outputs need one element
-    type) and is cast back to the dtype of ``x``; ``final_state`` is the Loop's scan output, (nseq, h, p, n) (reshaped
-    to ``initial_state``'s shape, so no sequences give (0, h, p, n)).
-    Offsets are not validated in the graph (a runtime reading past seqlen clips like ``Slice``); hosts check them
-    with :func:`m2export.contract.check_cu_seqlens`."""
+    """The body of ``m2export::SSMScanPacked`` (contract: :data:`m2export.contract.PACKED_INPUTS`) in standard ops,
+    no Loop/Scan: the chunked SSD of :func:`_chunked_scan` over *sequence-local* chunks.
+
+    Each sequence s (tokens ``[cu_seqlens[s], cu_seqlens[s+1])`` of batch row 0, ``len_s`` of them) is cut into
+    ``n_s = ceil(len_s / Q)`` chunks from its own first token (``Q = max(1, min(chunk_size, total))``, the SSMScan
+    body's chunk length; evaluation order only), its last chunk padded with ``delta = 0``, ``x = B = C = 0`` steps
+    (no decay, no input), exactly the chunks a scan of that sequence alone has. All ``NL = sum n_s`` chunks of the
+    pack are laid side by side (one Gather from the tokens, computed once from ``cu_seqlens``) and run as one batch
+    through steps 3-5 (:func:`_within_chunks`): no chunk straddles a boundary, so no masking inside a chunk is
+    needed and nothing leaks. State passing (step 6) is the closed form over chunks, masked to chunks of one
+    sequence: the state at the end of chunk l of sequence s is
+    ``F_l = sum_{m <= l, seq(m) = s} exp(sum_{m < k <= l} T_k) Z_m + exp(sum_{first(s) <= k <= l} T_k) h0_s``
+    (``Z_m`` chunk m's zero-entry state, ``T_k`` chunk k's total log-decay; every exponent a masked sum of its own
+    terms, masked before exp, all <= 0), the state entering chunk l is ``h0_s`` for a sequence's first chunk and
+    ``F_{l-1}`` otherwise, and ``final_state[s] = F_{last(s)}`` (``h0_s``, bit for bit, for an empty sequence).
+    Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
+
+    Cost: the single-sequence body's on ``NL * Q`` steps (the padding of each sequence's last chunk is the only
+    extra work) plus an (NL x (NL + nseq)) state-passing MatMul. Offsets that break the contract (not from 0,
+    decreasing, last != seqlen) give NaN in every element of both outputs (indices are clamped so that the body
+    still runs); hosts refuse them first with :func:`m2export.contract.check_cu_seqlens`.
+    """
     F, I64 = TensorProto.FLOAT, TensorProto.INT64
-    x, dt, A, B, C, D, dt_bias, h0, cu = contract.PACKED_INPUT_NAMES
+    cu = contract.PACKED_INPUT_NAMES[-1]
     b = _Body()
+    e = _entry(b)
+    Q = _chunk_len(b, e["L"])
+    i1 = lambda v: b.const([v])  # noqa: E731  1-D int64
+    zero_i, one_i, big = b.const(0), b.const(1), i1(np.iinfo(np.int64).max)
+    zero_f = b.const(0.0, np.float32)
+    xf, Bf, Cf, Af, Df, h0f, delta = (e[k] for k in ("xf", "Bf", "Cf", "Af", "Df", "h0f", "delta"))
+    L, h, p, g, n, hpg = (e[k] for k in ("L", "h", "p", "g", "n", "hpg"))
+    one = i1(1)
+    sq = lambda t: b.op("Squeeze", t, i1(0))  # noqa: E731  (1,) -> scalar
+    col = lambda t: b.op("Unsqueeze", t, i1(1))  # noqa: E731
+    row = lambda t: b.op("Unsqueeze", t, i1(0))  # noqa: E731
+
+    # offsets (int64) and their validity (from 0, non-decreasing, last = seqlen): a (1,) bool for the NaN poison
     cu64 = b.op("Cast", cu, to=I64)
-    nseq = b.op("Sub", b.op("Size", cu64), b.const(1))
-    y0 = b.op("Cast", b.op("Slice", x, b.const([0]), b.const([0]), b.const([1])), to=F)  # (1, 0, h, p)
+    starts, ends = b.op("Slice", cu64, i1(0), i1(-1)), b.op("Slice", cu64, one, big)  # (nseq,)
+    lens = b.op("Sub", ends, starts)
+    drops = b.op("ReduceSum", b.op("Cast", b.op("Less", lens, zero_i), to=I64), keepdims=1)  # (1,) [] -> 0
+    valid = b.op("And", b.op("And", b.op("Equal", b.op("Slice", cu64, i1(0), one), i1(0)),
+                              b.op("Equal", b.op("Slice", cu64, i1(-1), big), L)),
+                 b.op("Equal", b.op("Reshape", drops, one), i1(0)))  # (1,)
+    lens = b.op("Max", lens, zero_i)
+    starts = b.op("Min", b.op("Max", starts, zero_i), L)
 
-    lb = _Body(prefix="seq_")
-    it, cond_in, y_acc = "_seq_iter", "_seq_cond", "_seq_y"
-    s1 = lb.op("Unsqueeze", it, lb.const([0]))
-    start = lb.op("Gather", cu64, s1)
-    end = lb.op("Gather", cu64, lb.op("Add", s1, lb.const([1])))
-    axis = lb.const([1])
-    xs, dts, Bs, Cs = (lb.op("Slice", t, start, end, axis) for t in (x, dt, B, C))
-    h0s = lb.op("Gather", h0, s1, axis=0)  # (1, h, p, n)
-    empty = lb.op("Equal", start, end)
+    # sequence-local chunks: n_s = ceil(len_s / Q), chunk ids co_s .. co_s + n_s - 1 (co: exclusive running sum)
+    n_s = b.op("Div", b.op("Sub", b.op("Add", lens, Q), one), Q)
+    co_end = b.op("CumSum", n_s, zero_i)  # (nseq,) one past each sequence's last chunk
+    co = b.op("Sub", co_end, n_s)
+    NL = b.op("Reshape", b.op("ReduceSum", n_s, keepdims=1), one)  # (1,); 0 when every sequence is empty
+    lch = b.op("Range", zero_i, sq(NL), one_i)  # chunk ids 0..NL-1
+    # sequence of each chunk: how many sequences' chunks end at or before it (empty ones end where they start)
+    s_l = b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", col(lch), row(co_end)), to=I64), i1(1), keepdims=0)
+    first_l = b.op("Equal", lch, b.op("Gather", co, s_l, axis=0))  # (NL,): the sequence's first chunk
+    # token held by step q of chunk l: start + (l - co) * Q + q. Steps past the sequence's end (its last chunk's
+    # padding) get delta = 0 (no decay, no input) and the x, B, C of the sequence's own last token (so nothing of
+    # another sequence is read): they come after every real step of their chunk, so the causal mask keeps them
+    # out of real rows' y, and their delta ∘ x = 0 keeps them out of the state
+    pos = b.op("Add", col(b.op("Mul", b.op("Sub", lch, b.op("Gather", co, s_l, axis=0)), Q)),
+               row(b.op("Range", zero_i, sq(Q), one_i)))  # (NL, Q)
+    len_l = col(b.op("Gather", lens, s_l, axis=0))
+    real = b.op("Less", pos, len_l)  # (NL, Q)
+    tok = b.op("Add", b.op("Min", pos, b.op("Sub", len_l, one_i)), col(b.op("Gather", starts, s_l, axis=0)))
+    tok = b.op("Min", tok, b.op("Sub", L, one))  # in range also for offsets past seqlen (then poisoned)
 
-    def call_scan(bb: _Body) -> tuple[str, str]:
-        ys, fs = f"_{bb._prefix}y", f"_{bb._prefix}final"
-        node = helper.make_node(contract.OP_NAME, [xs, dts, A, Bs, Cs, D, dt_bias, h0s], [ys, fs],
-                                domain=contract.OP_DOMAIN)
-        for a in contract.ATTRIBUTES:
-            node.attribute.append(helper.make_attribute_ref(a.name, _PROTO_ATTR_TYPES[a.type], ref_attr_name=a.name))
-        bb.nodes.append(node)
-        return bb.op("Cast", ys, to=F), fs
+    def chunked(t):  # (1, L, ...) float32 -> (NL, Q, ...)
+        return b.op("Gather", b.op("Squeeze", t, i1(0)), tok, axis=0)
 
-    def no_tokens(bb: _Body) -> tuple[str, str]:
-        return bb.op("Cast", xs, to=F), bb.op("Identity", h0s)
+    NLQ = lambda *dims: b.op("Concat", one, NL, Q, *dims, axis=0)  # noqa: E731  (1, NL, Q, ...)
+    xc = b.op("Transpose", b.op("Reshape", chunked(xf), NLQ(g, hpg, p)), perm=[0, 1, 3, 4, 2, 5])
+    d_steps = b.op("Where", b.op("Unsqueeze", real, i1(-1)), chunked(delta), zero_f)  # (NL, Q, h)
+    dc = b.op("Transpose", b.op("Reshape", d_steps, NLQ(g, hpg)), perm=[0, 1, 3, 4, 2])
 
-    ys, fs = _if(lb, empty, ("empty", no_tokens), ("scan", call_scan))
-    lb.nodes.append(helper.make_node("Identity", [cond_in], ["_seq_cond_out"]))
-    lb.nodes.append(helper.make_node("Concat", [y_acc, ys], ["_seq_y_out"], axis=1))
-    lb.nodes.append(helper.make_node("Squeeze", [fs, lb.const([0])], ["_seq_final_out"]))
-    body = helper.make_graph(lb.nodes, "ssm_scan_packed_seq", [
-        helper.make_tensor_value_info(it, I64, []), helper.make_tensor_value_info(cond_in, TensorProto.BOOL, []),
-        helper.make_tensor_value_info(y_acc, F, None)], [
-        helper.make_tensor_value_info("_seq_cond_out", TensorProto.BOOL, []),
-        helper.make_tensor_value_info("_seq_y_out", F, None),
-        helper.make_tensor_value_info("_seq_final_out", F, None)])
-    y, final = b.op("Loop", nseq, "", y0, outputs=2, body=body)
-    b.nodes.append(helper.make_node("CastLike", [y, x], [contract.PACKED_OUTPUT_NAMES[0]]))
-    # initial_state's shape: the same for nseq > 0, and (0, h, p, n) where zero iterations gave (0, 0, 0, 0)
-    b.nodes.append(helper.make_node("Reshape", [final, b.op("Shape", h0)], [contract.PACKED_OUTPUT_NAMES[1]]))
+    def chunk_bc(t):  # (1, L, g, n) -> (1, NL, g, 1, Q, n)
+        r = b.op("Reshape", chunked(t), NLQ(g, n))
+        return b.op("Unsqueeze", b.op("Transpose", r, perm=[0, 1, 3, 2, 4]), i1(3))
+
+    Bc, Cc = chunk_bc(Bf), chunk_bc(Cf)
+    A3 = b.op("Reshape", Af, b.op("Concat", g, hpg, one, axis=0))  # (g, hpg, 1)
+    cs, y_diag, states, cs_last = _within_chunks(b, xc, dc, Bc, Cc, A3, Q)  # batch 1, NL chunks
+
+    # 6. state passing, masked to chunks of one sequence (see the docstring); F_l = W_Z @ Z + w_h0 * h0[seq(l)]
+    T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (1, g, hpg, NL)
+    same = b.op("Equal", col(s_l), row(s_l))  # [l, m]: one sequence
+    le = b.op("LessOrEqual", row(lch), col(lch))  # [l, m]: m <= l
+    # seg[l, m] = sum_{m < k <= l} T_k = Lincl @ (T_k [k > m]): a masked sum of the chunk totals
+    Ystrict = b.op("Mul", b.op("Unsqueeze", T, i1(-1)), b.op("Cast", b.op("Greater", col(lch), row(lch)), to=F))
+    seg = b.op("MatMul", b.op("Cast", le, to=F), Ystrict)  # (1, g, hpg, NL, NL)
+    W = b.op("Where", b.op("And", same, le), b.op("Exp", b.op("Min", seg, zero_f)), zero_f)
+    # decay of h0 from its sequence's start to chunk l's end: sum_{k <= l, seq(k) = seq(l)} T_k
+    own = b.op("Cast", b.op("And", same, le), to=F)  # [l, k]
+    w_h0 = b.op("Exp", b.op("Min", b.op("MatMul", own, b.op("Unsqueeze", T, i1(-1))), zero_f))  # (1, g, hpg, NL, 1)
+    pn = b.op("Mul", p, n)
+    nseq = b.op("Shape", h0f, start=0, end=1)
+    h0g = b.op("Reshape", h0f, b.op("Concat", nseq, g, hpg, pn, axis=0))  # (nseq, g, hpg, p*n)
+    h0_l = b.op("Unsqueeze", b.op("Transpose", b.op("Gather", h0g, s_l, axis=0), perm=[1, 2, 0, 3]), i1(0))
+    Z = b.op("Reshape", b.op("Transpose", states, perm=[0, 2, 3, 1, 4, 5]),
+             b.op("Concat", one, g, hpg, NL, pn, axis=0))  # (1, g, hpg, NL, p*n)
+    Fe = b.op("Add", b.op("MatMul", W, Z), b.op("Mul", w_h0, h0_l))  # (1, g, hpg, NL, p*n): state at chunk l's end
+    prev = b.op("Slice", b.op("Pad", Fe, b.const([0, 0, 0, 1, 0, 0, 0, 0, 0, 0])), i1(0), NL, i1(3))  # F_{l-1}
+    E = b.op("Where", b.op("Unsqueeze", first_l, i1(1)), h0_l, prev)  # state entering chunk l
+    # final_state[s] = F at its last chunk (index NL: a zero row, for empty sequences, which take h0 instead)
+    last = b.op("Where", b.op("Greater", n_s, zero_i), b.op("Sub", co_end, one_i), NL)
+    fin = b.op("Gather", b.op("Pad", Fe, b.const([0, 0, 0, 0, 0, 0, 0, 0, 1, 0])), last, axis=3)  # (1, g, hpg, nseq, pn)
+    fin = b.op("Transpose", b.op("Squeeze", fin, i1(0)), perm=[2, 0, 1, 3])  # (nseq, g, hpg, p*n)
+    fin = b.op("Where", b.op("Reshape", b.op("Greater", n_s, zero_i), b.const([-1, 1, 1, 1])), fin, h0g)
+
+    # 7. inter-chunk output, back to the packed token order, skip term
+    prev = b.op("Transpose", b.op("Reshape", E, b.op("Concat", one, g, hpg, NL, p, n, axis=0)),
+                perm=[0, 3, 1, 2, 5, 4])  # (1, NL, g, hpg, n, p)
+    y_off = b.op("Mul", b.op("MatMul", Cc, prev), b.op("Unsqueeze", b.op("Exp", cs), i1(-1)))
+    yc = b.op("Transpose", b.op("Add", y_diag, y_off), perm=[0, 1, 4, 2, 3, 5])  # (1, NL, Q, g, hpg, p)
+    y_rows = b.op("Reshape", yc, b.op("Concat", b.op("Mul", NL, Q), h, p, axis=0))
+    # chunk step of packed token t: co[seq(t)] * Q + (t - start[seq(t)]) (clamped into the padded rows)
+    t = b.op("Range", zero_i, sq(L), one_i)
+    seq_t = b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", col(t), row(ends)), to=I64), i1(1), keepdims=0)
+    seq_t = b.op("Min", seq_t, b.op("Sub", b.op("Max", b.op("Size", starts), one_i), one_i))  # < nseq
+    slot = b.op("Add", b.op("Mul", b.op("Gather", co, seq_t, axis=0), sq(Q)),
+                b.op("Sub", t, b.op("Gather", starts, seq_t, axis=0)))
+    slot = b.op("Min", b.op("Max", slot, zero_i), b.op("Sub", b.op("Mul", sq(NL), sq(Q)), one_i))
+    y = b.op("Unsqueeze", b.op("Gather", y_rows, slot, axis=0), i1(0))  # (1, L, h, p)
+    # the NaN poison of invalid offsets rides on the (nheads,) skip weight: D x carries it to every y element
+    nan = b.const(np.nan, np.float32)
+    y = b.op("Add", y, b.op("Mul", xf, b.op("Unsqueeze", b.op("Where", valid, Df, nan), one)))
+    fin = b.op("Where", valid, fin, nan)
+    b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.PACKED_OUTPUT_NAMES[0]]))
+    b.nodes.append(helper.make_node("Reshape", [fin, b.op("Shape", h0f)], [contract.PACKED_OUTPUT_NAMES[1]]))
+    for node in b.nodes:  # NL, nseq and seqlen may be 0 (no sequences, all empty): a 0 in a shape is a 0
+        if node.op_type == "Reshape":
+            node.attribute.append(helper.make_attribute("allowzero", 1))
     return b.nodes, contract.PACKED_INPUT_NAMES, contract.PACKED_OUTPUT_NAMES
 
 
 def ssm_scan_packed_function_proto(opset: int = 18) -> onnx.FunctionProto:
-    """Model-local function ``m2export::SSMScanPacked`` (:func:`_build_packed_body`); it calls
-    ``m2export::SSMScan``, so a model holding it also holds :func:`ssm_scan_function_proto`."""
+    """Model-local function ``m2export::SSMScanPacked`` (:func:`_build_packed_body`: standard ops of the default
+    domain only, no Loop and no call of ``m2export::SSMScan``)."""
     nodes, inputs, outputs = _build_packed_body()
     return helper.make_function(contract.OP_DOMAIN, contract.PACKED_OP_NAME, list(inputs), list(outputs), nodes,
-                                [helper.make_opsetid("", opset),
-                                 helper.make_opsetid(contract.OP_DOMAIN, contract.OP_VERSION)],
-                                attribute_protos=_attribute_defaults(),
-                                doc_string="m2export::SSMScanPacked v1: SSMScan per sequence of a packed batch "
-                                           "(cu_seqlens); see m2export/contract.py")
+                                [helper.make_opsetid("", opset)], attribute_protos=_attribute_defaults(),
+                                doc_string="m2export::SSMScanPacked v1: SSMScan of each sequence of a packed batch "
+                                           "(cu_seqlens), chunked over sequence-local chunks; see m2export/contract.py")
 
 
 def _elem_type(dtype: str) -> int:
