@@ -569,7 +569,9 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
 
     # sequence-local chunks: n_s = ceil(len_s / Q), chunk ids co_s .. co_s + n_s - 1 (co: exclusive running sum)
     n_s = b.op("Div", b.op("Sub", b.op("Add", lens, Q), one), Q)
-    co_end = b.op("CumSum", n_s, zero_i)  # (nseq,) one past each sequence's last chunk
+    si = b.op("Range", zero_i, b.op("Size", n_s), one_i)
+    upto = b.op("Cast", b.op("LessOrEqual", row(si), col(si)), to=I64)  # [s, s'] = s' <= s (no CumSum: one axis)
+    co_end = b.op("ReduceSum", b.op("Mul", upto, row(n_s)), i1(1), keepdims=0)  # (nseq,) one past its last chunk
     co = b.op("Sub", co_end, n_s)
     NL = b.op("Reshape", b.op("ReduceSum", n_s, keepdims=1), one)  # (1,); 0 when every sequence is empty
     lch = b.op("Range", zero_i, sq(NL), one_i)  # chunk ids 0..NL-1

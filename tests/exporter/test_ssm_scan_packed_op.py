@@ -1,9 +1,10 @@
 """``m2export::SSMScanPacked`` (packed variable-length prefill, issue 14) in ONNX Runtime vs the float64 oracle.
 
-The model-local function (a Loop over sequences calling ``m2export::SSMScan``) and its inlined, plugin-free
-form, on packs with a boundary inside a chunk, one on a chunk edge, an empty sequence, one-token sequences,
-per-sequence initial states, non-default attributes (chunk size, no softplus, a dt clamp: they reach the inner
-call by reference), and fp16.
+The model-local function (the chunked SSD over sequence-local chunks, no Loop) and its inlined, plugin-free
+form, on packs of 1, 2 and 7 sequences (lengths 1, 63, 64, 65, 500, 2048: a boundary inside a chunk, one on a
+chunk edge), an empty sequence, per-sequence initial states, ngroups 2, non-default attributes (chunk size, no
+softplus, a dt clamp: referenced in the body), dt*A summing to -4,000 per 256 tokens, fp16 and bf16, and
+offsets that break the contract (NaN in every output element).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from m2export import contract
 from m2export.contract import SSMScanAttrs
 from m2export.exporter.ssm_scan_op import ssm_scan_packed_node_model
 from m2export.kernels.ssd.packed import ssm_scan_packed_recurrent
-from tests.helpers import assert_close, stable_seed
+from tests.helpers import assert_close, assert_cumsum_trt_safe, large_decay_inputs, stable_seed
 from tests.kernels.test_ssd_packed import PACKS, _packed_inputs
 
 ort = pytest.importorskip("onnxruntime")
@@ -97,3 +98,80 @@ def test_no_sequences_gives_final_state_of_its_declared_shape(inline):
     y, fs = _session(model).run(list(contract.PACKED_OUTPUT_NAMES), feeds)
     assert y.shape == (1, 0, p.nheads, p.headdim)
     assert fs.shape == (0, p.nheads, p.headdim, p.d_state)
+
+
+def test_packed_body_has_no_loop_and_trt_safe_cumsums():
+    model = ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64), inline=True)
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & {"Loop", "Scan", "If"}, ops
+    assert_cumsum_trt_safe(model.graph.node)
+
+
+def test_packed_large_decay_sums():
+    """dt*A summing to about -4,000 per 256 tokens (issue 16) with boundaries inside chunks: segment sums from
+    their own terms, within 5e-6 of the float64 oracle (a difference of cumulative sums misses by 3e-5 .. 1e-4)."""
+    from m2export.contract import SSMScanProblem
+
+    lengths = [100, 300, 112]
+    p = SSMScanProblem(1, sum(lengths), 8, 16, 2, 16)
+    inp = large_decay_inputs(p, seed=3)
+    inp["initial_state"] = torch.randn(len(lengths), 8, 16, 16, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=256))).run(None, _feeds(inp, cu))
+    assert np.isfinite(y).all() and np.isfinite(fs).all()
+    assert_close("y", ref.y, torch.from_numpy(y), rel=5e-6)
+    assert_close("final_state", ref.final_state, torch.from_numpy(fs), rel=5e-6)
+
+
+def test_packed_bf16_graph():
+    """bf16 x/dt/B/C (fp32 inside); ONNX Runtime's CPU provider runs the body (Casts only touch bf16)."""
+    p, inp, cu = _packed_inputs([63, 65, 1], "bfloat16", seed=13)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    model = ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64), dtype="bfloat16")
+    # y leaves as bf16; a Cast to float32 after the node hands it to numpy (which has no bf16)
+    model.graph.node[0].output[0] = "y_bf16"
+    model.graph.node.append(onnx.helper.make_node("Cast", ["y_bf16"], ["y"], to=onnx.TensorProto.FLOAT))
+    model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    feeds = {n: (cu if n == "cu_seqlens" else inp[n]) for n in contract.PACKED_INPUT_NAMES}
+    try:
+        sess = _session(model)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"ONNX Runtime cannot load a bf16 graph here: {e}")
+    ort_feeds = {}
+    for n, t in feeds.items():
+        if t.dtype == torch.bfloat16:
+            ort_feeds[n] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                t.view(torch.int16).numpy(), onnx.TensorProto.BFLOAT16)
+        else:
+            ort_feeds[n] = ort.OrtValue.ortvalue_from_numpy(t.numpy())
+    io = sess.io_binding()
+    for n, v in ort_feeds.items():
+        io.bind_ortvalue_input(n, v)
+    for n in contract.PACKED_OUTPUT_NAMES:
+        io.bind_output(n)
+    sess.run_with_iobinding(io)
+    y_ov, fs_ov = io.get_outputs()
+    y = torch.from_numpy(y_ov.numpy())
+    assert_close("bf16 y", ref.y, y, rel=2e-2)
+    assert_close("bf16 final_state", ref.final_state, torch.from_numpy(fs_ov.numpy()), rel=2e-2)
+
+
+#: offsets on 10 tokens that break the contract: decreasing, not from 0, past the end, short of the end
+BAD_CU = [[0, -1, 10], [2, 5, 10], [0, 5, 12], [0, 5, 8], [0, 7, 3, 10], [0, 0]]
+
+
+@pytest.mark.parametrize("cu", BAD_CU, ids=[str(c) for c in BAD_CU])
+def test_bad_offsets_give_nan_everywhere(cu):
+    """The body clamps its indices (so it runs) and poisons: every element of y and final_state is NaN."""
+    p, inp, _ = _packed_inputs([10], "float32", seed=14)
+    feeds = {n: inp[n].numpy() for n in contract.PACKED_INPUT_NAMES[:-1]}
+    feeds["initial_state"] = np.random.default_rng(0).standard_normal(
+        (len(cu) - 1, p.nheads, p.headdim, p.d_state)).astype(np.float32)
+    feeds["cu_seqlens"] = np.array(cu, np.int32)
+    try:
+        y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=4))).run(None, feeds)
+    except Exception as e:  # ORT's own refusal (an index out of range) is also never an answer
+        assert "ONNXRuntimeError" in str(e) or "onnxruntime" in type(e).__module__
+        return
+    assert np.isnan(y).all() and np.isnan(fs).all(), cu
