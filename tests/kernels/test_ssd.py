@@ -559,20 +559,30 @@ def _family_params():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("plan", ["single", "split", "aot"])
 @pytest.mark.parametrize("dtype,headdim,d_state,ngroups,fam", _family_params())
-def test_every_tile_family(dtype, headdim, d_state, ngroups, fam):
+def test_every_tile_family(dtype, headdim, d_state, ngroups, fam, plan):
+    """One tile family in one launch plan: the heuristic's segment count (config_for) at L = chunk - 3 and
+    3 chunks + 5, a forced 2-segment split, or the AOT kernel (aot_config with the family's tiles).
+
+    Small on purpose (one batch, 4 heads, <= 4 chunks): the float64 oracle runs on the device's CPU, shared by
+    every xdist worker; 2 x 8 heads x 9 chunks did not finish within 200 s for 16 workers (H200, 2026-12-01). One
+    plan per case, so xdist spreads the compiles (each plan builds its own kernels): with the three plans in one
+    case, 4 of 24 cases finished in 200 s on 16 workers (H200, 2026-12-02)."""
     from m2export.kernels.ssd.plan import aot_config, choose_config, config_for
 
-    # small on purpose (one batch, 4 heads, <= 4 chunks): the float64 oracle runs on the device's CPU, shared by
-    # every xdist worker; 2 x 8 heads x 9 chunks did not finish within 200 s for 16 workers (H200, 2026-12-01)
-    for seqlen in (fam.chunk - 3, 3 * fam.chunk + 5):
-        p = SSMScanProblem(1, seqlen, 4, headdim, ngroups, d_state, dtype=dtype)
-        seed = stable_seed("family", dtype, headdim, d_state, fam.chunk, fam.block_p, fam.state_t, seqlen)
-        _run_and_check(p, seed=seed, config=config_for(p, fam))
-    split = choose_config(p, chunk=fam.chunk, block_p=fam.block_p, state_t=fam.state_t, nseg=2)
-    assert split.nseg == 2
-    _run_and_check(p, seed=seed + 1, config=split)
-    _run_and_check(p, seed=seed + 2, config=aot_config(p, fam))
+    seed = stable_seed("family", dtype, headdim, d_state, fam.chunk, fam.block_p, fam.state_t, plan)
+    p = SSMScanProblem(1, 3 * fam.chunk + 5, 4, headdim, ngroups, d_state, dtype=dtype)
+    if plan == "single":
+        for seqlen in (fam.chunk - 3, 3 * fam.chunk + 5):
+            p = SSMScanProblem(1, seqlen, 4, headdim, ngroups, d_state, dtype=dtype)
+            _run_and_check(p, seed=seed + seqlen, config=config_for(p, fam))
+    elif plan == "split":
+        split = choose_config(p, chunk=fam.chunk, block_p=fam.block_p, state_t=fam.state_t, nseg=2)
+        assert split.nseg == 2
+        _run_and_check(p, seed=seed, config=split)
+    else:
+        _run_and_check(p, seed=seed, config=aot_config(p, fam))
 
 
 @pytest.mark.gpu
