@@ -32,10 +32,12 @@ Per implementation and shape: median ms of eager calls and of CUDA-graph replays
     TFLOP/s = FLOPs / t,  GB/s = bytes / t,  % of floor = floor / t * 100  (t: graph-replay median)
 
 mamba_ssm: ``mamba_chunk_scan_combined(..., chunk_size=256 (128 where the model uses it), dt_softplus=True,
-return_final_states=True)`` imported from a git-ignored copy of state-spaces/mamba's ``mamba_ssm/ops/triton``
-under ANCHORS/mamba_ssm_triton. TileGym: ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, A, B, C, D, dt,
-init_state, chunk_size=64)`` from a git-ignored copy of NVIDIA/TileGym's module under ANCHORS/tilegym (with a
-stand-in ``tilegym.backend.register_impl``); it takes dt already softplus'd (done once, outside the timing)
+return_final_states=True)`` imported from a git-ignored copy of state-spaces/mamba's ``mamba_ssm`` package (its
+.py files: ops/triton imports mamba_ssm.utils; the package ``__init__`` cut to its version line, which otherwise
+imports the CUDA-extension modules) under ANCHORS/mamba_ssm_triton/mamba_ssm. TileGym:
+``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, A, B, C, D, dt, init_state, chunk_size=64)`` from a git-ignored
+copy of NVIDIA/TileGym's module under ANCHORS/tilegym (with stand-ins for ``tilegym.backend.register_impl`` and
+``tilegym.autotune.is_autotune_disabled``); it takes dt already softplus'd (done once, outside the timing)
 and a zero initial state, needs L % 64 == 0 and P % 64 == 0, and runs with TILEGYM_DISABLE_AUTOTUNE=1 (its
 first config of each search space) unless --tilegym-autotune. ANCHORS: --anchors, default ROOT/.devcarry.
 Neither is ever committed; a missing one is skipped with a note.
