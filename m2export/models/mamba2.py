@@ -458,21 +458,29 @@ def init_weights_(model: HybridLM, seed: int = 0, *, dt_min: float = 1e-3, dt_ma
 
     A_log = log(U[A_init_range]); dt = exp(U[log dt_min, log dt_max]) floored at dt_init_floor and
     dt_bias = dt + log(-expm1(-dt)) (inverse softplus); D = 1; embedding N(0, 0.02); Linear/conv1d
-    PyTorch defaults (uniform +-1/sqrt(fan_in)); stacked expert weights the same per expert; router
-    N(0, 0.02) with zero score-correction bias; every mixer's out_proj rescaled by 1/sqrt(n_layer)
-    (GPT-2 prenorm-residual scheme); norms 1. For a pure-Mamba model the draws are those of earlier releases.
+    weights and biases PyTorch's defaults (uniform +-1/sqrt(fan_in), fan_in of the layer's weight: d_conv for
+    the depthwise conv1d); stacked expert weights the same per expert; router N(0, 0.02) with zero
+    score-correction bias; every mixer's out_proj rescaled by 1/sqrt(n_layer) (GPT-2 prenorm-residual
+    scheme); norms 1.
+
+    Biases are random, not zero (mamba_ssm zeroes its Linear biases): a random checkpoint exercises every
+    parameter, and a zero bias would hide a graph that drops or misplaces one. They are drawn last, so every
+    other draw is that of earlier releases (for a pure-Mamba model); all of it is deterministic per ``seed``.
     """
     n_layer = model.spec.n_layer
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    biases = []  # (bias, its weight's fan_in)
+    for name, p in params.items():
         if name.endswith(("experts_in", "experts_out")):
             bound = 1.0 / math.sqrt(p.shape[2])
             p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
         elif p.dim() >= 2:
             bound = 1.0 / math.sqrt(p.shape[1] * (p.shape[2] if p.dim() > 2 else 1))
             p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
-        elif name.endswith("bias"):
-            p.zero_()
+        elif name.endswith(".bias"):
+            w = params[name[:-len("bias")] + "weight"]
+            biases.append((p, w.shape[1] * (w.shape[2] if w.dim() > 2 else 1)))
     nn.init.normal_(model.backbone.embedding.weight, std=0.02, generator=gen)
     for m in model.mixers:
         nh = m.spec.nheads
@@ -492,4 +500,6 @@ def init_weights_(model: HybridLM, seed: int = 0, *, dt_min: float = 1e-3, dt_ma
                 mod.e_score_correction_bias.zero_()
         if isinstance(mod, RMSNorm) and mod is not None:
             mod.weight.fill_(1.0)
+    for p, fan_in in biases:  # last: the draws above stay those of earlier releases
+        p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / math.sqrt(fan_in))
     return model

@@ -62,3 +62,33 @@ def test_config_errors_name_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}: cannot tell the model family"), err
     assert not (tmp_path / "ck").exists() and "Traceback" not in err
+
+
+def test_every_parameter_is_random_and_deterministic_per_seed(tmp_path):
+    """No parameter is all zeros (the conv1d bias was: a zero bias hides a graph that drops it); the biases are
+    PyTorch's default U(+-1/sqrt(fan_in)), fan_in d_conv for the depthwise conv; the same --seed writes the
+    same tensors, another seed others."""
+    import math
+
+    import torch
+
+    def write(name, seed, *extra):
+        assert main(ARGS + ["-o", str(tmp_path / name), "--seed", str(seed), *extra]) == 0
+        return dict(load_checkpoint(tmp_path / name).model.named_parameters())
+
+    a, again, other = write("a", 3), write("a2", 3), write("b", 4)
+    assert [n for n, p in a.items() if not p.detach().abs().sum() > 0] == []
+    for n, p in a.items():
+        assert torch.equal(p, again[n]), n
+    bias = a["backbone.layers.0.mixer.conv1d.bias"]
+    assert bias.abs().max() <= 1 / math.sqrt(4) and bias.std() > 0.1  # d_conv 4: U(-0.5, 0.5) has std 0.29
+    assert not torch.equal(bias, other["backbone.layers.0.mixer.conv1d.bias"])
+
+
+def test_hybrid_presets_have_no_zero_parameter(tmp_path):
+    """Every family's random checkpoint, its Linear biases included where the family has them (Falcon-H1's
+    out_proj), exercises every parameter."""
+    for preset in ("tiny-falcon-h1", "tiny-nemotron-h", "tiny-zamba2"):
+        assert main(["random-checkpoint", "--preset", preset, "-o", str(tmp_path / preset), "-q"]) == 0
+        params = load_checkpoint(tmp_path / preset).model.named_parameters()
+        assert [n for n, p in params if not p.detach().abs().sum() > 0] == [], preset
