@@ -104,7 +104,7 @@ def test_tampered_ssm_scan_attribute_fails(tiny_out, tmp_path):
 
 def test_tampered_weight_fails_only_downstream_outputs(tiny_out, tmp_path):
     """conv1d weight of layer 1 scaled in model.std.onnx: layer 1's ssm state and the logits fail; the conv
-    states (the conv's raw inputs) and layer 0 (upstream of the change) pass, and the plugin flavour passes."""
+    states (the conv's raw inputs) and layer 0 (upstream of the change) pass, and the ssmscan flavour passes."""
     out = copy_export(tiny_out, tmp_path / "tampered_w")
     scale_initializer(out / "model.std.onnx", "model.backbone.layers.1.mixer.conv1d.weight", 1.1)
     report = run_check(out, **QUICK)

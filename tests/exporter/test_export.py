@@ -1,6 +1,6 @@
 """Exported prefill/decode graphs of tiny random checkpoints: structure, manifest, ORT vs PyTorch, generation.
 
-Both flavours (plugin: SSMScan node + local function; onnx: standard ops). Exports trace at batch 2,
+Both flavours (ssmscan: SSMScan node + local function; std: standard ops). Exports trace at batch 2,
 seq 7; every run below uses other sizes (dynamic axes). Tolerances (rel-L2 of logits / states vs the
 PyTorch model of the same checkpoint): fp32 1e-5; fp16 vs the fp32 model 1e-2; bf16 (ONNX reference
 evaluator, since ORT CPU has no bf16 kernels) vs the bf16 PyTorch model 3e-2.

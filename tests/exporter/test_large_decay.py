@@ -85,7 +85,7 @@ def test_torch_split_prefill_equals_unsplit(large_dt_ck, ids):
     _assert_split_equal(full, second)
 
 
-@pytest.mark.parametrize("impl", ["plugin", "onnx", "native"])
+@pytest.mark.parametrize("impl", ["ssmscan", "std", "native"])
 def test_ort_vs_float64_and_split(large_dt_export, ids, fp64_logits, impl):
     """Each flavour vs float64 at L=512 and split at 300 through its state I/O (the native flavour's ssm states in
     its (b, h, d_state, headdim) layout: passed through by name, as a runtime does); the native flavour's final

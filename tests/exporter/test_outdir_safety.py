@@ -37,7 +37,7 @@ def ck(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory, ck):
-    """A previous export (plugin flavour only: the new exports below add *.std.onnx, so the two differ)."""
+    """A previous export (ssmscan flavour only: the new exports below add *.std.onnx, so the two differ)."""
     out = tmp_path_factory.mktemp("prev") / "prev"
     assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
     return out
@@ -119,7 +119,7 @@ def test_force_foreign_replaces_on_request(tmp_path, ck):
     out.mkdir()
     (out / "thesis.tex").write_text("draft")
     assert main(["export", str(ck), "-o", str(out), "--force", "--force-foreign", "-q"]) == 0
-    assert is_complete_export(out, "plugin")
+    assert is_complete_export(out, "ssmscan")
 
 
 def test_force_foreign_alone_says_it_needs_force(tmp_path, capsys, ck):
@@ -192,7 +192,7 @@ def test_concurrent_exports_to_one_new_outdir(tmp_path, ck):
     loser = next(p for _, p in procs if p.returncode == 1)
     assert "while m2export was writing" in loser.stderr
     winner = next(i for i, p in procs if p.returncode == 0)
-    assert is_complete_export(out, "both" if winner else "plugin")
+    assert is_complete_export(out, "both" if winner else "ssmscan")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -226,7 +226,7 @@ def test_sigkill_leftovers_are_cleaned_by_the_next_export(tmp_path, ck, previous
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")], "nothing to clean: bad test"
     assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert is_complete_export(out, "plugin")
+    assert is_complete_export(out, "ssmscan")
 
 
 @posix
@@ -282,7 +282,7 @@ def test_force_onto_a_mount_point_deletes_nothing(tmpfs, capsys, ck, previous):
 
 def test_export_into_an_empty_mount_point_writes_in_place(tmpfs, ck):
     assert main(["export", str(ck), "-o", str(tmpfs), "-q"]) == 0
-    assert is_complete_export(tmpfs, "plugin")
+    assert is_complete_export(tmpfs, "ssmscan")
 
 
 # ------------------------------------------------------------------------------------------ item 12: full disk

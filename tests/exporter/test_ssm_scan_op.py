@@ -1,4 +1,4 @@
-"""The SSMScan ONNX function body (plugin flavour) and its inlined form (onnx flavour) vs the float64 oracle.
+"""The SSMScan ONNX function body (ssmscan flavour) and its inlined form (std flavour) vs the float64 oracle.
 
 One-node models built by ``ssm_scan_node_model`` run in ONNX Runtime (CPU) on problems drawn from the
 contract with ``tests.helpers.make_inputs``; the reference is ``ssm_scan_recurrent`` in float64.
