@@ -58,7 +58,8 @@ def main(argv=None) -> None:
     import onnxruntime as ort
 
     from m2export.exporter import export_model
-    from m2export.exporter.packed import NSEQ, PACKED_FILE
+    from m2export.exporter.manifest import read_manifest
+    from m2export.exporter.packed import NSEQ, PACKED_FILE, PACKED_ROLE, packed_feed
 
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
@@ -73,6 +74,7 @@ def main(argv=None) -> None:
         packed = ort.InferenceSession(str(out / PACKED_FILE), so, providers=["CPUExecutionProvider"])
         plain = ort.InferenceSession(str(out / "model.onnx"), so, providers=["CPUExecutionProvider"])
         vocab = plain.get_outputs()[0].shape[2]
+        pio = read_manifest(out).graph(PACKED_ROLE).io()
         rng = np.random.default_rng(0)
         rows = []
         for pname in args.packs.split(","):
@@ -84,8 +86,8 @@ def main(argv=None) -> None:
                 return {i.name: np.zeros([batch if d in (NSEQ, "batch_size") else d for d in i.shape], np.float32)
                         for i in sess.get_inputs() if i.name not in ("input_ids", "cu_seqlens")}
 
-            pfeed = {"input_ids": np.concatenate(seqs)[None],
-                     "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), **states(packed, n)}
+            one_state = states(plain, 1)
+            pfeed = packed_feed(seqs, [one_state] * n, pio)  # checked: cu_seqlens from 0 to total, one state per seq
             one = {"input_ids": np.concatenate(seqs)[None], **states(plain, 1)}
             singles = [{"input_ids": s[None], **states(plain, 1)} for s in seqs]
             pad = np.zeros((n, max(lengths)), np.int64)

@@ -1,6 +1,6 @@
 """``m2export check``: compare an export against the PyTorch reference with Polygraphy.
 
-Two sections, both compared with one ``SimpleCompareFunc`` (what ``CompareFunc.simple`` builds; Polygraphy
+Three sections, all compared with one ``SimpleCompareFunc`` (what ``CompareFunc.simple`` builds; Polygraphy
 0.53 deprecates the factory in favour of the class), computed in slices, logits and states alike
 (:class:`~m2export.check.metrics.SlicedCompareFunc`: the same max statistics and verdicts without
 whole-array temporaries or medians): per-output atol/rtol with ``""`` as the default key,
@@ -11,6 +11,9 @@ whole-array temporaries or medians): per-output atol/rtol with ``""`` as the def
   runtime compared with it as it returns and dropped); each size twice: a
   fresh sequence (zero past states) and a continued one, whose past states are the reference's own
   states after the preceding ``past_len`` tokens of the text (so ignored ``past_*`` inputs fail).
+* ``packed`` (exports with ``model.packed.onnx``): one call of the packed prefill graph on several sequences of
+  different lengths, each with its own past states, against the reference run on each sequence alone
+  (:mod:`m2export.check.packed`; ONNX Runtime only).
 * ``sequence``: prefill a prompt, then ``decode_steps`` decode-graph steps, each runtime feeding its own
   ``present_*`` states back as ``past_*``; the reference's greedy token is fed to all runtimes so every
   step compares like with like, and each runtime's own greedy choice must agree with the reference's
@@ -120,7 +123,7 @@ def make_compare_func(atol: dict[str, float], rtol: dict[str, float]):
 class OutputRow:
     """Comparison of one output between a runtime and the reference over a section's iterations."""
 
-    section: str  # "prefill" | "sequence"
+    section: str  # "prefill" | "packed" | "sequence"
     runner: str
     reference: str
     output: str
@@ -164,6 +167,7 @@ class CheckReport:
     versions: dict[str, str] = field(default_factory=dict)
     past_len: int = 0  # prefill sizes are also fed continuing this many reference tokens (0: fresh only)
     vocab_coverage: str = ""  # which token ids the prefill feeds hold (TokenDataLoader.coverage)
+    packed: str = ""  # the packed section's pack (m2export.check.packed), "" when it did not run
     #: where the reference's tensors were (ExportWeights.summary: views of the export's mapped weights, each
     #: bit-equal to the checkpoint's, or the checkpoint's own copy)
     reference_weights: dict[str, Any] = field(default_factory=dict)
@@ -232,7 +236,10 @@ class CheckReport:
         lines += [f"- {s}" for s in self.skipped]
         lines += [f"- inputs: {self.corpus} as bytes; prefill (batch x seqlen): "
                   + ", ".join(f"{b}x{s}" for b, s in self.shapes) + self.continued_note()
-                  + f"; sequence: prompt {self.prompt_len} tokens + {self.decode_steps} decode steps",
+                  + f"; sequence: prompt {self.prompt_len} tokens + {self.decode_steps} decode steps"
+                  + (f"; packed: {self.packed} in one call of model.packed.onnx, each sequence against the "
+                     "reference run on it alone from the same states (odd-numbered ones continued)" if self.packed
+                     else ""),
                   f"- tolerances (elemwise: fails where abs > atol and rel > rtol): atol {_fmt_tol(self.atol)}; "
                   f"rtol {_fmt_tol(self.rtol)}", ""]
         if self.failures():
@@ -539,6 +546,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     del loaded, ck  # the loader keeps it until the reference's last call (release_reference)
     hist: dict[str, list[np.ndarray]] = {}
     ref_bad: set[str] = set()
+    packed_info: list[tuple[str, str]] = []  # the packed section's (pack, runner name), when it ran
     prog = progress or (lambda desc, total: (lambda: None))
 
     severity = G_LOGGER.INFO if polygraphy_log else G_LOGGER.CRITICAL
@@ -549,6 +557,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
             prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, ref_bad)
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d, ref_bad)
+            rows += _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed,
+                                 max_seqlen, out_names, atol_d, rtol_d, skipped, packed_info, prog)
 
             # -------- sequence section: prefill -> decode steps, states fed back per runtime
             greedy: dict[str, dict[str, Any]] = {}
@@ -581,11 +591,13 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     report = CheckReport(
         outdir=str(outdir), dtype=dtype, reference=rts[0].name,
-        runners=[{"name": r.name, "detail": r.detail, "label": r.label or r.name} for r in rts], skipped=skipped,
+        runners=[{"name": r.name, "detail": r.detail, "label": r.label or r.name} for r in rts]
+        + [{"name": n, "detail": "ONNX Runtime CPU, packed prefill graph (cu_seqlens)", "label": "onnxrt/packed"}
+           for _, n in packed_info], skipped=skipped,
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
-        vocab_coverage=loader.coverage, reference_weights=ref_weights)
+        vocab_coverage=loader.coverage, reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
@@ -718,6 +730,36 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
         G_LOGGER.log(f"Accuracy Summary | {name} vs. {ref_name} | Passed: {n_ok}/{len(matches)} iterations",
                      G_LOGGER.FINISH if n_ok == len(matches) else G_LOGGER.ERROR)
     return acc
+
+
+def _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed, max_seqlen, out_names,
+                 atol_d, rtol_d, skipped: list[str], info: list[tuple[str, str]], prog) -> list[OutputRow]:
+    """The packed section (:mod:`m2export.check.packed`): rows for ``model.packed.onnx`` in ONNX Runtime, when the
+    export has it; a skipped-line when ONNX Runtime is not among ``runtimes``. Appends (the pack's label, the
+    runner's name) to ``info``."""
+    from m2export.check.packed import SECTION, packed_entry, packed_section
+
+    entry = packed_entry(manifest)
+    if entry is None:
+        return []
+    if "onnxrt" not in runtimes:
+        skipped.append(f"packed prefill graph ({entry.file}): skipped: ONNX Runtime is not among the runtimes")
+        return []
+    reference = getattr(ref_loader, "m2export_reference", ref_loader)  # states in the graphs' layout: m2export's
+    pio = entry.io()
+
+    def runner(path, name):
+        r = onnxrt_runner(path, name=name, shared=shared)
+        return ModelLayoutStates(r, pio) if any(s.perm is not None for s in pio.states) else r
+
+    advance = prog(f"packed: {entry.file}", 1)
+    acc, label, name = packed_section(outdir, manifest, reference, compare_func,
+                                   tokens=byte_tokens(corpus, manifest.model_config().vocab_size), seed=seed,
+                                   dtype=manifest.dtype, max_seqlen=max_seqlen, runner_factory=runner)
+    advance()
+    release_freed_memory()
+    info.append((label, name))
+    return _rows(SECTION, [acc], [label], out_names, atol_d, rtol_d)
 
 
 def _sample_errors(hist: dict[str, list[np.ndarray]], it, ref) -> None:

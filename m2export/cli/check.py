@@ -14,7 +14,10 @@ Inputs are real byte-level token sequences (--text FILE, default: the Python std
 several batch x seqlen sizes, each fed twice to the prefill graph: as a fresh sequence (zero past
 states) and as a continued one, whose past_conv_state/past_ssm_state inputs are the PyTorch reference's
 own states after the chunk_size + 3 tokens that precede the window in the text (every runtime gets the
-same feeds; a graph that ignores its past states fails). Then a sequence check: a prompt through the
+same feeds; a graph that ignores its past states fails). An export with model.packed.onnx (--packed-prefill)
+also runs one packed call of six sequences of different lengths (boundaries inside a chunk and on chunk edges, a
+one-token and an empty one, fresh and continued states per sequence) against the reference on each sequence
+alone (section "packed", ONNX Runtime). Then a sequence check: a prompt through the
 prefill graph, then --decode-steps steps through the decode graph with each runtime feeding its own
 states back; greedy tokens must agree with the reference (numerical ties excepted).
 

@@ -17,7 +17,10 @@ then the taps summed in float32. The scan is one ``m2export::SSMScanPacked`` nod
 :data:`m2export.contract.PACKED_INPUTS`; its model-local function runs one SSMScan per sequence; the TensorRT
 plugin runs the cuTile kernel). An empty sequence (two equal offsets) passes its states through unchanged.
 A ``cu_seqlens`` that breaks the contract (not from 0, decreasing, last != total tokens) either fails in the
-runtime (an index out of range) or makes every output NaN (:meth:`Packing.poison`): never finite values.
+runtime (an index out of range) or makes every output NaN (:meth:`Packing.poison`, and the SSMScanPacked body's
+own poison): never finite values. NaN is only the graph's signal: every host-side entry point of m2export that
+feeds this graph builds or checks its feed with :func:`packed_feed` / :func:`check_packed_feed`, which refuse such
+offsets with one line (:class:`~m2export.errors.ContractError`) before anything runs.
 
 Only models whose every layer is a built Mamba-2 layer (pure Mamba-2, fp32/fp16): attention layers would need
 per-sequence KV caches (varlen attention), which this graph does not build; such a model is refused by name.
@@ -53,6 +56,50 @@ def packed_io(io: GraphIO) -> GraphIO:
            *(s.past for s in states))
     outs = (TensorIO(logits.name, (1, TOKENS, logits.shape[2]), logits.dtype), *(s.present for s in states))
     return GraphIO(ins, outs, states)
+
+
+def check_packed_feed(feed, io: GraphIO) -> None:
+    """Refuse a feed of the packed graph (``io``: its :func:`packed_io`) whose ``input_ids`` is not (1, total_tokens),
+    whose ``cu_seqlens`` is not int32 offsets from 0, non-decreasing, ending at total_tokens
+    (:func:`m2export.contract.check_cu_seqlens`), or whose ``past_*`` states do not hold one row per sequence.
+
+    Raises:
+        ContractError: one line naming the input, what was expected and what was given.
+    """
+    from m2export.errors import ContractError
+
+    ids, cu = np.asarray(feed["input_ids"]), np.asarray(feed[contract.CU_SEQLENS.name])
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ContractError(f"input_ids: the packed graph expects shape (1, total_tokens), got {tuple(ids.shape)}")
+    if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != np.int32:
+        raise ContractError(f"cu_seqlens: expected a 1-D int32 array of num_sequences + 1 offsets, got {cu.dtype} "
+                            f"{tuple(cu.shape)}")
+    contract.check_cu_seqlens(cu.tolist(), int(ids.shape[1]))
+    nseq = cu.shape[0] - 1
+    for s in io.states:
+        rows = np.shape(feed[s.past.name])[0]
+        if rows != nseq:
+            raise ContractError(f"{s.past.name}: expected one row per sequence ({nseq}, from cu_seqlens), got {rows}")
+
+
+def packed_feed(sequences, pasts, io: GraphIO) -> dict:
+    """The packed graph's feed for ``sequences`` (1-D int64 token arrays, any lengths, empty allowed), each
+    continuing its ``pasts`` entry (a mapping ``past_*`` name -> that sequence's state, batch 1): ``input_ids``
+    (1, total_tokens), ``cu_seqlens`` int32 (num_sequences + 1), every state stacked along its batch axis.
+    ``io``: the packed graph's :func:`packed_io`. Checked with :func:`check_packed_feed`.
+    """
+    if len(sequences) != len(pasts) or not sequences:
+        from m2export.errors import ContractError
+
+        raise ContractError(f"packed feed: expected one past-state set per sequence and >= 1 sequence, got "
+                            f"{len(sequences)} sequences and {len(pasts)} state sets")
+    lengths = [len(q) for q in sequences]
+    feed = {"input_ids": np.concatenate([np.asarray(q, np.int64) for q in sequences])[None],
+            contract.CU_SEQLENS.name: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)}
+    for s in io.states:
+        feed[s.past.name] = np.concatenate([np.asarray(p[s.past.name]) for p in pasts], axis=0)
+    check_packed_feed(feed, io)
+    return feed
 
 
 def check_packable(model) -> None:
@@ -259,4 +306,5 @@ def build_packed(model, io: GraphIO, opset: int):
     return out, pio
 
 
-__all__ = ["PACKED_FILE", "PACKED_ROLE", "NSEQ", "TOKENS", "Packing", "build_packed", "check_packable", "packed_io"]
+__all__ = ["PACKED_FILE", "PACKED_ROLE", "NSEQ", "TOKENS", "Packing", "build_packed", "check_packable",
+           "check_packed_feed", "packed_feed", "packed_io"]

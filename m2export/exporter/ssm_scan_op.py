@@ -627,7 +627,7 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     E = b.op("Where", b.op("Unsqueeze", first_l, i1(1)), h0_l, prev)  # state entering chunk l
     # final_state[s] = F at its last chunk (index NL: a zero row, for empty sequences, which take h0 instead)
     last = b.op("Where", b.op("Greater", n_s, zero_i), b.op("Sub", co_end, one_i), NL)
-    fin = b.op("Gather", b.op("Pad", Fe, b.const([0, 0, 0, 0, 0, 0, 0, 0, 1, 0])), last, axis=3)  # (1, g, hpg, nseq, pn)
+    fin = b.op("Gather", b.op("Pad", Fe, b.const([0, 0, 0, 0, 0, 0, 0, 0, 1, 0])), last, axis=3)  # (1,g,hpg,nseq,pn)
     fin = b.op("Transpose", b.op("Squeeze", fin, i1(0)), perm=[2, 0, 1, 3])  # (nseq, g, hpg, p*n)
     fin = b.op("Where", b.op("Reshape", b.op("Greater", n_s, zero_i), b.const([-1, 1, 1, 1])), fin, h0g)
 
