@@ -40,7 +40,8 @@ _MEANINGS = {
     ExitCode.OK: "success",
     ExitCode.USER_ERROR: "user error (bad input, an unusable folder, a failed export or build; one line + hint, "
                          "-v for a traceback)",
-    ExitCode.USAGE: "bad command line (unknown flag, a value out of range)",
+    ExitCode.USAGE: "bad command line (an unknown flag; a flag's value malformed or out of range, or flags that "
+                    "contradict each other: wrong whatever the files say; one line naming the flag)",
     ExitCode.ACCURACY: "accuracy check failed (the failing outputs are named)",
     ExitCode.BACKEND_UNAVAILABLE: "a required backend (TensorRT, CUDA, cuTile) is unavailable",
     ExitCode.INTERNAL: "internal error (a bug: traceback printed, please report it)",
@@ -117,7 +118,18 @@ class ConfigError(M2ExportError, ValueError):
 
 
 class ParameterError(M2ExportError, ValueError):
-    """A library argument (a CLI option) is malformed or out of range; the message names it in backquotes."""
+    """A library argument (a CLI option) does not fit what it is applied to (a prompt id outside the model's
+    vocabulary, a tolerance for an output the export lacks, a missing ``text`` file: exit 1); the message names
+    it in backquotes. A value that is wrong by itself is a :class:`UsageError`."""
+
+
+class UsageError(ParameterError):
+    """A library argument (a CLI option) is malformed or out of range by itself, or contradicts another one,
+    whatever the files say (``opset`` 5, ``max_new_tokens`` -1, ``min`` > ``max``, ``workspace`` 'lots'): exit 2,
+    the code of argparse's own refusals, so that a bad flag value is exit 2 in every verb whichever layer
+    checks it. The message names the parameter in backquotes (the CLI shows its flag)."""
+
+    exit_code = ExitCode.USAGE
 
 
 class CheckpointError(M2ExportError):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from m2export import backends, names
-from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError
+from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError, UsageError
 
 RUNTIMES = tuple(names.RUNTIMES)  # torch, onnxrt, onnx-reference, trt (m2export/names.py)
 
@@ -132,7 +132,7 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
 
     runtime = names.canonical("runtime", runtime)
     if runtime not in RUNTIMES:
-        raise ParameterError(f"`runtime` {runtime!r}: expected one of {list(RUNTIMES)}")
+        raise UsageError(f"`runtime` {runtime!r}: expected one of {list(RUNTIMES)}")
     src = Path(source)
     if not src.exists():
         raise ExportFolderError(f"{src}: no such file or directory",
@@ -269,13 +269,13 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
         GenerationResult (new token ids, prefill and decode times).
     """
     if max_new_tokens < 0:
-        raise ParameterError(f"`max_new_tokens` {max_new_tokens}: expected >= 0")
+        raise UsageError(f"`max_new_tokens` {max_new_tokens}: expected >= 0")
     if not (np.isfinite(temperature) and temperature >= 0):
-        raise ParameterError(f"`temperature` {temperature}: expected a finite number >= 0 (0 is greedy)")
+        raise UsageError(f"`temperature` {temperature}: expected a finite number >= 0 (0 is greedy)")
     if top_k < 0:
-        raise ParameterError(f"`top_k` {top_k}: expected >= 0 (0: all tokens)")
+        raise UsageError(f"`top_k` {top_k}: expected >= 0 (0: all tokens)")
     if seed < 0:
-        raise ParameterError(f"`seed` {seed}: expected >= 0")
+        raise UsageError(f"`seed` {seed}: expected >= 0")
     s = session or open_runtime(source, names.canonical("runtime", runtime), ssm_impl=ssm_impl)
     cfg = s.cfg
     ids = [int(i) for i in prompt_ids]

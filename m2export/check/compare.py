@@ -56,7 +56,7 @@ from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: 
 from m2export.check.weights import ExportWeights
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,
-                             ParameterError)
+                             ParameterError, UsageError)
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
 from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
 from m2export.exporter.runtime import Decoder, feed_dtype_of
@@ -78,7 +78,7 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
     needs. Later values win.
 
     Raises:
-        ParameterError: a malformed value, or a NAME that matches no output (with the names available);
+        UsageError: a malformed value; ParameterError: a NAME that matches no output (with the names available);
             the message names ``param`` ("atol" / "rtol").
     """
     out = dict(base)
@@ -89,7 +89,7 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
             if not x >= 0:
                 raise ValueError
         except ValueError:
-            raise ParameterError(f"`{param}` {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
+            raise UsageError(f"`{param}` {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
         if not sep:
             out[""] = x
             continue
@@ -409,14 +409,14 @@ a GPU (:meth:`m2export.models.mamba2.HybridLM.set_kernel_backend`)."""
 
 def _check_reference_backend(backend: str, reference: str) -> None:
     """Refuse an unknown backend, or "cutile" with transformers' reference, a bad ``M2EXPORT_AUTOTUNE``
-    (:func:`m2export.kernels._tune.enabled`) or without CUDA / cuda.tile, before any file is read (ParameterError
-    exit 2 from argparse's choices else 1, BackendUnavailable exit 4; one line each)."""
+    (:func:`m2export.kernels._tune.enabled`) or without CUDA / cuda.tile, before any file is read (UsageError exit 2,
+    ParameterError of the environment exit 1, BackendUnavailable exit 4; one line each)."""
     if backend not in REFERENCE_BACKENDS:
-        raise ParameterError(f"`reference_backend` {backend!r}: expected one of {list(REFERENCE_BACKENDS)}")
+        raise UsageError(f"`reference_backend` {backend!r}: expected one of {list(REFERENCE_BACKENDS)}")
     if backend == "cutile":
         if reference != REFERENCE:
-            raise ParameterError(f"`reference_backend` 'cutile' runs m2export's PyTorch model; `reference` is "
-                                 f"{reference!r}", hint="drop `reference_backend`, or use `reference` 'torch'")
+            raise UsageError(f"`reference_backend` 'cutile' runs m2export's PyTorch model; `reference` is "
+                             f"{reference!r}", hint="drop `reference_backend`, or use `reference` 'torch'")
         from m2export.kernels import _tune
         from m2export.kernels._host import require_cuda_tile
 
@@ -479,14 +479,14 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     for param, value, low in (("decode_steps", decode_steps, 0), ("prompt_len", prompt_len, 1),
                               ("max_seqlen", max_seqlen, 1), ("seed", seed, 0)):
         if value is not None and value < low:
-            raise ParameterError(f"`{param}` {value}: expected an integer >= {low}")
+            raise UsageError(f"`{param}` {value}: expected an integer >= {low}")
     if reference not in REFERENCES:
-        raise ParameterError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
+        raise UsageError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
     _check_reference_backend(reference_backend, reference)
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
     unknown = [r for r in runtimes if r not in ALL_RUNTIMES]
     if unknown:
-        raise ParameterError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
+        raise UsageError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
     from m2export.inspect import check_graph_file

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from m2export.errors import M2ExportError, ParameterError
+from m2export.errors import M2ExportError, ParameterError, UsageError
 from m2export.exporter.configs import DTYPES, GraphIO
 from m2export.exporter.runtime import feed_dtype_of
 from m2export.models.config import Mamba2Config
@@ -128,8 +128,8 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             if b < 1 or s < 1:
                 raise ValueError
         except ValueError:
-            raise ParameterError(f"`shapes`: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
-                                 "e.g. 1x1,2x64") from None
+            raise UsageError(f"`shapes`: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
+                             "e.g. 1x1,2x64") from None
         out.append((b, s))
     return out
 

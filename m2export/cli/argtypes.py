@@ -1,7 +1,9 @@
 """argparse ``type=`` validators shared by the verbs: a bad value is a one-line usage error (exit 2).
 
 Each returns the parsed value or raises ``argparse.ArgumentTypeError`` (argparse prints
-``m2export VERB: error: argument --flag: MESSAGE`` and exits 2).
+``m2export VERB: error: argument --flag: MESSAGE`` and exits 2). What argparse cannot see (a value's syntax the
+library parses, flags that contradict each other) the library refuses with
+:class:`~m2export.errors.UsageError`: ``error: --flag VALUE: ...``, exit 2 too (the table: m2export/errors.py).
 """
 
 from __future__ import annotations

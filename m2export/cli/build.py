@@ -16,8 +16,8 @@ plugin modes:
   aot  the cuTile kernel is compiled to PTX for this GPU and embedded in the engine: any TensorRT runtime
        (trtexec, C++) runs it, no Python and no plugin library needed
 
-exit codes: 0 engines written; 1 a bad path, argument or graph (a missing or unreadable .onnx), or a
-failed build; 4 TensorRT is not installed (checked before any graph is read), no CUDA GPU, or the
+exit codes: 0 engines written; 1 a bad path or graph (a missing or unreadable .onnx), or a failed build;
+2 a flag's value malformed or out of range (--min-batch 0, --min-seq > --max-seq, --workspace lots); 4 TensorRT is not installed (checked before any graph is read), no CUDA GPU, or the
 SSMScan plugin cannot be registered.
 
 examples:
@@ -28,6 +28,7 @@ examples:
 
 
 def add_arguments(p):
+    from m2export.cli.argtypes import positive_int
     from m2export.names import DEFAULT_PROFILE
 
     p.add_argument("path", metavar="OUTDIR|MODEL.onnx", help="export folder, or one of its .onnx graphs")
@@ -43,9 +44,9 @@ def add_arguments(p):
     for dim, (lo, opt, hi) in DEFAULT_PROFILE.items():
         what = "batch size" if dim == "batch" else ("sequence length (prefill profile; KV caches' "
                                                     "past_sequence_length spans 0..max)")
-        g.add_argument(f"--min-{dim}", type=int, default=lo, metavar="N", help=f"smallest {what} (default: {lo})")
-        g.add_argument(f"--opt-{dim}", type=int, default=opt, metavar="N", help=f"{what} TensorRT tunes for (default: {opt})")
-        g.add_argument(f"--max-{dim}", type=int, default=hi, metavar="N", help=f"largest {what} (default: {hi})")
+        g.add_argument(f"--min-{dim}", type=positive_int, default=lo, metavar="N", help=f"smallest {what} (default: {lo})")
+        g.add_argument(f"--opt-{dim}", type=positive_int, default=opt, metavar="N", help=f"{what} TensorRT tunes for (default: {opt})")
+        g.add_argument(f"--max-{dim}", type=positive_int, default=hi, metavar="N", help=f"largest {what} (default: {hi})")
     g = p.add_argument_group("Builder")
     g.add_argument("--workspace", help="workspace memory limit, e.g. 4G (default: TensorRT's, the device memory)")
     g.add_argument("--opt-level", type=int, choices=range(6), metavar="0-5",
@@ -59,9 +60,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from m2export.errors import M2ExportError
+    from m2export.errors import BackendUnavailable, UsageError
     from m2export.inspect import load_onnx_structure
-    from m2export.errors import BackendUnavailable
     from m2export.trt.build import (build_engines, parse_size, require_gpu, require_tensorrt,
                                     resolve_targets)
 
@@ -70,7 +70,7 @@ def run(args) -> int:
         try:
             major, minor = (int(v) for v in args.aot_ptx_isa.split("."))
         except ValueError:
-            raise M2ExportError(f"--aot-ptx-isa: expected MAJOR.MINOR such as 9.0, got {args.aot_ptx_isa!r}") from None
+            raise UsageError(f"--aot-ptx-isa: expected MAJOR.MINOR such as 9.0, got {args.aot_ptx_isa!r}") from None
         isa = (major, minor)
     cache = False if args.no_timing_cache else (args.timing_cache or True)
     roles = ("prefill", "decode") if args.role == "both" else (args.role,)
@@ -107,7 +107,7 @@ def run(args) -> int:
 
 def _flag_range(args, dim: str):
     """The ShapeRange of --min-DIM/--opt-DIM/--max-DIM; its refusal names those flags and the values given."""
-    from m2export.errors import ParameterError
+    from m2export.errors import ParameterError, UsageError
     from m2export.names import DEFAULT_PROFILE
     from m2export.trt.build import ShapeRange
 
@@ -116,7 +116,7 @@ def _flag_range(args, dim: str):
     try:
         return ShapeRange(*values)
     except ParameterError:
-        raise ParameterError(f"{', '.join(f'{f} {v}' for f, v in zip(flags, values))}: expected 1 <= "
-                             f"{' <= '.join(flags)}", hint=f"the defaults are {'/'.join(map(str, DEFAULT_PROFILE[dim]))}"
-                             "; give the ones you change consistent with them") from None
+        raise UsageError(f"{', '.join(f'{f} {v}' for f, v in zip(flags, values))}: expected 1 <= "
+                         f"{' <= '.join(flags)}", hint=f"the defaults are {'/'.join(map(str, DEFAULT_PROFILE[dim]))}"
+                         "; give the ones you change consistent with them") from None
 

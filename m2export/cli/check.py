@@ -33,8 +33,9 @@ Writes OUTDIR/check_report.json (every output of every runtime), check_report.md
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash
-differs from the export's), a malformed --shapes/--atol/--rtol, or --runtime trt with TensorRT usable
-but no engines built; 2 an option value out of range; 4 --runtime trt where TensorRT is not usable (not
+differs from the export's), an --atol/--rtol NAME that matches no output, or --runtime trt with TensorRT
+usable but no engines built; 2 a flag's value malformed or out of range (--shapes 2x0, --atol -1,
+--decode-steps -1), or flags that contradict each other; 4 --runtime trt where TensorRT is not usable (not
 installed, or no CUDA GPU), whether or not engines exist: checked after OUTDIR itself, before the
 engines (the same rule as 'm2export generate').
 

@@ -14,8 +14,9 @@ The text goes to stdout; the speed line (prefill time, decode tokens/s) to stder
 SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may also be a checkpoint.
 
 exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to onnxrt/trt, a bad prompt (e.g. an id
-outside the vocabulary, or --prompt bytes that are not UTF-8), a damaged m2export.json, or --runtime trt with TensorRT usable but no engines built; 2 a bad option
-value; 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
+outside the vocabulary, an empty prompt, or --prompt bytes that are not UTF-8), a damaged m2export.json, or
+--runtime trt with TensorRT usable but no engines built; 2 a flag's value malformed or out of range
+(--max-new-tokens -1, --prompt-ids 1,x); 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
 engines exist: checked after SOURCE itself, before the engines (the same rule as 'm2export check'),
 or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference); 141 stdout
 closed by its reader (e.g. | head -c 100): generation stops there.
@@ -68,7 +69,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from m2export.check.console import quiet_polygraphy
-    from m2export.errors import M2ExportError
+    from m2export.errors import UsageError
     from m2export.exporter.configs import MANIFEST_FILE
     from m2export.generate import ByteTokenizer, check_prompt_ids, choose_tokenizer, generate, open_runtime
 
@@ -76,16 +77,17 @@ def run(args) -> int:
     if args.top_k and args.temperature <= 0:  # greedy decoding: the top-k filter never applies
         print(f"note: --top-k {args.top_k} has no effect with greedy decoding (--temperature 0, the default); "
               "pass --temperature T > 0 to sample among the top-k", file=sys.stderr)
+    if args.prompt_ids is not None:  # its syntax first: a malformed value is exit 2 before anything is read
+        try:
+            ids = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
     src = Path(args.source)
     runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
     tok = None
     tok_file = args.tokenizer or session.tokenizer_file  # the export's own tokenizer.json unless --tokenizer
     if args.prompt_ids is not None:
-        try:
-            ids = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
-        except ValueError:
-            raise M2ExportError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
         if tok_file or session.cfg.vocab_size == 256:
             tok = choose_tokenizer(session.cfg.vocab_size, tok_file)
     else:

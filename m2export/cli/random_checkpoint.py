@@ -22,6 +22,7 @@ PARAM_FLAGS = {"outdir": "--output", "config_json": "--config"}  # random_checkp
 
 
 def add_arguments(p):
+    from m2export.cli.argtypes import non_negative_int, positive_int
     from m2export.models.config import PRESETS
     from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE
 
@@ -36,10 +37,10 @@ def add_arguments(p):
                    help="write random weights for this config.json (any supported family) instead of a preset")
     p.add_argument("--format", choices=["mamba_ssm", "hf"], default="mamba_ssm")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="stored tensor dtype")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="(default: %(default)s)")
     g = p.add_argument_group("Shape (override the preset)")
     for f in ("d-model", "n-layer", "vocab-size", "d-state", "headdim", "ngroups", "expand", "d-conv", "chunk-size"):
-        g.add_argument(f"--{f}", type=int)
+        g.add_argument(f"--{f}", type=positive_int, metavar="N")
 
 
 def run(args) -> int:

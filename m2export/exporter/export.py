@@ -32,7 +32,7 @@ from typing import Any
 
 from m2export import contract
 from m2export import _paths
-from m2export.errors import ExportError, Interrupted, InternalError, ParameterError
+from m2export.errors import ExportError, Interrupted, InternalError, ParameterError, UsageError
 from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREFILL_FILE, SEQ,
                                        WEIGHTS_FILE, GraphIO)
 from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
@@ -602,7 +602,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     Returns:
         The :class:`Manifest` written to ``outdir/m2export.json``.
     Raises:
-        ParameterError: a bad ``ssm_impl``, ``dtype`` or ``opset``.
+        UsageError: a bad ``ssm_impl``, ``dtype`` or ``opset`` (or native with bf16).
         OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace (see ``force``),
             changed during the export, or not writable (full disk included).
         ExportError: the ONNX export itself failed (nothing is left behind).
@@ -611,20 +611,20 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     """
     ssm_impl = canonical("flavour", ssm_impl)
     if ssm_impl not in SSM_IMPL_CHOICES:
-        raise ParameterError(f"`ssm_impl`: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
+        raise UsageError(f"`ssm_impl`: expected one of {list(SSM_IMPL_CHOICES)}, got {ssm_impl!r}")
     if dtype not in DTYPES:
-        raise ParameterError(f"`dtype`: expected one of {list(DTYPES)}, got {dtype!r}")
+        raise UsageError(f"`dtype`: expected one of {list(DTYPES)}, got {dtype!r}")
     opset = GraphIO.DEFAULT_OPSET if opset is None else int(opset)
     import onnx
 
     if not 18 <= opset <= onnx.defs.onnx_opset_version():
-        raise ParameterError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
-                             f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
+        raise UsageError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
+                         f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
     impls = list(GROUPS.get(ssm_impl, [ssm_impl]))
     if "native" in impls and dtype == "bf16":
-        raise ParameterError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
-                             "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
-                             hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
+        raise UsageError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
+                         "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
+                         hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
     n_steps = 1 + 2 + (len(impls) + int(packed_prefill)) * (1 + int(check)) + 1
     bar = _Progress(progress, n_steps)
     from m2export.models.checkpoint import checkpoint_files

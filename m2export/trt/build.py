@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from m2export import backends
 from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError,
-                             RuntimeLoadError)
+                             RuntimeLoadError, UsageError)
 from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ
 from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
 from m2export.exporter.packed import NSEQ, PACKED_ROLE, TOKENS
@@ -60,8 +60,8 @@ class ShapeRange:
     def __post_init__(self):
         lo = 0 if self.allow_zero else 1
         if not (lo <= self.min <= self.opt <= self.max):
-            raise ParameterError(f"shape range: expected {lo} <= min <= opt <= max, got min={self.min}, "
-                                 f"opt={self.opt}, max={self.max}")
+            raise UsageError(f"shape range: expected {lo} <= min <= opt <= max, got min={self.min}, "
+                             f"opt={self.opt}, max={self.max}")
 
 
 #: the optimization profile of ``m2export build`` unless told otherwise (batch_size, sequence_length)
@@ -217,7 +217,7 @@ def parse_size(text: str) -> int:
     """Bytes from ``4G``, ``512M``, ``1024K``, ``2GiB`` or a plain integer."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
     if m is None:
-        raise ParameterError(f"`workspace`: expected e.g. 4G, 512M or a number of bytes, got {text!r}")
+        raise UsageError(f"`workspace`: expected e.g. 4G, 512M or a number of bytes, got {text!r}")
     mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * mult)
 
@@ -365,14 +365,14 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
 
     Raises:
         BackendUnavailable: no TensorRT (with the install command), no GPU, no plugin, no AOT support.
-        ParameterError: a bad ``plugin`` or ``opt_level``.
+        UsageError: a bad ``plugin`` or ``opt_level``.
         ExportFolderError: a bad path or a missing graph.
         BuildError: an unparsable graph (naming the failing node), an engine build failure.
     """
     if plugin not in ("jit", "aot"):
-        raise ParameterError(f"`plugin`: expected 'jit' or 'aot', got {plugin!r}")
+        raise UsageError(f"`plugin`: expected 'jit' or 'aot', got {plugin!r}")
     if opt_level is not None and not 0 <= opt_level <= 5:
-        raise ParameterError(f"`opt_level`: expected 0..5, got {opt_level}")
+        raise UsageError(f"`opt_level`: expected 0..5, got {opt_level}")
     outdir, manifest, targets = resolve_targets(path, roles)
     if plugin == "aot" and any(t.roles == (PACKED_ROLE,) for t in targets):
         # SSMScanPacked has a JIT implementation only: say so rather than build it in another mode

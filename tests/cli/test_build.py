@@ -460,13 +460,13 @@ def test_packed_prefill_graph_gets_its_own_engine(tmp_path, caplog):
 @pytest.mark.parametrize("args,first", [
     (["--min-batch", "4", "--max-batch", "2"],
      "error: --min-batch 4, --opt-batch 1, --max-batch 2: expected 1 <= --min-batch <= --opt-batch <= --max-batch"),
-    (["--max-seq", "0"], "error: --min-seq 1, --opt-seq 128, --max-seq 0: expected 1 <= --min-seq <= --opt-seq <= "
-                         "--max-seq"),
+    (["--min-seq", "8", "--opt-seq", "4"], "error: --min-seq 8, --opt-seq 4, --max-seq 2048: expected 1 <= --min-seq "
+                                           "<= --opt-seq <= --max-seq"),
 ])
 def test_bad_profile_flags_are_named(args, first, tmp_path, capsys):
     """An inconsistent --min/--opt/--max-batch or -seq: one line naming the flags and the values (it said 'shape range:
     expected 1 <= min <= opt <= max, got ...' without a flag), a hint with the defaults; before any path is read."""
     rc = main(["build", str(tmp_path / "nothing_read"), *args])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and lines[0] == first, lines
+    assert rc == 2 and lines[0] == first, lines  # a usage error (ExitCode.USAGE), as argparse's
     assert lines[1].startswith("hint: the defaults are ") and len(lines) == 2

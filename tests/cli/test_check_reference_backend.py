@@ -1,7 +1,7 @@
 """``m2export check --reference-backend`` (issue 18 item 4): the PyTorch reference on the cuTile kernels.
 
 CPU: strict validation (an unknown value is a usage error; cutile with --reference transformers, or without CUDA /
-cuda.tile, is one error line before anything is read, exit 2 / 1 / 4); the check's wiring with the kernels' entry
+cuda.tile, is one error line before anything is read, exit 2 / 2 / 4); the check's wiring with the kernels' entry
 points on their torch backends. GPU-marked (the lead runs it on the H200):
 the bundled checkpoint's export passes the check against the cuTile reference (default tolerances).
 """
@@ -24,7 +24,7 @@ def test_unknown_backend_is_a_usage_error(tiny_out, capsys):
 def test_cutile_with_transformers_reference_is_refused(tmp_path, capsys):
     rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile", "--reference", "transformers"])
     err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("error: --reference-backend 'cutile' runs m2export's PyTorch model; --reference is 'transformers'")
+    assert rc == 2 and err.startswith("error: --reference-backend 'cutile' runs m2export's PyTorch model; --reference is 'transformers'")
     assert "Traceback" not in err
 
 

@@ -58,7 +58,7 @@ def test_generate_errors(case, tiny_out, tiny_ck, tmp_path, capsys):
         msg = "not an m2export output folder (no m2export.json)"
     else:
         args += [str(tiny_out), "--prompt-ids", "1,x"]
-        msg = "--prompt-ids '1,x': expected comma-separated integers"
+        msg, code = "--prompt-ids '1,x': expected comma-separated integers", 2  # malformed: a usage error
     rc = main(args)
     err = capsys.readouterr().err
     assert rc == code and err.startswith("error: ") and msg in err.splitlines()[0], err

@@ -1,5 +1,6 @@
 """The command line's own rules, over every verb: long options only by their full names (no argparse prefix
-abbreviations)."""
+abbreviations); a flag's value malformed or out of range is exit 2 (ExitCode.USAGE) with one error line naming the
+flag, whether argparse or the library refuses it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import pytest
 
 from m2export.cli.main import VERBS, build_parser, main
+from m2export.errors import ExitCode
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -48,3 +50,50 @@ def test_top_level_abbreviation_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--vers"])  # --version
     assert e.value.code == 2 and "unrecognized arguments: --vers" in capsys.readouterr().err
+
+
+# verb -> (argv with CK/OUT/EXPORT placeholders, what the one error line says); EXPORT is a real export folder (the
+# check happens after it is read), CK and OUT paths that need not exist (the check comes before any file is read)
+BAD_VALUES = {
+    "export": [(["CK", "-o", "OUT", "--opset", "5"], "--opset 5: m2export needs 18 <= opset <="),
+               (["CK", "-o", "OUT", "--opset", "x"], "argument --opset: invalid int value: 'x'"),
+               (["CK", "-o", "OUT", "--ssm-impl", "native", "--dtype", "bf16"], "--ssm-impl 'native' with bf16:")],
+    "build": [(["OUT", "--min-batch", "0"], "argument --min-batch: 0: expected an integer >= 1"),
+              (["OUT", "--min-seq", "8", "--opt-seq", "4"], "--min-seq 8, --opt-seq 4, --max-seq 2048: expected 1 <="),
+              (["OUT", "--workspace", "lots"], "--workspace: expected e.g. 4G, 512M or a number of bytes, got 'lots'"),
+              (["OUT", "--aot-ptx-isa", "x"], "--aot-ptx-isa: expected MAJOR.MINOR such as 9.0, got 'x'"),
+              (["OUT", "--opt-level", "9"], "argument --opt-level: invalid choice: 9")],
+    "check": [(["OUT", "--shapes", "2x0"], "--shapes: bad item '2x0'; expected BATCHxSEQLEN with positive integers"),
+              (["OUT", "--decode-steps", "-1"], "argument --decode-steps: -1: expected an integer >= 0"),
+              (["OUT", "--reference-backend", "cutile", "--reference", "transformers"],
+               "--reference-backend 'cutile' runs m2export's PyTorch model; --reference is 'transformers'"),
+              (["EXPORT", "--atol", "-1"], "--atol '-1': expected VALUE or NAME:VALUE with VALUE a number >= 0"),
+              (["EXPORT", "--rtol", "logits:x"], "--rtol 'logits:x': expected VALUE or NAME:VALUE")],
+    "generate": [(["OUT", "--prompt", "a", "--max-new-tokens", "-1"], "argument --max-new-tokens: -1: expected an "
+                                                                      "integer >= 0"),
+                 (["OUT", "--prompt", "a", "--temperature", "nan"], "argument --temperature: nan: expected a finite"),
+                 (["OUT", "--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers")],
+    "inspect": [(["OUT", "--json=3"], "argument --json: ignored explicit argument '3'")],
+    "random-checkpoint": [(["-o", "OUT", "--d-model", "0", "--n-layer", "1", "--vocab-size", "8"],
+                           "argument --d-model: 0: expected an integer >= 1"),
+                          (["-o", "OUT", "--preset", "mamba2-130m", "--seed", "-1"],
+                           "argument --seed: -1: expected an integer >= 0")],
+}
+
+
+@pytest.mark.parametrize("verb,argv,said", [(v, a, s) for v, cases in BAD_VALUES.items() for a, s in cases],
+                         ids=lambda x: x if isinstance(x, str) and x in VERBS else None)
+def test_a_bad_value_is_exit_2_with_one_line_naming_the_flag(verb, argv, said, tiny_out, tmp_path, capsys):
+    """Every verb: out-of-range and malformed values (build's --min-batch 0 and --workspace lots, export's --opset
+    5, check's --shapes 2x0, generate's --prompt-ids 1,x were exit 1, argparse's refusals exit 2) are exit 2; one
+    'error:' line that names the flag and nothing written."""
+    where = {"CK": str(tmp_path / "ck"), "OUT": str(tmp_path / "out"), "EXPORT": str(tiny_out)}
+    try:
+        rc = main([verb, *(where.get(a, a) for a in argv)])
+    except SystemExit as e:  # argparse's own refusal
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert rc == ExitCode.USAGE, err
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

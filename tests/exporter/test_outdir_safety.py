@@ -313,8 +313,8 @@ def test_random_checkpoint_under_a_file_size_limit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_opset_out_of_range_is_a_user_error(tmp_path, capsys, ck):
+def test_opset_out_of_range_is_a_usage_error(tmp_path, capsys, ck):
     for opset in ("17", "99"):
-        assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 1
+        assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 2
         assert f"opset {opset}: m2export needs 18 <= opset <=" in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
