@@ -8,6 +8,9 @@ LDL/STL) and the blocks per SM those allow. Usage (the variant syntax is bench_s
     CUOBJDUMP=/path/to/cuobjdump python benchmarks/ssd_resources.py --shape falcon_h1_7b \
         --variants auto,64:16:2:2::::8
 
+Without cuobjdump, PTXAS=/path/to/ptxas reports registers, stack, spill stores and shared memory from ``ptxas -v``
+on the cubin's PTX instead (no SASS instruction counts).
+
 Results on stdout, one line per (variant, kernel). Compiles are slow on a loaded CPU (~1-3 min each).
 """
 
@@ -44,6 +47,24 @@ def cubin_report(cubin: bytes, cuobjdump: str) -> dict:
     return info
 
 
+def ptxas_report(cubin: bytes, ptxas: str) -> dict:
+    """What ``ptxas -v`` says of the PTX the cubin was assembled from (registers, stack, spill bytes, shared memory):
+    the report where no cuobjdump is installed (no SASS counts then)."""
+    from m2export.plugins.aot import ptx_from_cubin, ptx_target
+
+    ptx = ptx_from_cubin(cubin)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([ptxas, "-v", f"-arch={ptx_target(ptx)}", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    info = {"REG": int(re.search(r"Used (\d+) registers", out).group(1)),
+            "STACK": int(re.search(r"(\d+) bytes stack frame", out).group(1)),
+            "SPILL": int(re.search(r"(\d+) bytes spill stores", out).group(1)),
+            "SHARED": int(re.search(r"(\d+) bytes smem", out).group(1))}
+    return info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="falcon_h1_7b", help="a bench_ssd.py shape name")
@@ -53,6 +74,7 @@ def main() -> None:
                     help="kernel names to build (comma list; 'all': every launch)")
     args = ap.parse_args()
     cuobjdump = os.environ.get("CUOBJDUMP", "cuobjdump")
+    ptxas = os.environ.get("PTXAS", "")  # set: ptxas -v instead of cuobjdump (no SASS counts)
     os.environ.pop("CUDA_HOME", None)
     os.environ.pop("CUDA_PATH", None)
     import bench_ssd
@@ -70,6 +92,12 @@ def main() -> None:
             if args.kernels != "all" and launch.name not in args.kernels.split(","):
                 continue
             cubin = _export_launch(launch)
+            if ptxas:
+                r = ptxas_report(cubin, ptxas)
+                print(f"{args.shape} {label} {cfg.chunk}:{cfg.block_p}:{cfg.nseg} {launch.name} grid {launch.grid}: "
+                      f"{r['REG']} regs, stack {r['STACK']} B ({r['SPILL']} B spill stores), smem {r['SHARED']} B, "
+                      f"{required_threads(ptx_from_cubin(cubin))} threads (ptxas -v)", flush=True)
+                continue
             r = cubin_report(cubin, cuobjdump)
             nt = required_threads(ptx_from_cubin(cubin))
             threads = f", {nt[0] * nt[1] * nt[2]} threads" if nt else ""
