@@ -7,7 +7,8 @@ DESCRIPTION = """Export a Mamba-2 checkpoint (mamba_ssm or HF transformers forma
 Granite 4.0-H, Bamba, Falcon-H1, Zamba2) to ONNX:
 
   OUTDIR/model.onnx       input_ids [batch_size, sequence_length] + past states -> logits + present states;
-                          prefill, and decode with sequence_length 1
+                          prefill, and decode with sequence_length 1 (sequence_length >= 1: an empty prompt
+                          is refused; m2export/exporter/configs.py says how each runtime does it)
   OUTDIR/model.onnx.data  the weights, stored once for every graph of the folder
   OUTDIR/m2export.json    manifest: checkpoint hash, config, dtype, flavour, input/output names and shapes, versions
   OUTDIR/*.std.onnx       the std flavour as well, with --ssm-impl both or all

@@ -30,6 +30,12 @@ are (batch_size, num_key_value_heads, past_sequence_length, head_dim) in and
 no sequence axis. ``input_ids`` is (batch_size, sequence_length) int64; ``logits`` (batch_size,
 sequence_length, vocab_size_padded) in the model dtype. A fresh sequence feeds zeros (KV caches with
 past_sequence_length 0).
+
+sequence_length >= 1: an empty prompt has no token to continue from, and m2export's runners
+(:class:`~m2export.exporter.runtime.Decoder`: generate, check, OrtModel), ``m2export generate`` and
+onnxruntime-genai ("input_ids is empty") refuse it with one line. In ONNX Runtime the std and native graphs
+fail on sequence_length 0 (ORT's ``Conv`` has no empty output; padding it would slow every call's conv), while
+the ssmscan and packed graphs return empty logits and the states unchanged.
 """
 
 from __future__ import annotations

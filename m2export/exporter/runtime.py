@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from m2export.errors import BackendUnavailable
+from m2export.errors import BackendUnavailable, ParameterError
 from m2export.exporter.configs import GraphIO
 from m2export.exporter.manifest import read_manifest
 
@@ -152,8 +152,16 @@ class Decoder:
         return self.io.zero_feeds(batch, self.np_dtype)
 
     def feeds(self, input_ids, past: Mapping[str, Any] | None = None) -> "OrderedDict[str, Any]":
-        """The full feed dict for ``input_ids`` (batch, seqlen) continuing ``past`` (None: a fresh sequence)."""
+        """The full feed dict for ``input_ids`` (batch, seqlen) continuing ``past`` (None: a fresh sequence).
+
+        Raises:
+            ParameterError: ``input_ids`` is not 2-D or has seqlen 0 (every call needs a token: the module
+                docstring of :mod:`m2export.exporter.configs`).
+        """
         ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ParameterError(f"`input_ids` of shape {ids.shape}: expected (batch, sequence_length) with "
+                                 "sequence_length >= 1 (an empty prompt has no token to continue from)")
         feed: OrderedDict[str, Any] = OrderedDict(input_ids=ids)
         feed.update(past if past is not None else self.zero_feeds(ids.shape[0]))
         return feed
