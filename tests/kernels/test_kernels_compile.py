@@ -20,8 +20,8 @@ from tests.helpers import tileiras_skip_reason  # noqa: E402
 pytestmark = [pytest.mark.skipif(tileiras_skip_reason() is not None, reason=tileiras_skip_reason() or ""),
               pytest.mark.usefixtures("no_cuda_home")]
 
-_DT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-_SIZE = {"f32": 4, "bf16": 2, "f16": 2}
+_DT = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32"}
+_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 
 
 def _arr(dtype: str, ndim: int):
@@ -60,7 +60,7 @@ def _export_launch(launch) -> bytes:
     """Export one kernel with the constraints ct.launch derives for the contiguous tensors of ``launch``."""
     from cuda.tile.compilation import ScalarConstraint
 
-    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32"}
     cons = []
     for a in launch.args:
         if a.kind == "array":
@@ -91,6 +91,35 @@ def test_prefill_kernels_compile(dt, chunk, block_p, d_state):
                                                           "ssd_scan_kernel"]
     for launch in plan.launches:
         assert _export_launch(launch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("dt,chunk,block_p,d_state", CASES, ids=[f"{c[0]}_Q{c[1]}_N{c[3]}" for c in CASES])
+@pytest.mark.parametrize("has_init", [True, False], ids=["init", "no_init"])
+def test_packed_prefill_kernels_compile(dt, chunk, block_p, d_state, has_init):
+    """The packed form (cu_seqlens, one launch group for every sequence): pre-pass, pass 1 and scan with PACKED set,
+    the arrays cu_seqlens and seq_idx int32; a plan without the pre-pass or with a merged tail is refused."""
+    from m2export.contract import SSMScanProblem
+    from m2export.errors import ContractError
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(1, 700, 8, 64, 2, d_state, dtype=dt)
+    kw = dict(dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=has_init,
+              packed=True)
+    plan = make_scan_plan(p, choose_config(p, chunk=chunk, block_p=block_p, nseg=3, dt_pre=True, merge_tail=False),
+                          **kw)
+    assert [launch.name for launch in plan.launches] == ["ssd_dt_kernel", "ssd_segment_state_kernel",
+                                                          "ssd_scan_kernel"]
+    assert ("seq_idx", (-(-700 // chunk) * chunk,), "int32") in plan.scratch
+    for launch in plan.launches:
+        consts = {a.name: a.value for a in launch.args if a.kind == "constant"}
+        arrays = {a.name: a for a in launch.args if a.kind == "array"}
+        assert consts["PACKED"] is True and arrays["cu_seqlens"].dtype == "int32" and arrays["cu_seqlens"].src == \
+            "cu_seqlens"
+        assert _export_launch(launch)[:4] == b"\x7fELF"
+    for bad in (dict(dt_pre=False), dict(merge_tail=True)):
+        with pytest.raises(ContractError, match="packed form needs"):
+            make_scan_plan(p, choose_config(p, nseg=1, **{"dt_pre": True, "merge_tail": False, **bad}), **kw)
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "pieces"])

@@ -28,6 +28,7 @@ PACKS = [
     ("two_64_64_edge", [64, 64]),
     ("seven", [1, 63, 64, 65, 500, 2048, 7]),
     ("with_empty", [5, 0, 70]),
+    ("tiny", [1, 2, 1, 0, 3, 1, 64, 1, 0, 30, 0]),  # many sequences in one chunk, empty ones inside and at the end
 ]
 REF_REL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
 
@@ -137,6 +138,8 @@ def test_packed_shape_rule_ints_and_shape_exprs():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
 def test_cutile_packed_matches_the_oracle(pack, dtype):
+    """ssm_scan's packed path (one launch group per sequence) and the single launch group over all sequences
+    (ssm_scan_packed_cutile, its default plan), both against one oracle run."""
     name, lengths = pack
     p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("gpu", name, dtype), H=8, P=64, G=2, N=128)
     ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
@@ -148,3 +151,102 @@ def test_cutile_packed_matches_the_oracle(pack, dtype):
     assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
     assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL[dtype])
     assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL[dtype])
+    _run_packed_plans(inp, cu, ref, dtype, [None], rel_y=SSD_Y_REL[dtype], rel_state=SSD_STATE_REL[dtype])
+
+
+def _run_packed_plans(inp, cu, ref, dtype, configs, *, rel_y, rel_state):
+    """Run the single launch group (ssm_scan_packed_cutile) with each config (None: its default plan) on
+    NaN-poisoned outputs and compare with the oracle ``ref``; returns the last run's (y, final_state)."""
+    import math
+
+    from m2export.contract import validate_packed
+    from m2export.kernels.ssd.cutile import ssm_scan_packed_cutile
+
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    p, nseq = validate_packed(**dev, cu_seqlens=cu)
+    for cfg in configs:
+        y = poison_(torch.empty(p.shape_of("y"), dtype=dev["x"].dtype, device="cuda"))
+        fs = poison_(torch.empty(nseq, p.nheads, p.headdim, p.d_state, device="cuda"))
+        ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES),
+                               cu.cuda(), problem=p, nseq=nseq, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                               final_state_out=fs, config=cfg)
+        torch.cuda.synchronize()
+        assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0, cfg
+        assert_close(f"y ({cfg})", ref.y, y.cpu(), rel=rel_y)
+        assert_close(f"final_state ({cfg})", ref.final_state, fs.cpu(), rel=rel_state)
+    return y.cpu(), fs.cpu()
+
+
+@pytest.mark.gpu
+@requires_cutile
+@pytest.mark.parametrize("dtype,init", [("float32", True), ("bfloat16", False), ("float16", True)])
+def test_cutile_packed_every_plan(dtype, init):
+    """The seven-sequence pack through the single pass and split plans (pass 1 segments that begin, hold and end
+    sequences: nseg 2, 5 and one segment per chunk), chunk 32 and 64, both state layouts; with and without
+    initial states."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    lengths = [1, 63, 64, 65, 500, 2048, 7]
+    p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("plans", dtype, init), H=4, P=64, G=2, N=64,
+                                init=init)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    base = dict(dt_pre=True, merge_tail=False)
+    configs = [choose_config(p, nseg=1, **base), choose_config(p, nseg=2, **base),
+               choose_config(p, nseg=5, chunk=32, state_t=False, **base),
+               choose_config(p, nseg=-(-sum(lengths) // 64), chunk=64, **base)]
+    _run_packed_plans(inp, cu, ref, dtype, configs, rel_y=SSD_Y_REL[dtype], rel_state=SSD_STATE_REL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cutile
+def test_cutile_packed_no_leak_and_large_decay_sums():
+    """A huge state in sequence 0 must not reach sequence 1 (boundary inside chunk 0, slow decay); and dt*A summing
+    to -4,000 per 64 tokens with boundaries inside chunks: fp32 within 5e-6 of the oracle, single and split plans."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p, inp, cu = _packed_inputs([40, 30, 90], "float32", seed=8, H=4, P=64, G=1, N=64)
+    inp["initial_state"][0] *= 1e6
+    inp["A"] = torch.full_like(inp["A"], -1e-3)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    cfgs = [choose_config(p, nseg=n, dt_pre=True, merge_tail=False) for n in (3, 1)]
+    y, fs = _run_packed_plans(inp, cu, ref, "float32", cfgs, rel_y=2e-4, rel_state=2e-4)
+    # the leak check proper: sequence 1's rows on their own (sequence 0's scale would hide an error there)
+    assert_close("y of sequence 1", ref.y[:, 40:70], y[:, 40:70], rel=2e-4)
+    assert_close("final_state of sequence 1", ref.final_state[1], fs[1], rel=2e-4)
+
+    lengths = [100, 300, 112]
+    p = SSMScanProblem(1, sum(lengths), 8, 64, 2, 64, dtype="float32")
+    inp = large_decay_inputs(p, seed=9, per=64)
+    inp["initial_state"] = torch.randn(3, 8, 64, 64, generator=torch.Generator().manual_seed(10))
+    cu = torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    cfgs = [choose_config(p, nseg=n, dt_pre=True, merge_tail=False) for n in (1, 4)]
+    _run_packed_plans(inp, cu, ref, "float32", cfgs, rel_y=5e-6, rel_state=5e-6)
+
+
+@pytest.mark.gpu
+@requires_cutile
+def test_cutile_packed_is_one_launch_group(monkeypatch):
+    """Seven sequences through ssm_scan_packed_cutile cost its plan's launches (pre-pass, pass 1, scan), not one
+    group per sequence."""
+    import math
+
+    import m2export.kernels.ssd.cutile as cut
+    from m2export.contract import validate_packed
+
+    p, inp, cu = _packed_inputs([1, 63, 64, 65, 500, 2048, 7], "bfloat16", seed=11, H=8, P=64, G=2, N=128)
+    dev = {k: v.cuda() for k, v in inp.items()}
+    p, nseq = validate_packed(**dev, cu_seqlens=cu)
+
+    def run():
+        cut.ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES), cu.cuda(), problem=p, nseq=nseq, dt_softplus=True,
+                                   dt_limit=(0.0, math.inf))
+
+    run()  # compile first
+    seen = []
+    real = cut.ct.launch
+    monkeypatch.setattr(cut.ct, "launch", lambda stream, grid, kernel, args: (seen.append(kernel), real(
+        stream, grid, kernel, args))[1])
+    run()
+    torch.cuda.synchronize()
+    assert 2 <= len(seen) <= 3, seen

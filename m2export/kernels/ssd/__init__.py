@@ -108,7 +108,11 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
                      out, final_state_out, stream, tiles=None) -> SSMScanOutput:
     """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" scans
     each sequence's slice of the packed tensors in place (views; seqlen 1 takes the decode-step kernel), so
-    no chunk of the kernel ever spans a boundary. One launch group per non-empty sequence."""
+    no chunk of the kernel ever spans a boundary. One launch group per non-empty sequence.
+
+    The single launch group over all sequences (:func:`m2export.kernels.ssd.cutile.ssm_scan_packed_cutile`, chunks
+    straddling boundaries) is correct but measured slower than this loop up to 16 sequences on the H200
+    (benchmarks/RESULTS.md, bench_ssd_packed.py; benchmarks/NOTES_ssd.md): not routed here until it is faster."""
     from m2export.contract import check_cu_seqlens, validate_packed
 
     problem, nseq = validate_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens)

@@ -61,7 +61,7 @@ results below 2**-126 to zero, which saves ptxas's denormal fix-up around each M
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,14 +75,15 @@ from m2export.kernels._host import (cached_plan, check_supported, hinted, launch
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels import _tune
-from m2export.kernels.ssd.plan import (HeaddimPiece, ScanConfig, TileFamily, aot_config, choose_config, config_for,
-                                      headdim_pieces, launch_pieces, tile_families)
+from m2export.kernels.ssd.plan import (MAX_GRID_Y, HeaddimPiece, ScanConfig, TileFamily, aot_config, choose_config,
+                                      config_for, headdim_pieces, launch_pieces, tile_families)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
 _ZERO = ct.PaddingMode.ZERO
 _LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
+_SEQ_TILE = 64  # cu_seqlens entries compared per step when the packed pre-pass finds each token's sequence
 
 
 # ----------------------------------------------------------------------------- tile helpers
@@ -173,6 +174,33 @@ def _ct_df_cumsum(v, AXIS: ConstInt):
     return ct.scan((v, ct.zeros(v.shape, dtype=ct.float32)), AXIS, _ct_df_add, (0.0, 0.0))
 
 
+def _ct_seg_df_add(h1, l1, f1, h2, l2, f2):
+    """Segmented double-float sum: (h2, l2) where the right operand starts a segment (f2 = 1), else
+    :func:`_ct_df_add` of both; the flag ORs (associative, so a ct.scan of it restarts at every flag)."""
+    h, l = _ct_df_add(h1, l1, h2, l2)
+    start = f2 > 0.0
+    return ct.where(start, h2, h), ct.where(start, l2, l), ct.maximum(f1, f2)
+
+
+def _ct_seg_df_cumsum(v, flag, AXIS: ConstInt):
+    """(hi, lo, flags seen) of :func:`_ct_df_cumsum` restarted wherever ``flag`` (fp32 0/1, shape of v) is 1: the
+    packed form's sum from the token's own sequence start (or the chunk start, whichever is later)."""
+    return ct.scan((v, ct.zeros(v.shape, dtype=ct.float32), flag), AXIS, _ct_seg_df_add, (0.0, 0.0, 0.0))
+
+
+def _ct_token_seq(cu_seqlens, t, CHUNK: ConstInt):
+    """Sequence index of each packed token t ((CHUNK,) int32): #{s : cu_seqlens[s + 1] <= t}, so empty
+    sequences own no token and tokens past the end get nseq; with whether t starts its sequence (fp32 0/1)."""
+    nseq = cu_seqlens.shape[0] - 1
+    cnt = ct.zeros((CHUNK,), dtype=ct.int32)
+    for k in range(ct.cdiv(nseq, _SEQ_TILE)):
+        ends = ct.gather(cu_seqlens, k * _SEQ_TILE + 1 + ct.arange(_SEQ_TILE, dtype=ct.int32),
+                         padding_value=2147483647)
+        cnt = cnt + ct.sum(ct.where(ends[None, :] <= t[:, None], 1, 0), axis=1)
+    first = ct.where(ct.gather(cu_seqlens, cnt) == t, 1.0, 0.0)
+    return cnt, first
+
+
 def _ct_decay_terms(delta, hi, lo, hi_last, lo_last):
     """Decay coefficients of one chunk, all fp32, in log2 units, from the step sizes ``delta`` (fp32)
     and the double-float inclusive cumsum (hi, lo) of delta * A * log2(e) along the tokens
@@ -236,10 +264,78 @@ def _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: Co
     return acc + off * ecs[:, None]
 
 
+def _ct_packed_chunk(y, initial_state, final_state, cu_seqlens, seq_idx, sq, c, xf, m, B_c, C_c, state, dl, hi, r,
+                     w, ecs, ecs_last, d_h, h, pt, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
+                     HAS_D: ConstBool, HAS_INIT: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
+    """One chunk of the packed form (batch 1): writes its y rows and the final state of every sequence whose
+    last token (or, when empty, whose offset) falls in it; returns the state carried into the next chunk.
+
+    ``sq``: each token's sequence; ``m``: C @ B^T masked (before exp) to pairs of one sequence, j <= i;
+    hi/ecs from the pre-pass sum from the later of the token's sequence start and the chunk start, w is that
+    of the chunk's last sequence (:func:`ssd_dt_kernel`, PACKED). ``state``: the state of the sequence running
+    at the chunk's start, read only by the rows of that sequence when it began before the chunk; every
+    sequence that starts inside reads its own initial state (HAS_INIT; else zeros), decayed from its start
+    (mamba_ssm's ``seq_idx`` semantics, :func:`m2export.kernels.ssd.packed.ssm_scan_packed_chunked`).
+    """
+    DTYPE = m.dtype
+    nseq = cu_seqlens.shape[0] - 1
+    cstart = c * CHUNK
+    idx = ct.arange(CHUNK, dtype=ct.int32)
+    s_first = ct.extract(sq, index=(0,), shape=(1,)).item()
+    s_last = ct.minimum(ct.extract(sq, index=(CHUNK - 1,), shape=(1,)).item(), nseq - 1)
+    first_before = ct.gather(cu_seqlens, s_first) < cstart
+    zero = ct.full((CHUNK, BLOCK_P), 0.0, dtype=ct.float32)
+    acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), zero) * r[:, None]
+    if HAS_D:
+        acc = acc + d_h * xf
+    carry_rows = (sq == s_first) & first_before
+    acc = acc + _ct_state_rows(C_c, state, zero, STATE_T) * ct.where(carry_rows, ecs, 0.0)[:, None]
+    if HAS_INIT:  # the sequences that start in this chunk read their own initial state
+        for s in range(s_first + ct.where(first_before, 1, 0), s_last + 1):
+            h0 = _ct_load_state(initial_state, s, h, pt, BLOCK_P, D_STATE, STATE_T)
+            acc = acc + _ct_state_rows(C_c, h0, zero, STATE_T) * ct.where(sq == s, ecs, 0.0)[:, None]
+    ct.store(y, index=(0, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
+    # final states: the sequences s with cu_seqlens[s + 1] in (cstart, cstart + CHUNK] (chunk 0 also takes the
+    # empty ones at offset 0): s_begin .. s_end - 1, where s_end = the sequence of the next chunk's first token
+    s_begin = ct.where(c == 0, 0, s_first)
+    s_end = ct.gather(seq_idx, cstart + CHUNK, padding_value=nseq)
+    for s in range(s_begin, s_end):
+        a = ct.gather(cu_seqlens, s) - cstart  # < 0: the sequence began before this chunk (reads ``state``)
+        e = ct.gather(cu_seqlens, s + 1) - cstart  # one past its last token
+        own = sq == s
+        at_end = idx == e - 1
+        hi_t = ct.sum(ct.where(at_end, hi, 0.0))
+        r_t = ct.sum(ct.where(at_end, r, 0.0))
+        # w of the segment (j, last token]: delta_j exp2(hi_t - hi_j + lo_t - lo_j) = dl_j r_t exp2(hi_t - hi_j)
+        w_t = dl * ct.exp2(ct.where(own, hi_t - hi, -math.inf)) * r_t
+        if HAS_INIT:
+            base = ct.where(a < 0, state, _ct_load_state(initial_state, s, h, pt, BLOCK_P, D_STATE, STATE_T))
+        else:
+            base = ct.where(a < 0, state, 0.0)
+        ecs_t = ct.where(a == e, 1.0, ct.exp2(hi_t))  # an empty sequence keeps its state
+        fs = _ct_chunk_state_update(base, (xf * w_t[:, None]).astype(DTYPE), B_c, ecs_t, STATE_T, True)
+        _ct_store_state(final_state, s, h, pt, fs, BLOCK_P, D_STATE, STATE_T)
+    # the state carried on: the chunk's last sequence's, from its initial state if it starts in this chunk
+    if ct.gather(cu_seqlens, s_last) >= cstart:
+        if HAS_INIT:
+            state = _ct_load_state(initial_state, s_last, h, pt, BLOCK_P, D_STATE, STATE_T)
+        else:
+            state = _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
+    return _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
+
+
+def _ct_state_rows(C_c, state, zero, STATE_T: ConstBool):
+    """C_c @ state^T, (CHUNK, width) fp32: each row's read of ``state`` (fp32, the on-chip layout)."""
+    if STATE_T:
+        return ct.mma(C_c, state.astype(C_c.dtype), zero)
+    return ct.mma(C_c, state.transpose().astype(C_c.dtype), zero)
+
+
 def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h, bias_h,
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
-                    DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+                    DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
+                    initial_state, final_state, cu_seqlens, seq_idx, HAS_INIT: ConstBool, PACKED: ConstBool):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
 
     HAS_TAIL: the block also owns the TAIL_P rows from row TAIL_TILE * TAIL_P (a headdim's narrower last
@@ -264,18 +360,26 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
-        seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
-        m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
-        xf = x_c.astype(ct.float32)
-        acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
-        ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
-        state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
-        if HAS_TAIL:
-            x2f = x2_c.astype(ct.float32)
-            acc2 = _ct_chunk_out(x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T)
-            ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
-            state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
-                                            SPLIT_UPD)
+        if PACKED:  # pairs of one sequence only (PACKED: HAS_TAIL is False, the plan has one piece per launch)
+            sq = ct.load(seq_idx, index=(c,), shape=(CHUNK,))
+            seg = ct.where(causal & (sq[:, None] == sq[None, :]), hi[:, None] - hi[None, :], -math.inf)
+            m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
+            state = _ct_packed_chunk(y, initial_state, final_state, cu_seqlens, seq_idx, sq, c,
+                                     x_c.astype(ct.float32), m, B_c, C_c, state, dl, hi, r, w, ecs, ecs_last, d_h,
+                                     h, pt, CHUNK, BLOCK_P, D_STATE, HAS_D, HAS_INIT, STATE_T, SPLIT_UPD)
+        else:
+            seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
+            m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
+            xf = x_c.astype(ct.float32)
+            acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
+            ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
+            state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
+            if HAS_TAIL:
+                x2f = x2_c.astype(ct.float32)
+                acc2 = _ct_chunk_out(x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T)
+                ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
+                state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
+                                                SPLIT_UPD)
     return state, state2
 
 
@@ -326,8 +430,9 @@ def _ct_initial_state(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: Const
 
 # ----------------------------------------------------------------------------- kernels
 @ct.kernel
-def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
-                  CHUNK: ConstInt, BLOCK_H: ConstInt, HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool):
+def ssd_dt_kernel(dt, A, dt_bias, cu_seqlens, coef, seq_idx, dt_min: float, dt_max: float,
+                  CHUNK: ConstInt, BLOCK_H: ConstInt, HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool,
+                  PACKED: ConstBool):
     """Step-size pre-pass of the two-kernel plans. Grid: (batch, nchunks, cdiv(nheads, BLOCK_H)).
 
     Block (b, c, hb) turns dt[b, chunk c, heads hb*BLOCK_H...] into the per-token coefficients the
@@ -335,6 +440,12 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     :func:`_ct_decay_terms`: dl, hi, r, w, ecs, from delta = clamp(softplus(dt + dt_bias), dt_min,
     dt_max) (0 past seqlen) and the within-chunk cumsum of delta*A*log2(e) (fp64). Padded tokens
     have delta = 0, so cs stays flat there: they neither decay nor add.
+
+    PACKED (batch 1, ``cu_seqlens`` (nseq + 1,) int32): the cumsum restarts at each sequence's first token
+    (so hi, lo, ecs are sums from the later of the sequence start and the chunk start), w is masked (before
+    exp) to the tokens of the sequence of the chunk's last token (the one whose state the chunk carries on),
+    and the blocks of head block 0 write each token's sequence index to ``seq_idx`` ((nchunks*CHUNK,) int32,
+    nseq past the last token). Otherwise cu_seqlens and seq_idx are never touched (pass any array).
     """
     b = ct.bid(0)
     c = ct.bid(1)
@@ -348,9 +459,21 @@ def ssd_dt_kernel(dt, A, dt_bias, coef, dt_min: float, dt_max: float,
     v = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where(t[:, None] < seqlen, v, 0.0)
-    hi, lo = _ct_df_cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
-    dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)),
-                                        ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)))
+    if PACKED:
+        sq, first = _ct_token_seq(cu_seqlens, t, CHUNK)
+        dA = delta * (a * _LOG2E)[None, :]
+        hi, lo, _f = _ct_seg_df_cumsum(dA, ct.broadcast_to(first[:, None], (CHUNK, BLOCK_H)), 0)
+        hi_last = ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
+        lo_last = ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
+        dl, hi, r, _w, ecs = _ct_decay_terms(delta, hi, lo, hi_last, lo_last)
+        carried = (sq == ct.extract(sq, index=(CHUNK - 1,), shape=(1,)))[:, None]  # the last token's sequence
+        w = delta * ct.exp2(ct.where(carried, (hi_last - hi) + (lo_last - lo), -math.inf))
+        if hb == 0:
+            ct.store(seq_idx, index=(c,), tile=sq)
+    else:
+        hi, lo = _ct_df_cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
+        dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)),
+                                            ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)))
     shape = (1, 1, CHUNK, BLOCK_H)
     ct.store(coef, index=(0, b, c, hb), tile=dl.reshape(shape), order=(0, 1, 3, 2))
     ct.store(coef, index=(1, b, c, hb), tile=hi.reshape(shape), order=(0, 1, 3, 2))
@@ -380,16 +503,17 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     nchunks = ct.cdiv(seqlen, CHUNK)
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
-                               SPLIT_UPD, False, False, BLOCK_P, 0)
+                               SPLIT_UPD, False, False, BLOCK_P, 0, initial_state, final_state, dt, dt, False, False)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
 @ct.kernel
-def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay,
+def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, initial_state, cu_seqlens, seq_idx, seg_state, seg_logdecay,
                              dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                              CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                              HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool,
-                             P_TILE0: ConstInt, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+                             P_TILE0: ConstInt, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
+                             HAS_INIT: ConstBool, PACKED: ConstBool):
     """Split plan, pass 1. Grid: (batch*nheads, nseg - 1, headdim tiles of the piece).
 
     Block (bh, s, pt) computes, from a zero state, the state segment s alone leaves after its
@@ -404,6 +528,12 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     chain. The state is held as (headdim, d_state) (x_w^T @ B_c): measured faster here than the
     (d_state, headdim) layout of the scan kernel (benchmarks/NOTES_ssd.md, v6). HAS_TAIL: the block also
     computes the segment state of the TAIL_P rows from row TAIL_TILE * TAIL_P (see :func:`_ct_scan_chunks`).
+
+    PACKED (batch 1, no tail; coef from the packed pre-pass): the state is that of the sequence running at the
+    segment's end; chunks whose last token belongs to an earlier sequence add nothing. When that sequence
+    starts inside the segment, its initial state (HAS_INIT), decayed from its start, is added and the
+    log2-decay is -inf: pass 2's fold multiplies the state before by exp2(-inf) = 0 (no state crosses the
+    boundary). Otherwise initial_state, cu_seqlens and seq_idx are never read.
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
@@ -414,13 +544,21 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
     state = _ct_zero_state(BLOCK_P, D_STATE, False)
     state2 = _ct_zero_state(TAIL_P, D_STATE, False)
     later = ct.full((1,), 0.0, dtype=ct.float32)  # log2-decay of the chunks after c in this segment (<= 0)
+    s_seg = 0
+    if PACKED:
+        s_seg = ct.gather(seq_idx, c_end * CHUNK - 1)  # the sequence at the segment's end
     for i in range(c_end - c_begin):
         c = c_end - 1 - i
         _dl, _hi, _r, w, _ecs, hi_last, _ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min,
                                                                      dt_max, seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
-        wl = w * ct.exp2(later)
+        if PACKED:  # w is masked to the chunk's last sequence: keep the chunk only if that is s_seg
+            keep = ct.gather(seq_idx, c * CHUNK + CHUNK - 1) == s_seg
+            wl = ct.where(keep, w * ct.exp2(later), 0.0)
+            hi_last = ct.where(keep, hi_last, 0.0)
+        else:
+            wl = w * ct.exp2(later)
         x_w = (x_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
         state = ct.mma(x_w.transpose(), B_c, state)
         if HAS_TAIL:
@@ -428,6 +566,11 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
             x2_w = (x2_c.astype(ct.float32) * wl[:, None]).astype(x.dtype)
             state2 = ct.mma(x2_w.transpose(), B_c, state2)
         later = later + hi_last
+    if PACKED:
+        if ct.gather(cu_seqlens, s_seg) >= c_begin * CHUNK:  # s_seg starts in this segment: a reset
+            if HAS_INIT:
+                state = state + _ct_load_state(initial_state, s_seg, h, pt, BLOCK_P, D_STATE, False) * ct.exp2(later)
+            later = ct.full((1,), -math.inf, dtype=ct.float32)
     _ct_store_seg_state(seg_state, b, h, s, pt, state, BLOCK_P, D_STATE, False)
     if HAS_TAIL:
         _ct_store_seg_state(seg_state, b, h, s, TAIL_TILE, state2, TAIL_P, D_STATE, False)
@@ -436,23 +579,28 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, seg_state, seg_logdecay
 
 @ct.kernel
 def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
-                    dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
+                    cu_seqlens, seq_idx, dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
-                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt):
+                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, PACKED: ConstBool):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
     0..s-1 of pass 1 (state = exp(logdecay_s') * state + seg_state_s'), then runs the full SSD
     over segment s's chunks, writing y; the last segment's block writes final_state. HAS_TAIL: the same for
     the TAIL_P rows from row TAIL_TILE * TAIL_P, a second state on chip (see :func:`_ct_scan_chunks`).
+
+    PACKED (batch 1, no tail, the packed pre-pass and pass 1): the entry state starts from zeros (chunk 0 begins
+    a sequence), initial_state and final_state are (nseq, nheads, headdim, d_state), and each chunk writes the
+    final states of the sequences that end in it (:func:`_ct_packed_chunk`); cu_seqlens and seq_idx are read
+    only then.
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
     nseg = ct.num_blocks(1)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
+    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT and not PACKED, STATE_T)
     state2 = _ct_initial_state(initial_state, b, h, TAIL_TILE, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T)
     for sp in range(s):
         ld = ct.exp2(ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,)))
@@ -464,11 +612,13 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     c_end = ct.minimum(c_begin + chunks_per_seg, nchunks)
     state, state2 = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h,
                                     bias_h, dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS,
-                                    STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE)
-    if s == nseg - 1:
-        _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
-        if HAS_TAIL:
-            _ct_store_state(final_state, b, h, TAIL_TILE, state2, TAIL_P, D_STATE, STATE_T)
+                                    STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE, initial_state,
+                                    final_state, cu_seqlens, seq_idx, HAS_INIT, PACKED)
+    if not PACKED:  # (packed: each sequence's final state was written at its last token)
+        if s == nseg - 1:
+            _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
+            if HAS_TAIL:
+                _ct_store_state(final_state, b, h, TAIL_TILE, state2, TAIL_P, D_STATE, STATE_T)
 
 
 # ----------------------------------------------------------------------------- launch descriptions
@@ -500,13 +650,24 @@ def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_li
     return Launch(hinted(ssd_fused_kernel, cfg.occupancy, cfg.worker_warps), args, grid, cfg)
 
 
-def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus, dt_limit, has_dt_bias) -> Launch:
+def _packed_arrays(packed: bool) -> tuple:
+    """cu_seqlens ((nseq + 1,) int32) and seq_idx (the pre-pass's (nchunks*CHUNK,) int32 scratch) of the packed
+    form; unpacked launches never read them: ``A`` stands in."""
+    if packed:
+        return L.array("cu_seqlens", "int32", 1), L.array("seq_idx", "int32", 1)
+    return L.array("cu_seqlens", "float32", 1, source="A"), L.array("seq_idx", "float32", 1, source="A")
+
+
+def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus, dt_limit, has_dt_bias,
+               packed: bool = False) -> Launch:
     block_h = min(32, 1 << (p.nheads - 1).bit_length())
+    cu, seq = _packed_arrays(packed)
     args = (L.array("dt", p.dtype, 3), L.array("A", "float32", 1),
-            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"), L.array("coef", "float32", 4),
-            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"), cu, L.array("coef", "float32", 4),
+            seq, L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_H", block_h),
-            L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+            L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
+            L.constant("PACKED", bool(packed)))
     return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
@@ -518,81 +679,95 @@ def _tail_constants(piece: HeaddimPiece, tail: HeaddimPiece | None) -> tuple:
 
 
 def _segment_launch(p: SSMScanProblem, cfg: ScanConfig, piece: HeaddimPiece, tail: HeaddimPiece | None = None, *,
-                    dt_softplus, dt_limit, has_dt_bias) -> Launch:
+                    dt_softplus, dt_limit, has_dt_bias, has_init: bool = False, packed: bool = False) -> Launch:
     dtn = p.dtype
+    init = packed and has_init  # pass 1 reads initial states only in the packed form
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("initial_state", "float32", 4, source=None if init else "final_state"), *_packed_arrays(packed),
             L.array("seg_state", "float32", 5), L.array("seg_logdecay", "float32", 3),
             L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.scalar("heads_per_group", "int32", p.heads_per_group),
             L.scalar("chunks_per_seg", "int32", cfg.chunks_per_seg),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail),
+            L.constant("HAS_INIT", bool(init)), L.constant("PACKED", bool(packed)))
     kernel = hinted(ssd_segment_state_kernel, cfg.seg_occupancy or cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg - 1, piece.tiles), cfg)
 
 
 def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPiece, tail: HeaddimPiece | None = None,
-                 *, dt_softplus, dt_limit, has_D, has_dt_bias, has_init) -> Launch:
+                 *, dt_softplus, dt_limit, has_D, has_dt_bias, has_init, packed: bool = False) -> Launch:
     dtn = p.dtype
     args = (L.array("x", dtn, 4), L.array("dt", dtn, 3), L.array("coef", "float32", 4), L.array("A", "float32", 1),
             L.array("B", dtn, 4), L.array("C", dtn, 4), L.array("D", "float32", 1, source=None if has_D else "A"),
             L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
             L.array("initial_state", "float32", 4, source=None if has_init else "final_state"),
             L.array("seg_state", "float32", 5), L.array("seg_logdecay", "float32", 3),
-            L.array("y", dtn, 4), L.array("final_state", "float32", 4),
+            L.array("y", dtn, 4), L.array("final_state", "float32", 4), *_packed_arrays(packed),
             L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.scalar("heads_per_group", "int32", p.heads_per_group), L.scalar("chunks_per_seg", "int32", cps),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
             L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
-            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail))
+            L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail),
+            L.constant("PACKED", bool(packed)))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
 
 @dataclass(frozen=True)
 class ScanPlan:
-    """The launches of one SSMScan call and the fp32 scratch they share (shapes; allocated per call).
+    """The launches of one SSMScan call and the scratch they share ((name, shape, dtype); allocated per call).
 
     Made once per problem signature (:func:`scan_plan`, cached): the per-call work is allocating
     the scratch and binding tensors.
     """
 
     launches: tuple[Launch, ...]
-    scratch: tuple[tuple[str, tuple[int, ...]], ...]
+    scratch: tuple[tuple[str, tuple[int, ...], str], ...]
     config: ScanConfig
 
 
 def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_limit: tuple[float, float],
-                   has_D: bool, has_dt_bias: bool, has_init: bool) -> ScanPlan:
+                   has_D: bool, has_dt_bias: bool, has_init: bool, packed: bool = False) -> ScanPlan:
     """The launches of ``cfg`` for ``p``. Raises ContractError if ``cfg`` does not cover ``p`` (a plan made
-    for another seqlen would leave chunks unscanned: refuse, never truncate)."""
+    for another seqlen would leave chunks unscanned: refuse, never truncate).
+
+    ``packed``: the packed form (``p.batch`` 1, the tensors then include ``cu_seqlens``; initial_state and
+    final_state per sequence): the same launches with PACKED set, which needs the pre-pass (``cfg.dt_pre``) and
+    no merged headdim tail (``cfg.merge_tail`` False: :func:`packed_config`); nseq is a runtime extent."""
+    if packed and (not cfg.dt_pre or cfg.merge_tail or p.batch != 1):
+        raise ContractError(f"config: the packed form needs batch 1, dt_pre and no merge_tail, got batch {p.batch}, "
+                            f"{cfg}; make it with packed_config")
     nchunks = -(-p.seqlen // cfg.chunk)
     cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
     pieces = launch_pieces(p.headdim, cfg.block_p, cfg.merge_tail)
     if cfg.nseg < 1 or not (cfg.nseg - 1) * cps < nchunks <= cfg.nseg * cps:
         raise ContractError(f"config: {cfg} does not cover seqlen {p.seqlen} ({nchunks} chunks of {cfg.chunk}); "
                             "make it with choose_config for this problem")
-    kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias)
+    kw = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_dt_bias=has_dt_bias, packed=packed)
     if cfg.nseg == 1 and not cfg.dt_pre:  # the fused kernel has no tail: one launch per piece
-        return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, **kw)
+        return ScanPlan(tuple(fused_launch(p, cfg, has_D=has_D, has_init=has_init, piece=pc, dt_softplus=dt_softplus,
+                                           dt_limit=dt_limit, has_dt_bias=has_dt_bias)
                               for pc in headdim_pieces(p.headdim, cfg.block_p)), (), cfg)
     launches, scratch = [], []
     if cfg.dt_pre:  # fp32 per-token coefficients (5 x the size of dt in fp32)
-        scratch.append(("coef", (5, p.batch, p.nheads, nchunks * cfg.chunk)))
+        scratch.append(("coef", (5, p.batch, p.nheads, nchunks * cfg.chunk), "float32"))
+        if packed:  # each token's sequence, written by the pre-pass
+            scratch.append(("seq_idx", (nchunks * cfg.chunk,), "int32"))
         launches.append(_dt_launch(p, cfg, nchunks, **kw))
     # the state each segment alone leaves, and its total log-decay (tiny next to x); a single pass
     # never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
     nsp = cfg.nseg - 1
     scratch.append(("seg_state", (p.batch, p.nheads, nsp, p.headdim, p.d_state) if nsp else
-                    (1, 1, 1, p.headdim, p.d_state)))
-    scratch.append(("seg_logdecay", (p.batch, p.nheads, nsp) if nsp else (1, 1, 1)))
+                    (1, 1, 1, p.headdim, p.d_state), "float32"))
+    scratch.append(("seg_logdecay", (p.batch, p.nheads, nsp) if nsp else (1, 1, 1), "float32"))
     for pc, tail in pieces:  # one pass-1 and one pass-2 launch per headdim piece (launch_pieces)
         if nsp:
-            launches.append(_segment_launch(p, cfg, pc, tail, **kw))
+            launches.append(_segment_launch(p, cfg, pc, tail, has_init=has_init, **kw))
         launches.append(_scan_launch(p, cfg, cps, pc, tail, has_D=has_D, has_init=has_init, **kw))
     # without the pre-pass, coef is never read (DT_PRE False): any array stands in
     return ScanPlan(tuple(launches if cfg.dt_pre else [l.with_args(coef=dict(source="A")) for l in launches]),
@@ -600,23 +775,26 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
 
 
 def scan_plan(p: SSMScanProblem, *, device: torch.device, dt_softplus: bool, dt_limit: tuple[float, float],
-              has_D: bool, has_dt_bias: bool, has_init: bool, config: ScanConfig | None = None) -> ScanPlan:
-    """:func:`make_scan_plan` with :func:`choose_config` (or ``config``), cached per problem signature and device."""
+              has_D: bool, has_dt_bias: bool, has_init: bool, config: ScanConfig | None = None,
+              packed: bool = False) -> ScanPlan:
+    """:func:`make_scan_plan` with :func:`choose_config` (packed: :func:`packed_config`) or ``config``, cached per
+    problem signature and device."""
     key = ("ssd", p, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus), has_D, has_dt_bias, has_init,
-           device.index, config)
+           device.index, config, packed)
 
     def make():
-        cfg = config or choose_config(p, sm_count=sm_count(device))
+        cfg = config or (packed_config(p, sm_count=sm_count(device)) if packed
+                         else choose_config(p, sm_count=sm_count(device)))
         return make_scan_plan(p, cfg, dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=has_D,
-                              has_dt_bias=has_dt_bias, has_init=has_init)
+                              has_dt_bias=has_dt_bias, has_init=has_init, packed=packed)
 
     return cached_plan(key, make)
 
 
 def run_scan_plan(plan: ScanPlan, tensors: dict, stream: int, device: torch.device) -> None:
     """Allocate the plan's scratch (on the current torch stream, which must be ``stream``) and launch."""
-    for name, shape in plan.scratch:
-        tensors[name] = torch.empty(shape, dtype=torch.float32, device=device)
+    for name, shape, dtype in plan.scratch:
+        tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
     for launch in plan.launches:
         ct.launch(stream, launch.grid, launch.kernel, launch.bind(tensors))
 
@@ -657,6 +835,55 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
             config = tuned_config(p, inputs, flags, ls, dev)
         plan = scan_plan(p, device=dev, config=config, **flags)
         run_scan_plan(plan, dict(inputs, y=y, final_state=final_state), int(ls.cuda_stream), dev)
+    return SSMScanOutput(y, final_state)
+
+
+def packed_config(p: SSMScanProblem, *, sm_count: int, tiles: TileFamily | None = None) -> ScanConfig:
+    """The plan of the packed form for the packed batch ``p`` (batch 1, seqlen = all tokens): what
+    :func:`choose_config` (or ``tiles``, :func:`config_for`) picks for one sequence of that length, with the
+    pre-pass (it finds each token's sequence) and one launch per headdim piece. Raises ContractError past
+    MAX_GRID_Y chunks (the pre-pass grid)."""
+    nchunks = -(-p.seqlen // (tiles.chunk if tiles else choose_config(p, sm_count=sm_count).chunk))
+    if nchunks > MAX_GRID_Y:
+        raise ContractError(f"x: packed prefill of {p.seqlen} tokens is {nchunks} chunks, more than the pre-pass "
+                            f"grid's {MAX_GRID_Y}; split the batch")
+    if tiles is not None:
+        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False)
+    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False)
+
+
+def ssm_scan_packed_cutile(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, *, problem: SSMScanProblem,
+                           nseq: int, dt_softplus: bool, dt_limit: tuple[float, float], out=None, final_state_out=None,
+                           stream=None, config: ScanConfig | None = None,
+                           tiles: TileFamily | None = None) -> SSMScanOutput:
+    """cuTile packed prefill in one launch group (pre-pass, optional pass 1, scan): the semantics of
+    :func:`m2export.kernels.ssd.packed.ssm_scan_packed_chunked` on validated arguments.
+
+    ``cu_seqlens``: (nseq + 1,) int32 on x's device, already checked (:func:`m2export.contract.check_cu_seqlens`;
+    read only on the device here: no host sync). ``problem``: the packed batch (batch 1, seqlen = all tokens);
+    initial_state (or None: zeros) and final_state are (nseq, nheads, headdim, d_state) fp32; empty sequences
+    get their initial state. The plan: ``config``, else :func:`packed_config` (``tiles`` if given; no autotuning).
+    All work is queued on ``stream`` (see :func:`ssm_scan_cutile`).
+    """
+    dev = x.device
+    ls = launch_stream(stream, dev)
+    p = problem
+    with torch.cuda.device(dev), torch.cuda.stream(ls):
+        x, dt, B, C = (unit_stride(t) for t in (x, dt, B, C))
+        A, D, dt_bias, initial_state, cu_seqlens = (None if t is None else t.contiguous()
+                                                    for t in (A, D, dt_bias, initial_state, cu_seqlens))
+        y, final_state = out_buffers(x, (nseq, p.nheads, p.headdim, p.d_state), out, final_state_out, allocate=True)
+        if p.seqlen == 0:  # every sequence is empty
+            final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
+            return SSMScanOutput(y, final_state)
+        flags = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=D is not None,
+                     has_dt_bias=dt_bias is not None, has_init=initial_state is not None)
+        if config is None and tiles is not None:
+            config = packed_config(p, sm_count=sm_count(dev), tiles=tiles)
+        plan = scan_plan(p, device=dev, config=config, packed=True, **flags)
+        tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state,
+                       cu_seqlens=cu_seqlens, y=y, final_state=final_state)
+        run_scan_plan(plan, tensors, int(ls.cuda_stream), dev)
     return SSMScanOutput(y, final_state)
 
 
