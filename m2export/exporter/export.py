@@ -350,8 +350,13 @@ class SharedWeights:
 
     ALIGN = 64
 
-    def __init__(self, folder: Path, name: str = WEIGHTS_FILE, threshold: int = 1024):
+    def __init__(self, folder: Path, name: str = WEIGHTS_FILE, threshold: int = 1024, pages=None):
+        """``pages``: the :class:`~m2export.models.checkpoint.MappedWeights` of a mapped checkpoint load: each
+        :meth:`externalize` first releases every page of it (what building and rewriting the graph read; one
+        sampled element maps a whole 2 MB page-cache folio) and then each tensor's pages once its bytes are
+        written or found stored, so an export holds one weight resident at a time, not all of them."""
         self.folder, self.name, self.threshold = Path(folder), name, threshold
+        self.pages = pages
         self._f = open(self.folder / name, "w+b")
         self._index: dict[tuple, list[tuple[int, int]]] = {}
 
@@ -360,6 +365,8 @@ class SharedWeights:
         import onnx_ir as ir
 
         used = False
+        if self.pages is not None:
+            self.pages.release_all()
         for v in model.graph.initializers.values():
             t = v.const_value
             if t is None or t.nbytes < self.threshold:
@@ -378,6 +385,8 @@ class SharedWeights:
                     self._f.write(block)
                 slot = (off, self._f.tell() - off)
                 self._index.setdefault(key, []).append(slot)
+            if self.pages is not None:
+                self.pages.release(bits.view)
             off, n = slot
             v.const_value = ir.ExternalTensor(self.name, off, n, t.dtype, shape=t.shape, name=v.name,
                                               base_dir=str(self.folder))
@@ -634,7 +643,9 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         from m2export.models.checkpoint import load_checkpoint
 
         bar.step(f"loading {checkpoint}")
-        ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite)
+        # mapped: the weights leave resident memory once checked, and again as each is written (MappedWeights)
+        ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite,
+                             mapped=True)
         if packed_prefill:
             from m2export.exporter.packed import check_packable
 
@@ -646,7 +657,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         _rename_dims(model, io)
         bar.step("attaching the SSMScan function")
         _attach_function(model, opset)
-        weights = SharedWeights(tmp)
+        weights = SharedWeights(tmp, pages=ck.pages)
         try:
             # ssmscan and native (a copy) first: inlining the std flavour mutates the model in place
             for impl in sorted(impls, key=("ssmscan", "native", "std").index):
