@@ -112,11 +112,7 @@ def _conv1d_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[str]]:
 
 def causal_conv1d_function_proto(opset: int = 18) -> onnx.FunctionProto:
     """Model-local function ``m2export::CausalConv1d`` v1 (module docstring), default domain at ``opset``."""
-    nodes, inputs, outputs = _conv1d_body()
-    return helper.make_function(cc.OP_DOMAIN, cc.OP_NAME, list(inputs), list(outputs), nodes,
-                                [helper.make_opsetid("", opset)], attribute_protos=_attribute_protos(cc.ATTRIBUTES),
-                                doc_string="m2export::CausalConv1d v1: depthwise causal conv1d with state (+ SiLU), "
-                                           "fp32 internals; see m2export/contract_conv1d.py")
+    return _function_proto(cc, _conv1d_body, "depthwise causal conv1d with state (+ SiLU), fp32 internals", opset)
 
 
 # ----------------------------------------------------------------------------- GatedRMSNorm
@@ -156,11 +152,19 @@ def _gated_norm_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[st
 
 def gated_rmsnorm_function_proto(opset: int = 18) -> onnx.FunctionProto:
     """Model-local function ``m2export::GatedRMSNorm`` v1 (module docstring), default domain at ``opset``."""
-    nodes, inputs, outputs = _gated_norm_body()
-    return helper.make_function(cg.OP_DOMAIN, cg.OP_NAME, list(inputs), list(outputs), nodes,
-                                [helper.make_opsetid("", opset)], attribute_protos=_attribute_protos(cg.ATTRIBUTES),
-                                doc_string="m2export::GatedRMSNorm v1: RMSNorm per group gated by silu(z), fp32 "
-                                           "internals; see m2export/contract_gated_norm.py")
+    return _function_proto(cg, _gated_norm_body, "RMSNorm per group gated by silu(z), fp32 internals", opset)
+
+
+def _function_proto(contract, body, what: str, opset: int) -> onnx.FunctionProto:
+    """The model-local function of one op contract (:mod:`m2export.contract_conv1d` or ``contract_gated_norm``):
+    ``body()``'s nodes over the contract's inputs and outputs, the default domain at ``opset``, the contract's
+    attributes with their defaults plus the plugin-selecting ones, and a doc string saying ``what`` it computes."""
+    nodes, inputs, outputs = body()
+    source = contract.__name__.replace(".", "/") + ".py"
+    return helper.make_function(contract.OP_DOMAIN, contract.OP_NAME, list(inputs), list(outputs), nodes,
+                                [helper.make_opsetid("", opset)], attribute_protos=_attribute_protos(contract.ATTRIBUTES),
+                                doc_string=f"{contract.OP_DOMAIN}::{contract.OP_NAME} v{contract.OP_VERSION}: {what}; "
+                                           f"see {source}")
 
 
 def function_protos(opset: int = 18) -> list[onnx.FunctionProto]:
