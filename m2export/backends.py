@@ -81,6 +81,25 @@ def require_tensorrt(purpose: str, *, need_gpu: bool = True):
     return trt
 
 
+def tensorrt_plugin_api(what: str, trt: Any = None, trtp: Any = None) -> tuple[Any, Any, bool]:
+    """``(tensorrt, tensorrt.plugin, has_aot)`` for registering m2export's Python plugins, ``what`` naming them
+    (e.g. "the SSMScan plugin"); ``trt``/``trtp`` when both are given (tests inject stand-ins) are used as they are.
+    ``has_aot``: this TensorRT registers AOT implementations too (``trtp.aot_impl`` and
+    ``trt.QuickPluginCreationRequest``, TensorRT >= 10.8).
+
+    Raises:
+        BackendUnavailable: TensorRT (or its ``tensorrt.plugin`` module) is missing or older than
+            :data:`MIN_TENSORRT`.
+    """
+    if trt is None or trtp is None:
+        trt = require_tensorrt(f"register {what}", need_gpu=False)
+        import tensorrt.plugin as trtp
+    old = tensorrt_too_old(trt)
+    if old:
+        raise BackendUnavailable(f"cannot register {what}: {old}", hint=TENSORRT_INSTALL_HINT)
+    return trt, trtp, hasattr(trtp, "aot_impl") and hasattr(trt, "QuickPluginCreationRequest")
+
+
 def tensorrt_available() -> bool:
     """True when TensorRT imports, is new enough, and a CUDA GPU is visible."""
     return tensorrt_unavailable_reason() is None

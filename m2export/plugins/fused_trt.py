@@ -345,14 +345,7 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
     """
     if _REGISTERED:
         return dict(_REGISTERED)
-    if trt is None or trtp is None:
-        trt = backends.require_tensorrt("register the CausalConv1d and GatedRMSNorm plugins", need_gpu=False)
-        import tensorrt.plugin as trtp
-    old = backends.tensorrt_too_old(trt)
-    if old:
-        raise BackendUnavailable(f"cannot register the CausalConv1d/GatedRMSNorm plugins: {old}",
-                                 hint=backends.TENSORRT_INSTALL_HINT)
-    has_aot = hasattr(trtp, "aot_impl") and hasattr(trt, "QuickPluginCreationRequest")
+    trt, trtp, has_aot = backends.tensorrt_plugin_api("the CausalConv1d and GatedRMSNorm plugins", trt, trtp)
     from m2export.plugins.ssm_scan_trt import _AOT_OPTIONS
 
     # ------------------------------------------------------------------ CausalConv1d

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Sequence, Tuple, Union
 
 from m2export import backends, contract
 from m2export.contract import SSMScanAttrs, SSMScanProblem
-from m2export.errors import BackendUnavailable, InternalError
+from m2export.errors import InternalError
 
 log = logging.getLogger(__name__)
 
@@ -340,13 +340,7 @@ def register(*, trt: Any = None, trtp: Any = None) -> dict:
     """
     if _REGISTERED:
         return dict(_REGISTERED)
-    if trt is None or trtp is None:
-        trt = backends.require_tensorrt("register the SSMScan plugin", need_gpu=False)
-        import tensorrt.plugin as trtp
-    old = backends.tensorrt_too_old(trt)
-    if old:
-        raise BackendUnavailable(f"cannot register the SSMScan plugin: {old}", hint=backends.TENSORRT_INSTALL_HINT)
-    has_aot = hasattr(trtp, "aot_impl") and hasattr(trt, "QuickPluginCreationRequest")
+    trt, trtp, has_aot = backends.tensorrt_plugin_api("the SSMScan plugin", trt, trtp)
 
     @trtp.register(PLUGIN_ID)
     def ssm_scan_desc(x: trtp.TensorDesc, dt: trtp.TensorDesc, A: trtp.TensorDesc, B: trtp.TensorDesc,

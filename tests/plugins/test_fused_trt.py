@@ -102,6 +102,16 @@ def test_register_without_aot_support(fresh_registry):
     assert "aot_impl" not in trtp.defs[fp.CONV_PLUGIN_ID]
 
 
+def test_register_refuses_old_tensorrt(fresh_registry):
+    """The preamble both plugin modules share (backends.tensorrt_plugin_api): one line naming the plugins, nothing
+    registered."""
+    trt, trtp = fake_tensorrt(version="10.6.0")
+    with pytest.raises(BackendUnavailable, match="^cannot register the CausalConv1d and GatedRMSNorm plugins: "
+                                                 "TensorRT 10.6.0 is too old"):
+        fp.register(trt=trt, trtp=trtp)
+    assert fp._REGISTERED == {} and trtp.defs == {}
+
+
 def test_plugins_package_registers_all_ops(monkeypatch):
     """m2export.plugins.register() registers SSMScan and both fused ops; aot only when every plugin has it."""
     import m2export.plugins as plugins
