@@ -41,3 +41,23 @@ def single_threaded_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kernels_on_torch(monkeypatch):
+    """The kernels' entry points (tests.helpers.kernel_entry_points) called with backend="cutile" run their torch
+    backends instead: the cutile branch's plumbing on the CPU. The list of the names called, in call order."""
+    from tests.helpers import kernel_entry_points
+
+    calls = []
+    for mod, name in kernel_entry_points():
+        real = getattr(mod, name)
+
+        def on_torch(*a, _real=real, _name=name, **k):
+            assert k.pop("backend") == "cutile"
+            calls.append(_name)
+            return _real(*a, backend="torch", **k)
+
+        monkeypatch.setattr(mod, name, on_torch)
+    return calls
+

@@ -270,3 +270,13 @@ def assert_usage_error(argv: list[str], msg: str, capsys) -> None:
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def kernel_entry_points() -> tuple:
+    """``(module, name)`` of every kernel entry point the PyTorch model's "cutile" backend calls (conv prefill and
+    one-token update, scan, gated norm): what ``kernels_on_torch`` (tests/conftest.py) stands in for."""
+    import m2export.kernels.conv1d as conv
+    import m2export.kernels.gated_norm as norm
+    import m2export.kernels.ssd as ssd
+
+    return (conv, "causal_conv1d"), (conv, "conv_update"), (ssd, "ssm_scan"), (norm, "gated_rmsnorm")

@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import m2export.kernels.conv1d as conv_mod
-import m2export.kernels.gated_norm as norm_mod
-import m2export.kernels.ssd as ssd_mod
 from m2export.errors import BackendUnavailable, ContractError
 from m2export.models.checkpoint import load_checkpoint, random_checkpoint
-from tests.helpers import assert_close, requires_cutile
+from tests.helpers import assert_close, kernel_entry_points, requires_cutile
 
 BUNDLED = Path(__file__).resolve().parents[2] / "samples" / "checkpoints" / "stdlib-byte-mamba2"
 
@@ -46,8 +43,7 @@ def test_torch_backend_is_the_model_bit_for_bit(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("backend='torch' called a kernel entry point")
 
-    for mod, name in ((conv_mod, "causal_conv1d"), (conv_mod, "conv_update"), (ssd_mod, "ssm_scan"),
-                      (norm_mod, "gated_rmsnorm")):
+    for mod, name in kernel_entry_points():
         monkeypatch.setattr(mod, name, refuse)
     plain = load_checkpoint(BUNDLED).model.eval()
     chosen = load_checkpoint(BUNDLED).model.eval()
@@ -73,23 +69,6 @@ def test_cutile_backend_without_cuda_is_one_clean_error():
     model.mixers[0].kernel_backend = "cutile"  # forced past the check: the kernels refuse, no silent fallback
     with pytest.raises(BackendUnavailable):
         model.forward_states(_ids(256, L=3))
-
-
-@pytest.fixture
-def kernels_on_torch(monkeypatch):
-    """The kernels' entry points with backend="torch" forced (the cutile branch's plumbing, on the CPU)."""
-    calls = []
-    for mod, name in ((conv_mod, "causal_conv1d"), (conv_mod, "conv_update"), (ssd_mod, "ssm_scan"),
-                      (norm_mod, "gated_rmsnorm")):
-        real = getattr(mod, name)
-
-        def on_torch(*a, _real=real, _name=name, **k):
-            assert k.pop("backend") == "cutile"
-            calls.append(_name)
-            return _real(*a, backend="torch", **k)
-
-        monkeypatch.setattr(mod, name, on_torch)
-    return calls
 
 
 @pytest.mark.parametrize("ck", ["bundled", "g3_nobias"])
