@@ -61,3 +61,16 @@ def kernels_on_torch(monkeypatch):
         monkeypatch.setattr(mod, name, on_torch)
     return calls
 
+
+@pytest.fixture
+def autotune_env(monkeypatch):
+    """``set(value)``: ``M2EXPORT_AUTOTUNE`` for this test, read afresh (the process parses it once and keeps the
+    answer: m2export.kernels._tune.enabled); what it kept is forgotten again after the test."""
+    from m2export.kernels import _tune
+
+    def set_(value: str) -> None:
+        monkeypatch.setenv(_tune.ENV, value)
+        _tune.reset()
+
+    yield set_
+    _tune.reset()

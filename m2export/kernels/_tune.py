@@ -38,10 +38,35 @@ CACHE_SIZE = 256
 C = TypeVar("C")
 
 
-def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether eager calls search (``M2EXPORT_AUTOTUNE``). Raises :class:`~m2export.errors.ParameterError` (a
-    ValueError; one line in the CLI) on any value but "0" and "1" (blanks around it ignored, unset or empty = "0")."""
-    value = environ.get(ENV, "").strip()
+#: ``M2EXPORT_AUTOTUNE`` as parsed by the process's first :func:`enabled` call (None: not yet; :func:`reset`)
+_enabled: bool | None = None
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether eager calls search (``M2EXPORT_AUTOTUNE``): "1" yes; "0", empty or unset no (blanks around the value
+    ignored). The environment is read and parsed once, at the first call, and the answer kept for the process (every
+    eager scan asks); :func:`reset` forgets it. ``environ``: parse that mapping instead (nothing read or kept).
+
+    Raises:
+        ParameterError: (a ValueError; one line in the CLI) any other value. Nothing is kept then: every call
+            raises until the variable is fixed (and :func:`reset` called).
+    """
+    global _enabled
+    if environ is not None:
+        return _parse(environ.get(ENV, ""))
+    if _enabled is None:
+        _enabled = _parse(os.environ.get(ENV, ""))
+    return _enabled
+
+
+def reset() -> None:
+    """Forget the parsed switch: the next :func:`enabled` reads ``M2EXPORT_AUTOTUNE`` again (for tests that set it)."""
+    global _enabled
+    _enabled = None
+
+
+def _parse(text: str) -> bool:
+    value = text.strip()
     if value not in _VALUES:
         from m2export.errors import ParameterError
 

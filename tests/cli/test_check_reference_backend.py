@@ -28,10 +28,10 @@ def test_cutile_with_transformers_reference_is_refused(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_bad_autotune_switch_is_one_line_before_anything_is_read(tmp_path, capsys, monkeypatch):
+def test_bad_autotune_switch_is_one_line_before_anything_is_read(tmp_path, capsys, autotune_env):
     """M2EXPORT_AUTOTUNE is read by the cuTile scan's eager calls, i.e. by this reference: a bad value is refused
     with one line before any file is read (it was a ValueError traceback from inside the first scan, on a GPU)."""
-    monkeypatch.setenv("M2EXPORT_AUTOTUNE", "true")
+    autotune_env("true")
     rc = main(["check", str(tmp_path / "nothing_read"), "--reference-backend", "cutile"])
     err = capsys.readouterr().err
     assert rc == 1, err

@@ -26,6 +26,23 @@ def test_switch_is_strict(value):
         _tune.enabled({_tune.ENV: value})  # a ParameterError: one line in the CLI (it is a ValueError too)
 
 
+def test_switch_is_read_once_and_kept(autotune_env, monkeypatch):
+    """The environment is parsed at the first call and the answer kept (eager scans ask on every call): a change
+    of the variable is not seen until reset(); a bad value raises at first use, is not kept, and raises again."""
+    autotune_env("1")
+    assert _tune.enabled() is True
+    monkeypatch.setenv(_tune.ENV, "bogus")  # not read again
+    assert _tune.enabled() is True and _tune.enabled({_tune.ENV: "0"}) is False and _tune.enabled() is True
+    _tune.reset()
+    from m2export.errors import ParameterError
+
+    for _ in range(2):
+        with pytest.raises(ParameterError, match="M2EXPORT_AUTOTUNE='bogus'"):
+            _tune.enabled()
+    monkeypatch.delenv(_tune.ENV)
+    assert _tune.enabled() is False  # the bad value was not kept: read again, now unset
+
+
 def test_key_covers_shapes_strides_dtypes_flags_version_and_device():
     x = torch.zeros(2, 8, 4, 16)
     base = _tune.tuning_key("ssm_scan", "v1", {"x": x, "D": None}, flags=(True,), device="dev0")

@@ -587,12 +587,12 @@ def test_every_tile_family(dtype, headdim, d_state, ngroups, fam, plan):
 
 @pytest.mark.gpu
 @gpu
-def test_autotuned_scan(monkeypatch):
+def test_autotuned_scan(monkeypatch, autotune_env):
     """M2EXPORT_AUTOTUNE=1: the first call of a signature times every candidate (into scratch buffers) and keeps
     the fastest; the result equals the oracle; the second call reuses the choice (no new trials)."""
     from m2export.kernels import _tune
 
-    monkeypatch.setenv(_tune.ENV, "1")
+    autotune_env("1")
     monkeypatch.setattr(_tune, "TUNER", _tune.Autotuner())
     p = SSMScanProblem(2, 3 * 64 + 1, 8, 64, 2, 128, dtype="bfloat16")
     _run_and_check(p, seed=stable_seed("autotune", 1))
