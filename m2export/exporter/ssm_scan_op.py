@@ -523,9 +523,10 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     no Loop/Scan: the chunked SSD of :func:`_chunked_scan` over *sequence-local* chunks.
 
     Each sequence s (tokens ``[cu_seqlens[s], cu_seqlens[s+1])`` of batch row 0, ``len_s`` of them) is cut into
-    ``n_s = ceil(len_s / Q)`` chunks from its own first token (``Q = max(1, min(chunk_size, total))``, the SSMScan
-    body's chunk length; evaluation order only), its last chunk padded with ``delta = 0``, ``x = B = C = 0`` steps
-    (no decay, no input), exactly the chunks a scan of that sequence alone has. All ``NL = sum n_s`` chunks of the
+    ``n_s = ceil(len_s / Q)`` chunks from its own first token, its last chunk padded with ``delta = 0`` steps (no
+    decay, no input). ``Q`` (:func:`_packed_chunk_len`; evaluation order only) is the SSMScan body's chunk length
+    ``max(1, min(chunk_size, total))`` unless that pads the pack by more than 1/8 of its tokens (many sequences
+    shorter than a chunk), then the largest of its halvings (down to 16) that does not. All ``NL = sum n_s`` chunks of the
     pack are laid side by side (one Gather from the tokens, computed once from ``cu_seqlens``) and run as one batch
     through steps 3-5 (:func:`_within_chunks`): no chunk straddles a boundary, so no masking inside a chunk is
     needed and nothing leaks. State passing (step 6) is the closed form over chunks, masked to chunks of one
@@ -537,7 +538,7 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
 
     Cost: the single-sequence body's on ``NL * Q`` steps (the padding of each sequence's last chunk is the only
-    extra work) plus an (NL x (NL + nseq)) state-passing MatMul. Offsets that break the contract (not from 0,
+    extra work, at most 1/8 of the tokens where a halving of Q gets there) plus (NL x NL) state-passing MatMuls. Offsets that break the contract (not from 0,
     decreasing, last != seqlen) give NaN in every element of both outputs (indices are clamped so that the body
     still runs); hosts refuse them first with :func:`m2export.contract.check_cu_seqlens`.
     """
@@ -567,6 +568,7 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     lens = b.op("Max", lens, zero_i)
     starts = b.op("Min", b.op("Max", starts, zero_i), L)
 
+    Q = _packed_chunk_len(b, Q, lens, L)
     # sequence-local chunks: n_s = ceil(len_s / Q), chunk ids co_s .. co_s + n_s - 1 (co: exclusive running sum)
     n_s = b.op("Div", b.op("Sub", b.op("Add", lens, Q), one), Q)
     si = b.op("Range", zero_i, b.op("Size", n_s), one_i)
@@ -655,6 +657,27 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
         if node.op_type == "Reshape":
             node.attribute.append(helper.make_attribute("allowzero", 1))
     return b.nodes, contract.PACKED_INPUT_NAMES, contract.PACKED_OUTPUT_NAMES
+
+
+#: chunk-length halvings the packed body may take (Q, Q/2, .. Q/16, never below 16) and the padding it accepts
+PACKED_CHUNK_HALVINGS, PACKED_MIN_CHUNK, PACKED_MAX_PAD = 4, 16, 1 / 8
+
+
+def _packed_chunk_len(b: _Body, Q: str, lens: str, L: str) -> str:
+    """The packed body's chunk length (1-D int64): the first of ``Q, Q/2, .., Q/2^PACKED_CHUNK_HALVINGS`` (each at
+    least ``min(Q, PACKED_MIN_CHUNK)``) whose sequence-local chunks pad the pack to at most ``(1 + PACKED_MAX_PAD)``
+    times its ``L`` tokens, else the last one. A pack of sequences shorter than Q pads each to a whole chunk (16 of
+    32 tokens with Q = 64: twice the work); halving Q removes that padding without making every chunk small."""
+    I64 = TensorProto.INT64
+    k = np.arange(PACKED_CHUNK_HALVINGS + 1, dtype=np.int64)
+    cands = b.op("Max", b.op("Div", Q, b.const(2 ** k)), b.op("Min", Q, b.const([PACKED_MIN_CHUNK])))  # (K,)
+    cand_col = b.op("Unsqueeze", cands, b.const([1]))  # (K, 1)
+    n = b.op("Div", b.op("Sub", b.op("Add", b.op("Unsqueeze", lens, b.const([0])), cand_col), b.const(1)), cand_col)
+    slots = b.op("Mul", b.op("ReduceSum", n, b.const([1]), keepdims=0), cands)  # (K,) padded steps per candidate
+    den = round(1 / PACKED_MAX_PAD)
+    ok = b.op("LessOrEqual", b.op("Mul", slots, b.const(den)), b.op("Mul", L, b.const(den + 1)))
+    key = b.op("Where", ok, b.const(k), b.const(len(k) - 1))  # first acceptable candidate, else the last
+    return b.op("Reshape", b.op("Gather", cands, b.op("ReduceMin", key, keepdims=1), axis=0), b.const([1]))
 
 
 def ssm_scan_packed_function_proto(opset: int = 18) -> onnx.FunctionProto:

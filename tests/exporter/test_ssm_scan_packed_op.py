@@ -175,3 +175,39 @@ def test_bad_offsets_give_nan_everywhere(cu):
         assert "ONNXRuntimeError" in str(e) or "onnxruntime" in type(e).__module__
         return
     assert np.isnan(y).all() and np.isnan(fs).all(), cu
+
+
+@pytest.mark.parametrize("Q,lens,want", [
+    (64, [128, 128, 128, 128], 64),  # no padding at Q
+    (64, [32] * 16, 32),  # Q pads to twice the tokens; Q/2 none
+    (64, [1000, 8, 8, 8], 32),  # Q pads 19%, Q/2 9%
+    (256, [32] * 16, 32),  # down three halvings
+    (64, [5] * 16, 16),  # nothing within 1/8: the last candidate (never below 16)
+    (8, [3, 3, 3], 8),  # Q below 16 stays
+    (64, [], 64),  # no tokens
+], ids=["aligned", "16x32", "1000+3x8", "Q256_16x32", "floor16", "small_Q", "empty"])
+def test_packed_chunk_length_choice(Q, lens, want):
+    from m2export.exporter.ssm_scan_op import _Body, _packed_chunk_len
+
+    b = _Body()
+    out = _packed_chunk_len(b, "Q", "lens", "L")
+    b.nodes.append(onnx.helper.make_node("Identity", [out], ["chosen"]))
+    i64 = onnx.TensorProto.INT64
+    g = onnx.helper.make_graph(b.nodes, "choice", [onnx.helper.make_tensor_value_info(n, i64, [None])
+                                                   for n in ("Q", "lens", "L")],
+                               [onnx.helper.make_tensor_value_info("chosen", i64, [1])])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    (got,) = _session(m).run(None, {"Q": np.array([Q]), "lens": np.array(lens, np.int64),
+                                    "L": np.array([sum(lens)])})
+    assert got.tolist() == [want]
+
+
+@pytest.mark.parametrize("lengths", [[32] * 6 + [5, 70], [20] * 12 + [1]], ids=["halved_to_32", "down_to_16"])
+def test_packs_of_short_sequences_with_a_smaller_chunk(lengths):
+    """Packs where the body halves its chunk length (sequences shorter than chunk_size 64) vs the oracle."""
+    p, inp, cu = _packed_inputs(lengths, "float32", seed=stable_seed("short", str(lengths)))
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64))).run(None, _feeds(inp, cu))
+    assert_close("y", ref.y, torch.from_numpy(y), rel=REL["float32"])
+    assert_close("final_state", ref.final_state, torch.from_numpy(fs), rel=REL["float32"])
