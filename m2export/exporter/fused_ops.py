@@ -322,11 +322,21 @@ def _cast_before(g, before, v, dtype, name: str):
     return c.outputs[0]
 
 
+def _rms_cores(g):
+    """``(core, u, eps)`` for each default-domain ``Mul`` of graph ``g`` that is an RMSNorm core over ``u``
+    (:func:`~m2export.exporter._match.rms_core`), in graph order; the candidates are listed first and each is matched
+    when its turn comes, so the caller may rewrite the graph between them."""
+    for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
+        found = rms_core(core)
+        if found is not None:
+            yield core, found[0], found[1]
+
+
 def fuse_gated_norm(model) -> int:
     """Replace each gated RMSNorm by one ``m2export::GatedRMSNorm`` node (in place); returns the count.
 
     Pattern (as built by ``build._gate`` and as traced from ``RMSNormGated``), float32 inside: the core
-    :func:`_rms_core` on ``v`` or on ``Reshape(v, [..., G, gs])`` (then ``Reshape`` back to ``[..., d_inner]``),
+    :func:`~m2export.exporter._match.rms_core` on ``v`` or on ``Reshape(v, [..., G, gs])`` (then ``Reshape`` back to ``[..., d_inner]``),
     ``Mul(., weight)`` with ``weight`` a (d_inner,) initializer, and the gate ``silu(z)`` either before
     (``v = Mul(y, silu(z))``: norm_before_gate 0) or after (``Mul(., silu(z))``: 1); ``y`` and ``z`` read
     before their float32 Casts, the output after the final Cast back (or float32 itself). A pre-norm RMSNorm
@@ -336,11 +346,7 @@ def fuse_gated_norm(model) -> int:
 
     g = model.graph
     fused = 0
-    for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
-        found = rms_core(core)
-        if found is None:
-            continue
-        u, eps, _ = found
+    for core, u, eps in _rms_cores(g):
         rs_in = _producer(u, "Reshape")
         if rs_in is not None and u.shape is not None and len(u.shape) >= 2 and isinstance(u.shape[-1], int):
             group_size = int(u.shape[-1])
@@ -418,7 +424,7 @@ RMS_NORMALIZATION_OPSET = 23
 
 
 def rms_normalization(model) -> int:
-    """The ``std`` flavour at opset >= :data:`RMS_NORMALIZATION_OPSET`: every RMSNorm core (:func:`_rms_core`, as built
+    """The ``std`` flavour at opset >= :data:`RMS_NORMALIZATION_OPSET`: every RMSNorm core (:func:`~m2export.exporter._match.rms_core`, as built
     and as traced) becomes one standard ``RMSNormalization`` (axis -1, its eps, stash_type 1: float32 inside), in
     place. A core followed by ``Mul(., weight)`` with a (d,) constant takes that weight as its scale (the pre-norms,
     norm_f, a gated norm without groups); a per-group core (the gated norm on ``[..., G, group_size]``, the weight
@@ -430,11 +436,7 @@ def rms_normalization(model) -> int:
 
     g = model.graph
     done = 0
-    for core in [n for n in g if n.op_type == "Mul" and n.domain == ""]:
-        found = rms_core(core)
-        if found is None:
-            continue
-        u, eps, _ = found
+    for core, u, eps in _rms_cores(g):
         if u.dtype != ir.DataType.FLOAT or u.shape is None or not isinstance(u.shape[-1], int):
             continue
         d = int(u.shape[-1])
