@@ -122,6 +122,29 @@ def test_packed_prefill_kernels_compile(dt, chunk, block_p, d_state, has_init):
             make_scan_plan(p, choose_config(p, nseg=1, **{"dt_pre": True, "merge_tail": False, **bad}), **kw)
 
 
+def test_packed_config():
+    """packed_config: choose_config's plan for the packed length (or a tile family's) with the pre-pass and one launch
+    per headdim piece (head dim 80: pieces 64 + 16, no merged tail); past the pre-pass grid it refuses in one line."""
+    from m2export.contract import SSMScanProblem
+    from m2export.errors import ContractError
+    from m2export.kernels.ssd.cutile import make_scan_plan, packed_config
+    from m2export.kernels.ssd.plan import MAX_GRID_Y, choose_config, tile_families
+
+    p = SSMScanProblem(1, 8192, 80, 80, 1, 128, dtype="bfloat16")
+    cfg = packed_config(p, sm_count=132)
+    assert cfg.dt_pre and not cfg.merge_tail and cfg.nseg == choose_config(p, dt_pre=True, merge_tail=False).nseg
+    fam = tile_families(p)[-1]
+    tcfg = packed_config(p, sm_count=132, tiles=fam)
+    assert (tcfg.chunk, tcfg.block_p, tcfg.dt_pre, tcfg.merge_tail) == (fam.chunk, fam.block_p, True, False)
+    plan = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
+                          has_init=True, packed=True)
+    assert [(l.name, {a.name: a.value for a in l.args}.get("BLOCK_P")) for l in plan.launches][1:] == [
+        (n, w) for w in (64, 16) for n in (["ssd_segment_state_kernel"] if cfg.nseg > 1 else []) + ["ssd_scan_kernel"]]
+    big = SSMScanProblem(1, (MAX_GRID_Y + 1) * 64, 8, 64, 1, 128, dtype="bfloat16")
+    with pytest.raises(ContractError, match="pre-pass grid"):
+        packed_config(big, sm_count=132)
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "pieces"])
 def test_prefill_kernels_compile_split_headdim(merge):
     """Head dim 80 (Nemotron-Nano): a split plan's pass-1 and pass-2 kernels, either one pair whose blocks own the
