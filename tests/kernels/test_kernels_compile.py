@@ -168,7 +168,7 @@ def test_prefill_kernels_compile_split_headdim(merge):
 
 
 def test_d_state_256_default_plan_compiles():
-    """bf16 d_state 256 (Falcon-H1-7B): choose_config's own plan (chunk 64, 16-row tiles, the state as (headdim,
+    """bf16 d_state 256 (Falcon-H1-7B): choose_config's own plan (chunk 64, 32-row tiles, the state as (headdim,
     d_state)): pass 1 and pass 2."""
     from m2export.contract import SSMScanProblem
     from m2export.kernels.ssd.cutile import make_scan_plan
@@ -176,7 +176,7 @@ def test_d_state_256_default_plan_compiles():
 
     p = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
     cfg = choose_config(p)
-    assert (cfg.chunk, cfg.block_p, cfg.nseg, cfg.state_t) == (64, 16, 2, False)
+    assert (cfg.chunk, cfg.block_p, cfg.nseg, cfg.state_t) == (64, 32, 1, False)
     plan = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
                           has_init=True)
     for launch in plan.launches[1:]:

@@ -279,13 +279,13 @@ def test_d_state_256_knobs(seqlen, init, kw):
 @gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_d_state_256_default_plan(dtype):
-    """ssm_scan's own plan for d_state 256 (choose_config: bf16 chunk 64 with 16-row tiles, 6 for headdim 96, the
+    """ssm_scan's own plan for d_state 256 (choose_config: bf16 chunk 64 with 32-row tiles, 3 for headdim 96, the
     state as (headdim, d_state); fp16 chunk 32 with 32-row tiles, the state as (d_state, headdim))."""
     from m2export.kernels.ssd.plan import choose_config
 
     p = SSMScanProblem(2, 2 * 64 + 5, 8, 96, 2, 256, dtype=dtype)
     cfg = choose_config(p)
-    assert (cfg.chunk, cfg.block_p, cfg.state_t) == ((64, 16, False) if dtype == "bfloat16" else (32, 32, True))
+    assert (cfg.chunk, cfg.block_p, cfg.state_t) == ((64, 32, False) if dtype == "bfloat16" else (32, 32, True))
     _run_and_check(p, seed=stable_seed("n256-default", dtype))
 
 

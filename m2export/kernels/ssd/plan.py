@@ -58,7 +58,10 @@ def _default_chunk(problem: SSMScanProblem) -> int:
 # With these tiles the state is kept as (headdim, d_state) (state_t False): 0.595 ms against 0.669 for
 # (d_state, headdim), graph replay, same H200 run (session 6, 19:19 UTC; sm_90 build: 36 instead of 52 HGMMA per
 # chunk, 1,996 instead of 2,364 SASS instructions, 128 registers, 110 KB shared memory).
-_D_STATE_256_JIT_TILES = (64, 16)
+# Session 2026-12-02 (helper "gpu", H200, same run): chunk 64 with 32-row tiles, one pass, (headdim, d_state):
+# 0.401 ms against 0.594 for (64, 16) in two segments (graph replay, Falcon-H1-7B, no initial state; the
+# autotuner's pick too); with an initial state its AOT build 0.724 vs 0.807 ms (RESULTS.md, NOTES_ssd.md).
+_D_STATE_256_JIT_TILES = (64, 32)
 _D_STATE_256_JIT_STATE_T = False
 
 
@@ -162,7 +165,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
-    bf16: chunk 64, 16-row tiles and the state as (headdim, d_state), measured); nseg
+    bf16: chunk 64, 32-row tiles and the state as (headdim, d_state), measured); nseg
     minimising the sum of :func:`_plan_cost` over the launches of :func:`launch_pieces` (launches on one
     stream run one after the other: each pays its own waves), over 1..MAX_NSEG
     (wave quantisation matters: on the H200, shape d
@@ -174,6 +177,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     """
     if chunk is None and block_p is None and problem.d_state >= 256 and problem.dtype == "bfloat16":
         chunk, block_p = _D_STATE_256_JIT_TILES
+        block_p = min(block_p, 1 << (problem.headdim.bit_length() - 1))  # no wider than headdim (16 -> 16)
         state_t = _D_STATE_256_JIT_STATE_T if state_t is None else state_t
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
