@@ -78,8 +78,9 @@ def check_decay_once(A: torch.Tensor, stream=None) -> None:
     if A.device.type != "cuda":
         check_decay(A)
         return
+    version = tensor_version(A)
     seen = _DECAY_OK.get(id(A))
-    if seen is not None and seen[0]() is A and seen[1:] == (A._version, A.data_ptr()):
+    if version is not None and seen is not None and seen[0]() is A and seen[1:] == (version, A.data_ptr()):
         return
     if torch.cuda.is_current_stream_capturing():
         return
@@ -87,9 +88,19 @@ def check_decay_once(A: torch.Tensor, stream=None) -> None:
         if torch.cuda.is_current_stream_capturing():
             return
     check_decay(A)
+    if version is None:  # an inference tensor: no version counter, so an in-place change could not be seen
+        return
     if len(_DECAY_OK) >= PLAN_CACHE_SIZE:
         _DECAY_OK.clear()
-    _DECAY_OK[id(A)] = (weakref.ref(A), A._version, A.data_ptr())
+    _DECAY_OK[id(A)] = (weakref.ref(A), version, A.data_ptr())
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter, or None for a tensor made under ``torch.inference_mode()`` (those
+    have none: reading ``_version`` raises RuntimeError), which callers must then not cache against."""
+    if t.is_inference():
+        return None
+    return t._version
 
 
 def require_cuda_tile(tensors: dict) -> None:
