@@ -250,3 +250,31 @@ def test_cutile_packed_is_one_launch_group(monkeypatch):
     run()
     torch.cuda.synchronize()
     assert 2 <= len(seen) <= 3, seen
+
+
+@pytest.mark.gpu
+@requires_cutile
+def test_cutile_packed_reads_cu_seqlens_on_the_launch_stream():
+    """cu_seqlens written on the launch stream (a non-blocking stream, as TensorRT's enqueue stream can be) after
+    a long sleep there: the packed path must read it on that stream, after the write. Read on the current stream
+    it would see the stale zeros (a ContractError: last offset 0) or, worse, run on stale offsets."""
+    lengths = [63, 65, 7]
+    p, inp, cu = _packed_inputs(lengths, "float32", seed=stable_seed("gpu-stream", "cu"), H=4, P=64, G=2, N=64)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    good = cu.cuda()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        side = torch.cuda.Stream()
+        stale = torch.zeros_like(good)
+        y = poison_(torch.empty(p.shape_of("y"), dtype=dev["x"].dtype, device="cuda"))
+        fs = poison_(torch.empty(len(lengths), p.nheads, p.headdim, p.d_state, device="cuda"))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on this stream only
+            stale.copy_(good)
+        ssm_scan(**dev, cu_seqlens=stale, out=y, final_state_out=fs, stream=side)
+        side.synchronize()
+        assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
+        assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL["float32"])
+        assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL["float32"])

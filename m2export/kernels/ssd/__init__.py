@@ -131,9 +131,11 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
 
     from m2export.kernels._host import launch_stream
 
-    cu = check_cu_seqlens(cu_seqlens.tolist(), problem.seqlen)
     ls = launch_stream(stream, x.device)
     with torch.cuda.device(x.device), torch.cuda.stream(ls):
+        # read on the launch stream: whatever produced cu_seqlens (TensorRT's enqueue stream, often non-blocking)
+        # ordered it there, and a copy on the current stream would not wait for it
+        cu = check_cu_seqlens(cu_seqlens.tolist(), problem.seqlen)
         x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
         y, fs = out_buffers(x, fs_shape, out, final_state_out, allocate=True)
         for s in range(nseq):
