@@ -46,30 +46,38 @@ def add_arguments(p):
 def run(args) -> int:
     import torch
 
-    from m2export.errors import ConfigError
+    from m2export.errors import ConfigError, UsageError
     from m2export.models.checkpoint import random_checkpoint
 
     fields = {k: getattr(args, k) for k in ("d_model", "n_layer", "vocab_size", "d_state", "headdim", "ngroups",
                                             "expand", "d_conv", "chunk_size") if getattr(args, k) is not None}
     from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE
 
+    # the command line's own contradictions first (exit 2, before --config is read)
+    hybrid = args.config is not None or args.preset in HYBRID_PRESETS or args.preset in UNAVAILABLE
+    if hybrid and fields:
+        raise UsageError(f"--{sorted(fields)[0].replace('_', '-')} applies to Mamba-2 shapes only; edit the "
+                         "config.json of a hybrid instead (--config)")
+    if args.preset is not None and args.config is not None:
+        raise UsageError("give --preset or --config, not both")
+    if not hybrid and args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
+        raise UsageError("give --preset or all of --d-model, --n-layer, --vocab-size (or --config CONFIG_JSON)")
     config_json = None
     if args.config is not None:
         from m2export.models.checkpoint import read_config_json
 
         config_json = read_config_json(args.config)
-    hybrid = config_json is not None or args.preset in HYBRID_PRESETS or args.preset in UNAVAILABLE
-    if hybrid and fields:
-        raise ConfigError(f"--{sorted(fields)[0].replace('_', '-')} applies to Mamba-2 shapes only; edit the "
-                          "config.json of a hybrid instead (--config)")
-    if args.preset is not None and args.config is not None:
-        raise ConfigError("give --preset or --config, not both")
-    if not hybrid and args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
-        raise ConfigError("give --preset or all of --d-model, --n-layer, --vocab-size (or --config CONFIG_JSON)")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
-                            force=args.force, force_foreign=args.force_foreign, config_json=config_json,
-                            config_source=args.config, **fields)
+    try:
+        out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
+                                force=args.force, force_foreign=args.force_foreign, config_json=config_json,
+                                config_source=args.config, **fields)
+    except ConfigError as e:
+        if hybrid:  # a config.json's (or a hybrid preset's) own fields: bad input, exit 1
+            raise
+        # a Mamba-2 shape is the flags' (and --preset's): values that contradict each other are a usage error
+        raise UsageError(e.raw_message, hint="the shape flags (--d-model, --expand, --headdim, --ngroups, ...) and "
+                                             "--preset must describe one Mamba-2 model") from None
     if not args.quiet:  # the result on stdout
         from m2export.check.console import write_stdout
 

@@ -77,7 +77,13 @@ BAD_VALUES = {
     "random-checkpoint": [(["-o", "OUT", "--d-model", "0", "--n-layer", "1", "--vocab-size", "8"],
                            "argument --d-model: 0: expected an integer >= 1"),
                           (["-o", "OUT", "--preset", "mamba2-130m", "--seed", "-1"],
-                           "argument --seed: -1: expected an integer >= 0")],
+                           "argument --seed: -1: expected an integer >= 0"),
+                          (["-o", "OUT", "--d-model", "64", "--n-layer", "1", "--vocab-size", "8", "--headdim", "7"],
+                           "config: d_inner = expand*d_model = 128 is not divisible by headdim = 7"),
+                          (["-o", "OUT", "--preset", "mamba2-130m", "--config", "CK"], "give --preset or --config, "
+                                                                                       "not both"),
+                          (["-o", "OUT", "--d-model", "64"], "give --preset or all of --d-model, --n-layer, "
+                                                             "--vocab-size")],
 }
 
 

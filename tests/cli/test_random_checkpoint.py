@@ -33,7 +33,7 @@ def test_refuses_non_empty_dir_without_force(tmp_path, capsys):
 
 
 def test_needs_preset_or_shape(tmp_path, capsys):
-    assert main(["random-checkpoint", "-o", str(tmp_path / "x"), "--d-model", "64"]) == 1
+    assert main(["random-checkpoint", "-o", str(tmp_path / "x"), "--d-model", "64"]) == 2  # flags missing: usage
     assert "--preset or all of" in capsys.readouterr().err
 
 

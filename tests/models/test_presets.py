@@ -106,5 +106,5 @@ def test_cli_config_option_and_refusals(tmp_path, capsys):
     cfg.write_text(json.dumps(HYBRID_PRESETS["tiny-bamba"].config))
     assert main(["random-checkpoint", "--config", str(cfg), "-o", str(tmp_path / "ck"), "-q"]) == 0
     assert load_checkpoint(tmp_path / "ck").format == "bamba"
-    assert main(["random-checkpoint", "--preset", "tiny-bamba", "--d-model", "8", "-o", str(tmp_path / "x")]) == 1
+    assert main(["random-checkpoint", "--preset", "tiny-bamba", "--d-model", "8", "-o", str(tmp_path / "x")]) == 2
     assert "applies to Mamba-2 shapes only" in capsys.readouterr().err
