@@ -44,7 +44,7 @@ def _checkpoint(name: str, tmp: Path) -> Path:
     if name == "130m":
         from tests.helpers import hf_init_checkpoint
 
-        return hf_init_checkpoint(tmp / "ck130m", "130m")
+        return hf_init_checkpoint(tmp / "ck130m", "mamba2-130m")
     return Path(name)
 
 

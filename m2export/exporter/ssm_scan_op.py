@@ -526,20 +526,21 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     ``n_s = ceil(len_s / Q)`` chunks from its own first token, its last chunk padded with ``delta = 0`` steps (no
     decay, no input). ``Q`` (:func:`_packed_chunk_len`; evaluation order only) is the SSMScan body's chunk length
     ``max(1, min(chunk_size, total))`` unless that pads the pack by more than 1/8 of its tokens (many sequences
-    shorter than a chunk), then the largest of its halvings (down to 16) that does not. All ``NL = sum n_s`` chunks of the
-    pack are laid side by side (one Gather from the tokens, computed once from ``cu_seqlens``) and run as one batch
-    through steps 3-5 (:func:`_within_chunks`): no chunk straddles a boundary, so no masking inside a chunk is
-    needed and nothing leaks. State passing (step 6) is the closed form over chunks, masked to chunks of one
-    sequence: the state at the end of chunk l of sequence s is
-    ``F_l = sum_{m <= l, seq(m) = s} exp(sum_{m < k <= l} T_k) Z_m + exp(sum_{first(s) <= k <= l} T_k) h0_s``
-    (``Z_m`` chunk m's zero-entry state, ``T_k`` chunk k's total log-decay; every exponent a masked sum of its own
-    terms, masked before exp, all <= 0), the state entering chunk l is ``h0_s`` for a sequence's first chunk and
-    ``F_{l-1}`` otherwise, and ``final_state[s] = F_{last(s)}`` (``h0_s``, bit for bit, for an empty sequence).
-    Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
+    shorter than a chunk), then the largest of its halvings (down to 16) that does not. All ``NL = sum n_s``
+    chunks of the pack are laid side by side (one Gather from the tokens, computed once from ``cu_seqlens``) and
+    run as one batch through steps 3-5 (:func:`_within_chunks`): no chunk straddles a boundary, so no masking
+    inside a chunk is needed and nothing leaks. State passing (step 6) is the closed form over the chunks of each
+    sequence, from the sources ``[h0 of every sequence; Z of every chunk]`` (``Z_m`` chunk m's zero-entry state,
+    ``T_k`` chunk k's total log-decay): the state of sequence s before chunk e is
+    ``sum_{m < e, seq(m) = s} exp(sum_{m < k < e} T_k) Z_m + exp(sum_{k < e, seq(k) = s} T_k) h0_s``, every
+    exponent a masked sum of chunk totals (<= 0), masked before exp; one MatMul gives it before every chunk (the
+    state step 7 reads), one after each sequence's last chunk (``final_state``; ``h0_s``, bit for bit, for an empty
+    sequence). Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
 
     Cost: the single-sequence body's on ``NL * Q`` steps (the padding of each sequence's last chunk is the only
-    extra work, at most 1/8 of the tokens where a halving of Q gets there) plus (NL x NL) state-passing MatMuls. Offsets that break the contract (not from 0,
-    decreasing, last != seqlen) give NaN in every element of both outputs (indices are clamped so that the body
+    extra work, at most 1/8 of the tokens where a halving of Q gets there) plus ((NL + nseq) x (nseq + NL))
+    state-passing MatMuls. Offsets that break the contract (not from 0, decreasing, last != seqlen) give NaN in
+    every element of both outputs (indices are clamped so that the body
     still runs); hosts refuse them first with :func:`m2export.contract.check_cu_seqlens`.
     """
     F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -565,13 +566,14 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     valid = b.op("And", b.op("And", b.op("Equal", b.op("Slice", cu64, i1(0), one), i1(0)),
                               b.op("Equal", b.op("Slice", cu64, i1(-1), big), L)),
                  b.op("Equal", b.op("Reshape", drops, one), i1(0)))  # (1,)
+    nan = b.const(np.nan, np.float32)
     lens = b.op("Max", lens, zero_i)
     starts = b.op("Min", b.op("Max", starts, zero_i), L)
 
     Q = _packed_chunk_len(b, Q, lens, L)
     # sequence-local chunks: n_s = ceil(len_s / Q), chunk ids co_s .. co_s + n_s - 1 (co: exclusive running sum)
     n_s = b.op("Div", b.op("Sub", b.op("Add", lens, Q), one), Q)
-    si = b.op("Range", zero_i, b.op("Size", n_s), one_i)
+    si = b.op("Range", zero_i, b.op("Size", n_s), one_i)  # sequence ids
     upto = b.op("Cast", b.op("LessOrEqual", row(si), col(si)), to=I64)  # [s, s'] = s' <= s (no CumSum: one axis)
     co_end = b.op("ReduceSum", b.op("Mul", upto, row(n_s)), i1(1), keepdims=0)  # (nseq,) one past its last chunk
     co = b.op("Sub", co_end, n_s)
@@ -579,7 +581,6 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     lch = b.op("Range", zero_i, sq(NL), one_i)  # chunk ids 0..NL-1
     # sequence of each chunk: how many sequences' chunks end at or before it (empty ones end where they start)
     s_l = b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", col(lch), row(co_end)), to=I64), i1(1), keepdims=0)
-    first_l = b.op("Equal", lch, b.op("Gather", co, s_l, axis=0))  # (NL,): the sequence's first chunk
     # token held by step q of chunk l: start + (l - co) * Q + q. Steps past the sequence's end (its last chunk's
     # padding) get delta = 0 (no decay, no input) and the x, B, C of the sequence's own last token (so nothing of
     # another sequence is read): they come after every real step of their chunk, so the causal mask keeps them
@@ -607,31 +608,39 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     A3 = b.op("Reshape", Af, b.op("Concat", g, hpg, one, axis=0))  # (g, hpg, 1)
     cs, y_diag, states, cs_last = _within_chunks(b, xc, dc, Bc, Cc, A3, Q)  # batch 1, NL chunks
 
-    # 6. state passing, masked to chunks of one sequence (see the docstring); F_l = W_Z @ Z + w_h0 * h0[seq(l)]
-    T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (1, g, hpg, NL)
-    same = b.op("Equal", col(s_l), row(s_l))  # [l, m]: one sequence
-    le = b.op("LessOrEqual", row(lch), col(lch))  # [l, m]: m <= l
-    # seg[l, m] = sum_{m < k <= l} T_k = Lincl @ (T_k [k > m]): a masked sum of the chunk totals
-    Ystrict = b.op("Mul", b.op("Unsqueeze", T, i1(-1)), b.op("Cast", b.op("Greater", col(lch), row(lch)), to=F))
-    seg = b.op("MatMul", b.op("Cast", le, to=F), Ystrict)  # (1, g, hpg, NL, NL)
-    W = b.op("Where", b.op("And", same, le), b.op("Exp", b.op("Min", seg, zero_f)), zero_f)
-    # decay of h0 from its sequence's start to chunk l's end: sum_{k <= l, seq(k) = seq(l)} T_k
-    own = b.op("Cast", b.op("And", same, le), to=F)  # [l, k]
-    w_h0 = b.op("Exp", b.op("Min", b.op("MatMul", own, b.op("Unsqueeze", T, i1(-1))), zero_f))  # (1, g, hpg, NL, 1)
+    # 6. state passing in closed form over each sequence's chunks, from the sources [h0 of every sequence; Z of every
+    #    chunk] (see the docstring): one MatMul for the states entering the chunks, one for the final states
+    T = b.op("Transpose", b.op("Squeeze", cs_last, i1(-1)), perm=[0, 2, 3, 1])  # (1, g, hpg, NL) chunk totals
+    T_col = b.op("Unsqueeze", T, i1(-1))  # (1, g, hpg, NL, 1)
+    Y = b.op("Mul", T_col, b.op("Cast", b.op("Greater", col(lch), row(lch)), to=F))  # [k, m] = T_k [k > m]
+
+    def weights(e, q, poison: bool = False):
+        """Weights (1, g, hpg, R, nseq + NL) of the sources for R rows, row r the state of sequence q_r before chunk
+        e_r: sum_{m < e_r, seq(m) = q_r} exp(sum_{m < k < e_r} T_k) Z_m + exp(sum_{k < e_r, seq(k) = q_r} T_k) h0_q.
+        Every exponent a masked sum of chunk totals (<= 0), masked before exp. ``poison``: the h0 weights NaN for
+        offsets that break the contract (the MatMul carries NaN to every element of its rows)."""
+        before = b.op("Less", row(lch), col(e))  # [r, k]: k < e_r
+        mine = b.op("And", before, b.op("Equal", col(q), row(s_l)))  # [r, m]: m < e_r, seq(m) = q_r
+        seg = b.op("MatMul", b.op("Cast", before, to=F), Y)  # [r, m] = sum_{m < k < e_r} T_k
+        wz = b.op("Where", mine, b.op("Exp", b.op("Min", seg, zero_f)), zero_f)
+        wh = b.op("Exp", b.op("Min", b.op("MatMul", b.op("Cast", mine, to=F), T_col), zero_f))  # (1, g, hpg, R, 1)
+        onehot = b.op("Cast", b.op("Equal", col(q), row(si)), to=F)  # [r, s]: s = q_r
+        if poison:
+            wh = b.op("Where", valid, wh, nan)
+        return b.op("Concat", b.op("Mul", wh, onehot), wz, axis=-1)
+
     pn = b.op("Mul", p, n)
     nseq = b.op("Shape", h0f, start=0, end=1)
     h0g = b.op("Reshape", h0f, b.op("Concat", nseq, g, hpg, pn, axis=0))  # (nseq, g, hpg, p*n)
-    h0_l = b.op("Unsqueeze", b.op("Transpose", b.op("Gather", h0g, s_l, axis=0), perm=[1, 2, 0, 3]), i1(0))
     Z = b.op("Reshape", b.op("Transpose", states, perm=[0, 2, 3, 1, 4, 5]),
              b.op("Concat", one, g, hpg, NL, pn, axis=0))  # (1, g, hpg, NL, p*n)
-    Fe = b.op("Add", b.op("MatMul", W, Z), b.op("Mul", w_h0, h0_l))  # (1, g, hpg, NL, p*n): state at chunk l's end
-    prev = b.op("Slice", b.op("Pad", Fe, b.const([0, 0, 0, 1, 0, 0, 0, 0, 0, 0])), i1(0), NL, i1(3))  # F_{l-1}
-    E = b.op("Where", b.op("Unsqueeze", first_l, i1(1)), h0_l, prev)  # state entering chunk l
-    # final_state[s] = F at its last chunk (index NL: a zero row, for empty sequences, which take h0 instead)
-    last = b.op("Where", b.op("Greater", n_s, zero_i), b.op("Sub", co_end, one_i), NL)
-    fin = b.op("Gather", b.op("Pad", Fe, b.const([0, 0, 0, 0, 0, 0, 0, 0, 1, 0])), last, axis=3)  # (1,g,hpg,nseq,pn)
-    fin = b.op("Transpose", b.op("Squeeze", fin, i1(0)), perm=[2, 0, 1, 3])  # (nseq, g, hpg, p*n)
-    fin = b.op("Where", b.op("Reshape", b.op("Greater", n_s, zero_i), b.const([-1, 1, 1, 1])), fin, h0g)
+    src = b.op("Concat", b.op("Unsqueeze", b.op("Transpose", h0g, perm=[1, 2, 0, 3]), i1(0)), Z, axis=3)
+    E = b.op("MatMul", weights(lch, s_l), src)  # (1, g, hpg, NL, p*n): the state entering chunk l
+    # final_state[s]: the state after its last chunk (before chunk co_end[s]); an empty sequence keeps h0, bit for bit
+    fin = b.op("Transpose", b.op("Squeeze", b.op("MatMul", weights(co_end, si, poison=True), src), i1(0)),
+               perm=[2, 0, 1, 3])
+    keep = b.op("And", b.op("Equal", n_s, zero_i), valid)  # an empty sequence of valid offsets: h0 itself
+    fin = b.op("Where", b.op("Reshape", keep, b.const([-1, 1, 1, 1])), h0g, fin)
 
     # 7. inter-chunk output, back to the packed token order, skip term
     prev = b.op("Transpose", b.op("Reshape", E, b.op("Concat", one, g, hpg, NL, p, n, axis=0)),
@@ -648,9 +657,7 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     slot = b.op("Min", b.op("Max", slot, zero_i), b.op("Sub", b.op("Mul", sq(NL), sq(Q)), one_i))
     y = b.op("Unsqueeze", b.op("Gather", y_rows, slot, axis=0), i1(0))  # (1, L, h, p)
     # the NaN poison of invalid offsets rides on the (nheads,) skip weight: D x carries it to every y element
-    nan = b.const(np.nan, np.float32)
     y = b.op("Add", y, b.op("Mul", xf, b.op("Unsqueeze", b.op("Where", valid, Df, nan), one)))
-    fin = b.op("Where", valid, fin, nan)
     b.nodes.append(helper.make_node("CastLike", [y, contract.INPUT_NAMES[0]], [contract.PACKED_OUTPUT_NAMES[0]]))
     b.nodes.append(helper.make_node("Reshape", [fin, b.op("Shape", h0f)], [contract.PACKED_OUTPUT_NAMES[1]]))
     for node in b.nodes:  # NL, nseq and seqlen may be 0 (no sequences, all empty): a 0 in a shape is a 0
