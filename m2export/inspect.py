@@ -13,6 +13,7 @@ from typing import Any
 
 from m2export.contract import OP_DOMAIN, OP_NAME, PACKED_OP_NAME
 from m2export import backends
+from m2export.check.console import human_bytes
 from m2export.errors import ExportFolderError, RuntimeLoadError
 from m2export.exporter.configs import MANIFEST_FILE
 from m2export.exporter.manifest import REEXPORT_HINT
@@ -290,7 +291,7 @@ def format_text(info: dict[str, Any]) -> str:
     L: list[str] = []
     if info["kind"] == "onnx":
         L.append(f"{info['path']}: ONNX IR {info['ir_version']}, producer {info['producer']}, "
-                 f"{info['bytes'] / 1e6:.1f} MB, dtype {info['dtype']}")
+                 f"{human_bytes(info['bytes'])}, dtype {info['dtype']}")
         L.append("  opsets: " + ", ".join(f"{k} {v}" for k, v in info["opsets"].items()))
         L.append("  inputs:")
         L += _io_lines(info["inputs"], "    ")
@@ -306,9 +307,9 @@ def format_text(info: dict[str, Any]) -> str:
                  + (f"; external data {', '.join(info['external_data'])}" if info["external_data"] else ""))
         for x in info["external_data"]:
             p = Path(info["path"]).parent / x
-            L.append(f"  external data {x}: " + (f"{p.stat().st_size / 1e6:.1f} MB" if p.is_file() else "MISSING"))
+            L.append(f"  external data {x}: " + (human_bytes(p.stat().st_size) if p.is_file() else "MISSING"))
     elif info["kind"] == "engine":
-        L.append(f"{info['path']}: TensorRT engine, {info['bytes'] / 1e6:.1f} MB")
+        L.append(f"{info['path']}: TensorRT engine, {human_bytes(info['bytes'])}")
         e = info.get("manifest")
         if e:
             L.append(f"  built from {e['onnx_file']} ({e['role']}), precision {e['precision']}, TensorRT "
@@ -341,15 +342,15 @@ def format_text(info: dict[str, Any]) -> str:
                 L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} MISSING")
                 continue
             n_scan = len(g["ssm_scan_nodes"])
-            L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {g['bytes'] / 1e6:.1f} MB, "
+            L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {human_bytes(g['bytes'])}, "
                      f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
             for kind, axes in g.get("state_layouts", {}).items():
                 L.append(f"    {kind:<10} layout {_shape(axes)}")
         for x in info.get("external_data", []):
-            L.append(f"  {x['file']:<16} weights, {x['bytes'] / 1e6:.1f} MB, stored once for "
+            L.append(f"  {x['file']:<16} weights, {human_bytes(x['bytes'])}, stored once for "
                      + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING"))
-        L.append(f"  on disk: {info['disk_bytes'] / 1e6:.1f} MB in all")
+        L.append(f"  on disk: {human_bytes(info['disk_bytes'])} in all")
         first = next((g for g in info["graphs"] if g["present"]), None)
         if first:
             L.append(f"  {first['file']} inputs:")

@@ -101,6 +101,11 @@ def run(args) -> int:
     for f in names:  # each graph with its external-data files, and their sizes
         p = out / f
         files.append(f"{f} ({human_bytes(p.stat().st_size)})" if p.is_file() else f)
+    from m2export.exporter.genai import GENAI_CONFIG_FILE
+
+    # onnxruntime-genai's config and the tokenizer files copied next to it are written by every export too
+    files += [f"{f} ({human_bytes((out / f).stat().st_size)})" for f in (GENAI_CONFIG_FILE, *m.tokenizer)
+              if (out / f).is_file()]
     if not args.quiet:
         native = [g.file for g in m.graphs if g.ssm_impl == "native"]  # built at NATIVE_OPSET whatever --opset
         opsets = (f"opset {NATIVE_OPSET}" if len(native) == len(m.graphs) else

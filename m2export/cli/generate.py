@@ -83,6 +83,14 @@ def run(args) -> int:
         except ValueError:
             raise UsageError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
     src = Path(args.source)
+    if args.runtime is None and src.is_dir() and not (src / MANIFEST_FILE).is_file() \
+            and not (src / "config.json").is_file():  # neither kind: say so, not just "not a checkpoint"
+        from m2export.errors import ExportFolderError
+
+        raise ExportFolderError(f"{src}: neither an m2export output folder (no {MANIFEST_FILE}) nor a checkpoint "
+                                "(no config.json)",
+                                hint="pass an OUTDIR written by 'm2export export' (or a checkpoint, for --runtime "
+                                     "torch)")
     runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
     tok = None

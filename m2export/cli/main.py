@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:  # raised while an output was being written: it is left as it was (or complete)
         print(f"error: {e}", file=sys.stderr)
         return int(e.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # outside an output being written (that is Interrupted, above): same wording
+        print("error: interrupted by SIGINT", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except MemoryError as e:  # sizes beyond this machine (numpy names the array it could not allocate)
         if args.verbose:

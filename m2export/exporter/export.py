@@ -618,7 +618,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     Returns:
         The :class:`Manifest` written to ``outdir/m2export.json``.
     Raises:
-        UsageError: a bad ``ssm_impl``, ``dtype`` or ``opset`` (or native with bf16).
+        UsageError: a bad ``ssm_impl``, ``dtype`` or ``opset`` (or native or ``packed_prefill`` with bf16).
         OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace (see ``force``),
             changed during the export, or not writable (full disk included).
         ExportError: the ONNX export itself failed (nothing is left behind).
@@ -641,6 +641,13 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         raise UsageError(f"`ssm_impl` {ssm_impl!r} with bf16: the native flavour targets ONNX Runtime's CPU "
                          "kernels, which have no bf16 (MatMul, Conv, LinearAttention)",
                          hint="export fp32 or fp16 for the native flavour, or `ssm_impl` 'both' for bf16")
+    if packed_prefill:  # its dtype rule holds whatever the checkpoint: refused before loading it
+        from m2export.exporter.build import BUILT_DTYPES
+
+        if torch_dtype(DTYPES[dtype]) not in BUILT_DTYPES:
+            raise UsageError(f"`packed_prefill` with {dtype}: the packed prefill graph is built in fp32 or fp16 "
+                             "only",
+                             hint="export fp32 or fp16 for model.packed.onnx, or drop `packed_prefill` for bf16")
     n_steps = 1 + 2 + (len(impls) + int(packed_prefill)) * (1 + int(check)) + 1
     bar = _Progress(progress, n_steps)
     from m2export.models.checkpoint import checkpoint_files

@@ -114,3 +114,65 @@ def test_inspect_lists_external_data_with_sizes(tiny_out, tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "  model.onnx.data  weights, 1.5 MB, stored once for model.onnx, model.std.onnx" in text, text
+
+
+def test_export_line_names_every_file_it_wrote(tiny_ck, tmp_path, capsys):
+    """The 'wrote' line named the graphs, the weights and m2export.json but not genai_config.json, which every
+    export writes too: now every file of the folder is on it (with its size)."""
+    out = tmp_path / "o"
+    assert main(["export", str(tiny_ck), "-o", str(out), "--no-check"]) == 0
+    line = capsys.readouterr().out
+    assert "genai_config.json (" in line, line
+    for f in out.iterdir():
+        assert f.name in line, (f.name, line)
+
+
+def test_packed_prefill_with_bf16_is_one_usage_line_before_the_checkpoint_is_read(tiny_ck, tmp_path, capsys):
+    """--dtype bf16 --packed-prefill contradict each other whatever the checkpoint: exit 2 naming both flags,
+    before loading (a missing checkpoint does not change it), nothing written. It was exit 1 after loading, with
+    a message that called a pure Mamba-2 model's layers 'attention, MLP, MoE, shared blocks or multipliers'."""
+    for ck in (tiny_ck, tmp_path / "no-such-checkpoint"):
+        out = tmp_path / "o"
+        assert main(["export", str(ck), "-o", str(out), "--dtype", "bf16", "--packed-prefill"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --packed-prefill with bf16: ") and "fp32 or fp16" in err, err
+        assert "attention" not in err and "loading" not in err and not out.exists()
+
+
+def test_generate_on_a_folder_that_is_neither_export_nor_checkpoint(tmp_path, capsys):
+    """A folder with neither m2export.json nor config.json was taken for a checkpoint ('config.json: missing;
+    ... is not a checkpoint directory'), which misleads whoever meant an export: the error names both."""
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "readme.txt").write_text("hi")
+    assert main(["generate", str(d), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (f"error: {d}: neither an m2export output folder (no m2export.json) nor a "
+                                   "checkpoint (no config.json)"), err
+    assert err.splitlines()[1].startswith("hint: ") and len(err.splitlines()) == 2
+
+
+def test_inspect_sizes_agree_with_the_export_line(tiny_out, capsys):
+    """inspect printed a 48 kB graph as '0.0 MB' where export's line says '48.4 kB': both use human_bytes now."""
+    from m2export.check.console import human_bytes
+
+    assert main(["inspect", str(tiny_out)]) == 0
+    text = capsys.readouterr().out
+    assert "0.0 MB" not in text, text
+    size = (tiny_out / "model.onnx").stat().st_size
+    assert any(line.lstrip().startswith("model.onnx ") and human_bytes(size) in line for line in text.splitlines())
+    assert main(["inspect", str(tiny_out / "model.onnx")]) == 0
+    assert f"{human_bytes(size)}, dtype float32" in capsys.readouterr().out
+
+
+def test_ctrl_c_outside_an_output_says_error_and_the_signal(monkeypatch, tiny_out, capsys):
+    """Ctrl-C outside an output being written (check, generate, a random-checkpoint model being built) printed a
+    bare 'interrupted'; export's says 'error: interrupted by SIGINT; ...': the same wording, exit 130."""
+    import m2export.cli.inspect as verb
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verb, "run", interrupted)
+    assert main(["inspect", str(tiny_out)]) == 130
+    assert capsys.readouterr().err == "error: interrupted by SIGINT\n"
