@@ -11,7 +11,10 @@ examples:
   m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --ngroups 2 --chunk-size 16 -o ckpt/tiny
   m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --format hf -o ckpt/tiny-hf
   m2export random-checkpoint --config ckpt/tiny-hf/config.json -o ckpt/same-shape
+  m2export random-checkpoint --preset tiny-nemotron-h -o ckpt/tiny-nemotron-h
 
+Hybrid test shapes (a few hundred KB each, no published model): tiny-nemotron-h (attention, MoE, MLP and Mamba
+layers), tiny-granite-4.0-h, tiny-bamba, tiny-falcon-h1 (muP multipliers), tiny-zamba2 (shared blocks, adapters).
 Published shapes: --preset mamba2-130m -o ckpt/m2-130m (0.5 GB of fp32 weights), --preset nemotron-nano-9b-v2
 --dtype bf16 (a 9B hybrid). Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the
 numbers' sources, and the fields whose published value was not found (a warning names them), are in
@@ -68,16 +71,38 @@ def run(args) -> int:
 
         config_json = read_config_json(args.config)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from m2export.models.checkpoint import RANDOM_CHECKPOINT_STEPS
+
+    # the steps on stderr (a full-size preset takes tens of seconds on a CPU), the result on stdout
+    # (started by the first step: a refused config or output folder is its error line alone)
+    bar = Progress(TextColumn("[bold]random-checkpoint[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.description}"), console=Console(stderr=True), disable=args.quiet)
+    task = bar.add_task("starting", total=RANDOM_CHECKPOINT_STEPS)
+
+    def step(what: str) -> None:
+        first = bar.tasks[0].description == "starting"
+        if not first:
+            bar.advance(task)
+        bar.update(task, description=what)
+        if first:
+            bar.start()
     try:
         out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
                                 force=args.force, force_foreign=args.force_foreign, config_json=config_json,
-                                config_source=args.config, **fields)
+                                config_source=args.config, progress=step, **fields)
+        bar.update(task, completed=RANDOM_CHECKPOINT_STEPS, description="done")
     except ConfigError as e:
         if hybrid:  # a config.json's (or a hybrid preset's) own fields: bad input, exit 1
             raise
         # a Mamba-2 shape is the flags' (and --preset's): values that contradict each other are a usage error
         raise UsageError(e.raw_message, hint="the shape flags (--d-model, --expand, --headdim, --ngroups, ...) and "
                                              "--preset must describe one Mamba-2 model") from None
+    finally:
+        if bar.live.is_started:  # (stop() on a bar never started prints an empty line)
+            bar.stop()
     if not args.quiet:  # the result on stdout
         from m2export.check.console import write_stdout
 

@@ -849,10 +849,14 @@ def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str =
     return Path(outdir).absolute()
 
 
+#: how many times :func:`random_checkpoint` calls its ``progress`` (one per step)
+RANDOM_CHECKPOINT_STEPS = 3
+
+
 def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, format: str = "mamba_ssm",
                       seed: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                       force_foreign: bool = False, config_json: dict | None = None, config_source: str | None = None,
-                      **overrides) -> Path:
+                      progress=None, **overrides) -> Path:
     """Write a randomly initialised checkpoint (mamba_ssm init, see :func:`init_weights_`).
 
     Args:
@@ -864,11 +868,17 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
         config_source: where ``config_json`` came from (a path), named by its errors (default: "config").
         overrides: any :class:`Mamba2Config` field (Mamba-2 presets); config.json keys (hybrid presets).
         force, force_foreign: as in :func:`save_checkpoint` (a non-empty ``outdir`` is refused by default).
+        progress: called with each step's description before it runs (:data:`RANDOM_CHECKPOINT_STEPS` of them:
+            building the model, initialising its weights, writing the files), or None.
     Raises:
         ConfigError: unknown/unavailable preset, or a config the family reader refuses.
     """
     from m2export.models.presets import HYBRID_PRESETS, UNAVAILABLE, preset_config
 
+    step = progress or (lambda what: None)
+    # refuse the output folder before the model is built (tens of seconds for a full-size preset)
+    _paths.check_target(Path(outdir).absolute(), force=force, force_foreign=force_foreign, protect=(),
+                        owned=checkpoint_foreign_reason)
     if config_json is None and preset is not None and (preset in HYBRID_PRESETS or preset in UNAVAILABLE):
         _, config_json = preset_config(preset)
         config_json.update(overrides)
@@ -879,7 +889,11 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
         fam = detect_format(raw, source)
         if fam in READERS:
             spec = READERS[fam](raw, source)
-            model = init_weights_(_built_in(dtype, lambda: HybridLM(spec)), seed=seed)
+            step("building the model")
+            model = _built_in(dtype, lambda: HybridLM(spec))
+            step("initialising the weights")
+            init_weights_(model, seed=seed)
+            step(f"writing {outdir}")
             return save_checkpoint(model, outdir, format=fam, dtype=dtype, force=force, force_foreign=force_foreign,
                                    config_json=config_json)
         cfg = Mamba2Config.from_mamba_ssm_json(raw) if fam == "mamba_ssm" else Mamba2Config.from_hf_json(raw)
@@ -890,7 +904,12 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
                               f"{sorted(PRESETS) + sorted(HYBRID_PRESETS)}")
         fields = dict(PRESETS[preset]) if preset else {}
     fields.update(overrides)
-    model = init_weights_(Mamba2LMHeadModel(Mamba2Config(**fields)), seed=seed)
+    cfg = Mamba2Config(**fields)
+    step("building the model")
+    model = Mamba2LMHeadModel(cfg)
+    step("initialising the weights")
+    init_weights_(model, seed=seed)
+    step(f"writing {outdir}")
     return save_checkpoint(model, outdir, format=format, dtype=dtype, force=force, force_foreign=force_foreign)
 
 

@@ -176,3 +176,32 @@ def test_ctrl_c_outside_an_output_says_error_and_the_signal(monkeypatch, tiny_ou
     monkeypatch.setattr(verb, "run", interrupted)
     assert main(["inspect", str(tiny_out)]) == 130
     assert capsys.readouterr().err == "error: interrupted by SIGINT\n"
+
+
+def test_random_checkpoint_shows_its_steps_and_refuses_the_folder_first(tmp_path, capsys, monkeypatch):
+    """random-checkpoint printed nothing for the ~15 s of a 130m preset, and built and initialised the whole model
+    before refusing a non-empty output folder: now a progress bar on stderr (result alone on stdout; -q: nothing
+    on stderr), and the folder is refused before the model is built."""
+    from m2export.models import checkpoint
+    from m2export.models.checkpoint import RANDOM_CHECKPOINT_STEPS, random_checkpoint
+
+    steps = []
+    random_checkpoint(tmp_path / "lib", d_model=32, n_layer=1, vocab_size=64, progress=steps.append)
+    assert steps == ["building the model", "initialising the weights", f"writing {tmp_path / 'lib'}"]
+    assert len(steps) == RANDOM_CHECKPOINT_STEPS
+    shape = ["--d-model", "32", "--n-layer", "1", "--vocab-size", "64"]
+    assert main(["random-checkpoint", *shape, "-o", str(tmp_path / "a")]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"wrote {tmp_path / 'a'}\n" and "random-checkpoint" in err and "3/3" in err and "done" in err, err
+    assert main(["random-checkpoint", *shape, "-o", str(tmp_path / "b"), "-q"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+    def never(*a, **k):
+        raise AssertionError("the model was built before the output folder was checked")
+
+    monkeypatch.setattr(checkpoint, "Mamba2LMHeadModel", never)
+    monkeypatch.setattr(checkpoint, "HybridLM", never)
+    for argv in (shape, ["--preset", "tiny-bamba"]):
+        assert main(["random-checkpoint", *argv, "-o", str(tmp_path / "a")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'a'}: exists and is not empty\n"), err  # the error line alone
