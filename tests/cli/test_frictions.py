@@ -205,3 +205,24 @@ def test_random_checkpoint_shows_its_steps_and_refuses_the_folder_first(tmp_path
         assert main(["random-checkpoint", *argv, "-o", str(tmp_path / "a")]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: {tmp_path / 'a'}: exists and is not empty\n"), err  # the error line alone
+
+
+def test_light_verbs_do_not_import_torch_or_onnx(tmp_path):
+    """Importing m2export.exporter.configs (MANIFEST_FILE) ran m2export/exporter/__init__.py, which imported the
+    exporter, hence torch, onnx and onnxscript: 'build' took 7-8 s (loaded 2-core machine) to say that TensorRT
+    is not installed, and inspect or a wrong path in check/generate 4-6 s. In a fresh interpreter: none of them
+    imports torch now, and the package's public names still resolve."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom m2export.cli.main import main\n"
+            "for argv in (['build', sys.argv[1], '--skip-if-unavailable'], ['check', sys.argv[1]],"
+            " ['generate', sys.argv[1], '--prompt', 'x'], ['inspect', sys.argv[1]]):\n"
+            "    main(argv)\n"
+            "print(sorted(m for m in ('torch', 'onnxscript') if m in sys.modules))\n"
+            "import m2export.exporter as E\n"
+            "print(E.export_model.__module__, E.OrtModel.__name__, E.ort_generate_greedy.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "m2export.exporter.export OrtModel ort_generate_greedy"], r.stdout
