@@ -183,10 +183,15 @@ def loads_json(text: str | bytes):
     """``json.loads(text)`` with every object's keys unique.
 
     Raises:
-        ValueError: malformed JSON (``json.JSONDecodeError``), or :class:`DuplicateKeyError` naming the
-            first repeated key. Callers prefix the file name.
+        ValueError: malformed JSON (``json.JSONDecodeError``), nesting too deep for Python's parser (its
+            RecursionError, e.g. 100,000 ``[``), or :class:`DuplicateKeyError` naming the first repeated key.
+            Callers prefix the file name.
     """
-    return json.loads(text, object_pairs_hook=_unique_pairs)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse (arrays/objects inside each other beyond Python's "
+                         "recursion limit)") from None
 
 
 def _umask() -> int:

@@ -288,7 +288,10 @@ class SharedInitializers:
             if key not in self._arrays:
                 data = self._maps.get(file)
                 if data is None:
-                    data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                    try:
+                        data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                    except (ValueError, OSError):  # empty ('cannot mmap an empty file') or unreadable: ORT's
+                        continue  # own load of the graph reports it (RuntimeLoadError)
                 if offset < 0 or offset + length > data.size:
                     continue
                 self._arrays[key] = np.frombuffer(data, dtype=dt, count=n, offset=offset).reshape(tuple(t.dims))

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m2export._paths import loads_json
 from m2export.errors import ExportFolderError
 from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS
 from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
@@ -182,7 +183,22 @@ class Manifest:
         for g in d["graphs"]:  # manifests from before the names of m2export/names.py
             g.ssm_impl = canonical("flavour", g.ssm_impl, warn=False)
         d["engines"] = [EngineEntry(**e) for e in d.get("engines", [])]
+        for i, g in enumerate(d["graphs"]):
+            if not isinstance(g.external_data, list):
+                raise ValueError(f"graph {i}: 'external_data' {g.external_data!r} is not a list of file names")
+            for name in (g.file, *g.external_data):
+                _file_name(name, f"graph {i}")
+        for i, e in enumerate(d["engines"]):
+            for name in (e.file, e.onnx_file):
+                _file_name(name, f"engine {i}")
         return cls(**d)
+
+
+def _file_name(name, what: str) -> None:
+    """Refuse (ValueError) a file name of the manifest that is not a plain name of a file in OUTDIR (m2export
+    writes every graph, weight and engine file there): ``None``, a path such as ``../x`` or ``/etc/passwd``."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+        raise ValueError(f"{what}: file {name!r} is not the name of a file in the output folder")
 
 
 #: the remedy for a damaged or incomplete export folder
@@ -208,7 +224,7 @@ def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
         raise ExportFolderError(f"{f}: missing; {d} is not an m2export output folder",
                                 hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
     try:
-        m = Manifest.from_dict(json.loads(f.read_text()))
+        m = Manifest.from_dict(loads_json(f.read_text()))
     except (ValueError, TypeError, KeyError) as e:
         raise ExportFolderError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
                                 hint=REEXPORT_HINT) from None
@@ -293,7 +309,7 @@ def foreign_reason(folder: str | Path) -> str | None:
     """
     d = Path(folder)
     try:
-        raw = json.loads((d / MANIFEST_FILE).read_text())
+        raw = loads_json((d / MANIFEST_FILE).read_text())
         ok = isinstance(raw, dict) and "manifest_version" in raw and isinstance(raw.get("graphs"), list)
     except (OSError, ValueError):
         ok = False

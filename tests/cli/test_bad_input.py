@@ -67,7 +67,13 @@ def _set_config(key, value):
     (lambda m: m["graphs"][0]["states"][1].update(layout=["batch_size", "nheads", "d_state", "d_inner"]),
      "m2export.json: graph model.onnx's state past_ssm_state.0: 'layout' ['batch_size', 'nheads', 'd_state', "
      "'d_inner'] does not order the axes ['batch_size', 'nheads', 'headdim', 'd_state']"),
-], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown", "state-layout"])
+    (lambda m: m["graphs"][0].update(file=None), "malformed manifest (ValueError: graph 0: file None is not the name "
+                                                 "of a file in the output folder)"),
+    (lambda m: m["graphs"][0].update(file="../elsewhere/model.onnx"), "graph 0: file '../elsewhere/model.onnx' is "
+                                                                       "not the name of a file in the output folder"),
+    (lambda m: m["graphs"][0].update(external_data=["/etc/passwd"]), "graph 0: file '/etc/passwd' is not the name"),
+], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown", "state-layout",
+        "file-null", "file-outside", "data-outside"])
 @pytest.mark.parametrize("verb", ["inspect", "generate", "check"])
 def test_tampered_manifest(tiny_out, tmp_path, capsys, edit, expected, verb):
     """Each was a traceback (exit 70: TypeError, ValueError, Polygraphy's "Extra inputs") or, for inspect, a
@@ -116,4 +122,35 @@ def test_generate_with_a_prompt_that_is_not_utf8(tiny_out, capsys):
     prompt = os.fsdecode(b"a\xffb")
     rc = main(["generate", str(tiny_out), "--prompt", prompt, "--max-new-tokens", "2"])
     _one_error(capsys, "error: --prompt: not UTF-8 text (byte 0xff at offset 1)")
+    assert rc == ExitCode.USER_ERROR
+
+
+@pytest.mark.parametrize("verb", ["inspect", "check"])
+def test_manifest_nested_too_deeply(tiny_out, tmp_path, capsys, verb):
+    """An m2export.json of 100,000 nested arrays was json's RecursionError (exit 70)."""
+    out = copy_export(tiny_out, tmp_path / "out")
+    (out / "m2export.json").write_text("[" * 100_000 + "]" * 100_000)
+    rc = main([verb, str(out), *(["--report-dir", str(tmp_path)] if verb == "check" else [])])
+    _one_error(capsys, "m2export.json: malformed manifest (ValueError: nested too deeply to parse")
+    assert rc == ExitCode.USER_ERROR
+
+
+def test_export_of_a_config_nested_too_deeply(tmp_path, capsys):
+    """A config.json of 100,000 nested arrays was json's RecursionError (exit 70)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    (ck / "model.safetensors").write_bytes(b"")
+    rc = main(["export", str(ck), "-o", str(tmp_path / "out"), "-q"])
+    _one_error(capsys, "ck/config.json: malformed JSON: nested too deeply to parse")
+    assert rc == ExitCode.USER_ERROR and not (tmp_path / "out").exists()
+
+
+def test_check_with_an_empty_weights_file(tiny_out, tmp_path, capsys):
+    """model.onnx.data emptied (0 bytes) was numpy's 'cannot mmap an empty file' (exit 70) in the check's
+    shared weights, before ONNX Runtime could say what is wrong."""
+    out = copy_export(tiny_out, tmp_path / "out")
+    (out / "model.onnx.data").write_bytes(b"")
+    rc = main(["check", str(out), "--report-dir", str(tmp_path)])
+    _one_error(capsys, "model.onnx: ONNX Runtime cannot load the graph")
     assert rc == ExitCode.USER_ERROR
