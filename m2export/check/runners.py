@@ -352,6 +352,9 @@ class _CpuSessionFromOnnx(BaseLoader):
             options = ort.SessionOptions()
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
             options.intra_op_num_threads = options.inter_op_num_threads = threads
+            # fatal only: ORT's own error log (C++ paths, colour codes) repeated, on stderr, the failure that the
+            # exception below reports as m2export's one error line (a truncated model.onnx.data in generate)
+            options.log_severity_level = 4
             extra = {}
             if self.shared is not None:
                 options.add_session_config_entry("session.disable_prepacking", "1")

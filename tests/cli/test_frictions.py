@@ -226,3 +226,19 @@ def test_light_verbs_do_not_import_torch_or_onnx(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["[]", "m2export.exporter.export OrtModel ort_generate_greedy"], r.stdout
+
+
+def test_damaged_weights_file_is_one_error_without_onnxruntimes_own_log(tiny_out, tmp_path, capfd):
+    """generate on an export whose model.onnx.data was cut short printed ONNX Runtime's own coloured error log
+    (C++ source paths) to stderr before m2export's error line saying the same: now the error and the hint only."""
+    from tests.check.exports import copy_export
+
+    out = copy_export(tiny_out, tmp_path / "o")
+    data = out / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    capfd.readouterr()
+    assert main(["generate", str(out), "--prompt", "x", "--max-new-tokens", "2"]) == 1
+    err = capfd.readouterr().err  # the file descriptor: ORT logs from C++
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: {out / 'model.onnx'}: ONNX Runtime cannot load the graph")
+    assert lines[1].startswith("hint: "), err
