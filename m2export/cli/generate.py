@@ -105,15 +105,22 @@ def run(args) -> int:
     on_token = None
     if isinstance(tok, ByteTokenizer):  # stream bytes as they come, decoding UTF-8 incrementally
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sys.stdout.write(dec.decode(bytes(ids)))
-        sys.stdout.flush()
+        # the prompt is echoed once the prefill has run: a graph that fails to load or run leaves stdout empty
+        # (it held the prompt without a newline before the error line)
+        prompt = [bytes(ids)]
+
+        def echo_prompt() -> None:
+            if prompt:
+                sys.stdout.write(dec.decode(prompt.pop()))
 
         def on_token(t: int) -> None:
+            echo_prompt()
             sys.stdout.write(dec.decode(bytes([t])))
             sys.stdout.flush()
     res = generate(src, ids, runtime=runtime, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, session=session, on_token=on_token)
     if on_token is not None:
+        echo_prompt()  # (no new token: not echoed yet)
         sys.stdout.write(dec.decode(b"", final=True) + "\n")
     elif tok is not None:
         sys.stdout.write(tok.decode(res.prompt_ids + res.new_ids) + "\n")

@@ -230,7 +230,8 @@ def test_light_verbs_do_not_import_torch_or_onnx(tmp_path):
 
 def test_damaged_weights_file_is_one_error_without_onnxruntimes_own_log(tiny_out, tmp_path, capfd):
     """generate on an export whose model.onnx.data was cut short printed ONNX Runtime's own coloured error log
-    (C++ source paths) to stderr before m2export's error line saying the same: now the error and the hint only."""
+    (C++ source paths) to stderr before m2export's error line saying the same, and the prompt without a newline
+    to stdout: now the error and the hint only, stdout empty."""
     from tests.check.exports import copy_export
 
     out = copy_export(tiny_out, tmp_path / "o")
@@ -238,7 +239,8 @@ def test_damaged_weights_file_is_one_error_without_onnxruntimes_own_log(tiny_out
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
     capfd.readouterr()
     assert main(["generate", str(out), "--prompt", "x", "--max-new-tokens", "2"]) == 1
-    err = capfd.readouterr().err  # the file descriptor: ORT logs from C++
+    stdout, err = capfd.readouterr()  # the file descriptors: ORT logs from C++
+    assert stdout == "", stdout  # the prompt is echoed once the prefill has run (it was, before the error line)
     lines = err.splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"error: {out / 'model.onnx'}: ONNX Runtime cannot load the graph")
     assert lines[1].startswith("hint: "), err
