@@ -32,7 +32,7 @@ from typing import Any
 
 from m2export import contract
 from m2export import _paths
-from m2export.errors import ExportError, Interrupted, InternalError, ParameterError, UsageError
+from m2export.errors import ExportError, Interrupted, InternalError, M2ExportError, ParameterError, UsageError
 from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREFILL_FILE, SEQ,
                                        WEIGHTS_FILE, GraphIO)
 from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
@@ -853,4 +853,9 @@ class _Progress:
         if self._p is not None:
             if exc[0] is None:
                 self._p.update(self._task, completed=self.total, description="done")
+            elif issubclass(exc[0], M2ExportError):  # bad input: its error line alone (it names the file/field)
+                if self._p.console.is_terminal:
+                    self._p.live.transient = True  # the bar is erased
+                else:
+                    self._p.console.quiet = True  # a log: the bar's final state is not printed
             self._p.__exit__(*exc)

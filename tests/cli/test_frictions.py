@@ -244,3 +244,17 @@ def test_damaged_weights_file_is_one_error_without_onnxruntimes_own_log(tiny_out
     lines = err.splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"error: {out / 'model.onnx'}: ONNX Runtime cannot load the graph")
     assert lines[1].startswith("hint: "), err
+
+
+def test_export_refusing_its_input_prints_the_error_alone(tmp_path, capsys):
+    """A checkpoint refused while loading (a missing path, no weight file) printed the progress bar's last state
+    ('export ... 0/6 loading ...') above the error line on stderr: now the error and its hint alone (on a terminal
+    the bar is erased). An interrupt keeps the bar, which says which step was cut."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"d_model": 8, "n_layer": 1, "vocab_size": 8, "ssm_cfg": {"layer": "Mamba2"}}')
+    for ck, says in ((tmp_path / "missing", "no such file or directory"), (bad, "no weights found")):
+        assert main(["export", str(ck), "-o", str(tmp_path / "o")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err.splitlines()[0], err
+        assert all(line.startswith(("error: ", "hint: ")) for line in err.splitlines()), err
