@@ -889,6 +889,7 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
         fam = detect_format(raw, source)
         if fam in READERS:
             spec = READERS[fam](raw, source)
+            _check_fits_memory(spec, None, dtype)
             step("building the model")
             model = _built_in(dtype, lambda: HybridLM(spec))
             step("initialising the weights")
@@ -905,12 +906,34 @@ def random_checkpoint(outdir: str | os.PathLike, *, preset: str | None = None, f
         fields = dict(PRESETS[preset]) if preset else {}
     fields.update(overrides)
     cfg = Mamba2Config(**fields)
+    _check_fits_memory(None, cfg, dtype)
     step("building the model")
     model = Mamba2LMHeadModel(cfg)
     step("initialising the weights")
     init_weights_(model, seed=seed)
     step(f"writing {outdir}")
     return save_checkpoint(model, outdir, format=format, dtype=dtype, force=force, force_foreign=force_foreign)
+
+
+def _check_fits_memory(spec: ModelSpec | None, cfg: Mamba2Config | None, dtype: torch.dtype | None) -> None:
+    """Refuse (ParameterError) a random checkpoint whose weights alone exceed this machine's physical memory
+    (counted on the meta device, no memory used): they are built in memory before they are written, and such
+    sizes were torch's allocation failure (exit 70) or, below the size of one allocation, the OOM killer."""
+    from m2export.check.console import human_bytes
+    from m2export.errors import ParameterError
+
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare with
+        return
+    meta = _meta_model(spec, cfg, dtype)
+    tensors = {id(t): t for t in [*meta.parameters(), *meta.buffers()]}.values()  # tied weights once
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    if need > memory:
+        raise ParameterError(f"random checkpoint: its weights alone are {human_bytes(need)}, more than this "
+                             f"machine's {human_bytes(memory)} of memory (they are built in memory, then written)",
+                             hint="ask for a smaller shape (--d-model, --n-layer, --vocab-size, ...) or a "
+                                  "smaller --dtype")
 
 
 def _built_in(dtype: torch.dtype | None, make):

@@ -92,3 +92,25 @@ def test_hybrid_presets_have_no_zero_parameter(tmp_path):
         assert main(["random-checkpoint", "--preset", preset, "-o", str(tmp_path / preset), "-q"]) == 0
         params = load_checkpoint(tmp_path / preset).model.named_parameters()
         assert [n for n, p in params if not p.detach().abs().sum() > 0] == [], preset
+
+
+def test_weights_beyond_memory_are_one_line_before_anything_is_built(tmp_path, capsys):
+    """d_model 2**20 (53 TB of fp32 weights): torch's 'DefaultCPUAllocator: can't allocate memory' (exit 70) after
+    the model began to be built; sizes each below one allocation's limit ran into the OOM killer instead. Now
+    refused from the meta-device count, nothing written; a hybrid config.json the same way."""
+    import json
+
+    from m2export.models.presets import preset_config
+
+    out = tmp_path / "ck"
+    assert main(["random-checkpoint", "--d-model", str(2 ** 20), "--n-layer", "2", "--vocab-size", "256", "-q",
+                 "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: random checkpoint: its weights alone are 53054.8 GB"), err
+    assert "more than this machine's" in err and not out.exists()
+    _, cfg = preset_config("tiny-bamba")
+    cfg.update(hidden_size=2 ** 20, mamba_n_heads=2 ** 17, intermediate_size=2 ** 22)
+    (tmp_path / "big.json").write_text(json.dumps(cfg))
+    assert main(["random-checkpoint", "--config", str(tmp_path / "big.json"), "-q", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: random checkpoint: its weights alone are" in err and not out.exists()
