@@ -66,7 +66,8 @@ def test_fp32_and_d_state_256_use_chunk_32():
 
 
 @pytest.mark.parametrize("headdim,d_state,block_p", [(64, 128, 64), (128, 256, 32), (32, 32, 32), (256, 64, 128),
-                                                     (80, 128, 64), (96, 256, 32), (48, 64, 32), (16, 128, 16)])
+                                                     (80, 128, 64), (96, 256, 32), (48, 64, 32), (16, 128, 16),
+                                                     (128, 512, 16), (64, 1024, 16)])
 def test_block_p_bounds_the_state_tile(headdim, d_state, block_p):
     cfg = aot_config(SSMScanProblem(1, 100, 4, headdim, 1, d_state, dtype="bfloat16"))
     assert cfg.block_p == block_p and cfg.block_p <= headdim and cfg.block_p * d_state <= max(8192, 16 * d_state)

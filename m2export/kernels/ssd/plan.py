@@ -177,7 +177,9 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     """
     if chunk is None and block_p is None and problem.d_state >= 256 and problem.dtype == "bfloat16":
         chunk, block_p = _D_STATE_256_JIT_TILES
-        block_p = min(block_p, 1 << (problem.headdim.bit_length() - 1))  # no wider than headdim (16 -> 16)
+        # no wider than headdim (16 -> 16), and within the state tile's budget beyond d_state 256 (as the
+        # default: 16 rows at d_state 512, not 32 x 512 fp32 = 64 KiB per block)
+        block_p = min(block_p, 1 << (problem.headdim.bit_length() - 1), max(16, 8192 // problem.d_state))
         state_t = _D_STATE_256_JIT_STATE_T if state_t is None else state_t
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
