@@ -125,7 +125,26 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
         "initializers": len(m.graph.initializer), "parameters": n_params,
         "external_data": sorted({e.value for t in m.graph.initializer for e in t.external_data
                                  if e.key == "location"}),
+        "external_data_extent": external_data_extent(m),
     }
+
+
+def external_data_extent(m) -> dict[str, int]:
+    """Per external-data file a graph reads (its ``location``): the byte just past the last tensor it reads
+    there (max of ``offset + length`` over the initializers stored in that file). A file shorter than this is
+    truncated: ONNX Runtime refuses the graph (or, through an mmap, would read past the end)."""
+    extent: dict[str, int] = {}
+    for t in m.graph.initializer:
+        e = {x.key: x.value for x in t.external_data}
+        if "location" in e:
+            end = int(e.get("offset", 0)) + int(e.get("length", 0))
+            extent[e["location"]] = max(extent.get(e["location"], 0), end)
+    return extent
+
+
+def truncated(size: int | None, needed: int | None) -> bool:
+    """True when an external-data file of ``size`` bytes is shorter than the ``needed`` bytes its graphs read."""
+    return size is not None and needed is not None and size < needed
 
 
 def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
@@ -237,10 +256,14 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
                                  # each state kind's axis order in this graph (m2export.json's per-state layout)
                                  "state_layouts": {s.kind: list(s.layout) for s in g.io().states
                                                    if s.layout is not None}}
+        extent: dict[str, int] = {}
         if f.is_file():
             info = describe_onnx(f)
             entry.update({k: info[k] for k in ("bytes", "opsets", "nodes", "ssm_scan_nodes", "functions",
                                                 "parameters", "inputs", "outputs")})
+            extent = info["external_data_extent"]
+        for x in entry["external_data"]:
+            x["needed_bytes"] = extent.get(x["file"])
         graphs.append(entry)
     engines = [{**asdict(e), "present": (d / e.file).is_file()} for e in m.engines]
     data: dict[str, dict[str, Any]] = {}
@@ -250,11 +273,39 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
             entry = data.setdefault(name, {"file": name, "present": f.is_file(),
                                            "bytes": f.stat().st_size if f.is_file() else 0, "graphs": []})
             entry["graphs"].append(g.file)
+    for g in graphs:
+        for x in g["external_data"]:
+            e = data[x["file"]]
+            if x["needed_bytes"] is not None:
+                e["needed_bytes"] = max(e.get("needed_bytes") or 0, x["needed_bytes"])
+    for e in data.values():
+        e.setdefault("needed_bytes", None)
+        e["truncated"] = e["present"] and truncated(e["bytes"], e["needed_bytes"])
     return {"kind": "outdir", "path": str(d), "source_checkpoint": m.source_checkpoint,
             "checkpoint_format": m.checkpoint_format, "checkpoint_sha256": m.checkpoint_sha256,
             "dtype": m.dtype, "opset": m.opset, "config": c, "tool_versions": m.tool_versions,
             "graphs": graphs, "external_data": list(data.values()), "engines": engines,
             "disk_bytes": sum(f.stat().st_size for f in d.iterdir() if f.is_file())}
+
+
+def damaged_files(info: dict[str, Any]) -> list[str]:
+    """What :func:`describe` found missing or truncated, one phrase per file (empty for a sound export or file)."""
+    out: list[str] = []
+    if info.get("kind") == "outdir":
+        out += [f"{g['file']} is missing" for g in info["graphs"] if not g["present"]]
+        out += [f"{x['file']} is missing" for x in info["external_data"] if not x["present"]]
+        out += [f"{x['file']} is truncated ({x['bytes']:,} bytes; the graphs read {x['needed_bytes']:,})"
+                for x in info["external_data"] if x.get("truncated")]
+        out += [f"{e['file']} is missing" for e in info["engines"] if not e["present"]]
+    elif info.get("kind") == "onnx":
+        d = Path(info["path"]).parent
+        for x, need in info["external_data_extent"].items():
+            f = d / x
+            if not f.is_file():
+                out.append(f"{x} is missing")
+            elif truncated(f.stat().st_size, need):
+                out.append(f"{x} is truncated ({f.stat().st_size:,} bytes; the graph reads {need:,})")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -307,7 +358,11 @@ def format_text(info: dict[str, Any]) -> str:
                  + (f"; external data {', '.join(info['external_data'])}" if info["external_data"] else ""))
         for x in info["external_data"]:
             p = Path(info["path"]).parent / x
-            L.append(f"  external data {x}: " + (human_bytes(p.stat().st_size) if p.is_file() else "MISSING"))
+            need = info["external_data_extent"].get(x)
+            size = p.stat().st_size if p.is_file() else None
+            L.append(f"  external data {x}: " + ("MISSING" if size is None else human_bytes(size))
+                     + (f" TRUNCATED: the graph reads {need:,} bytes, the file has {size:,}"
+                        if truncated(size, need) else ""))
     elif info["kind"] == "engine":
         L.append(f"{info['path']}: TensorRT engine, {human_bytes(info['bytes'])}")
         e = info.get("manifest")
@@ -349,7 +404,9 @@ def format_text(info: dict[str, Any]) -> str:
                 L.append(f"    {kind:<10} layout {_shape(axes)}")
         for x in info.get("external_data", []):
             L.append(f"  {x['file']:<16} weights, {human_bytes(x['bytes'])}, stored once for "
-                     + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING"))
+                     + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING")
+                     + (f" TRUNCATED: the graphs read {x['needed_bytes']:,} bytes, the file has {x['bytes']:,}"
+                        if x.get("truncated") else ""))
         L.append(f"  on disk: {human_bytes(info['disk_bytes'])} in all")
         first = next((g for g in info["graphs"] if g["present"]), None)
         if first:

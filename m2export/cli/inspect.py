@@ -11,7 +11,9 @@ DESCRIPTION = """Show the contents of:
   model.plan   what m2export.json records about the engine (precision, GPU, profiles); with TensorRT
                installed also the engine's IO tensors and optimisation profiles
 
-exit codes: 0 ok; 1 missing path, or a file that is none of the above.
+exit codes: 0 ok; 1 missing path, or a file that is none of the above. A graph, engine or weights file the
+manifest lists but that is missing, or an external-data file shorter than its graphs read (truncated), is
+marked in the listing and named in a warning line on stderr (exit 0: inspect describes; check verifies).
 
 examples:
   m2export inspect out/tiny
@@ -34,6 +36,12 @@ def run(args) -> int:
     from m2export.check.console import write_stdout
     from m2export.inspect import describe, format_text
 
+    import sys
+
+    from m2export.inspect import damaged_files
+
     info = describe(args.path)
     write_stdout((json.dumps(info, indent=2, default=str) if args.json else format_text(info)) + "\n")
+    for what in damaged_files(info):
+        print(f"warning: {what}: this export is damaged; re-export it (m2export export ... --force)", file=sys.stderr)
     return 0

@@ -244,3 +244,25 @@ def test_corrupt_graph_is_a_clean_error(verb, runtime, what, tiny_out, tmp_path,
     lines = err.strip().splitlines()
     assert lines[0].startswith(f"error: {d / 'model.onnx'}: {what}") and lines[1].startswith("hint: ")
     assert "Traceback" not in err
+
+
+def test_inspect_names_a_truncated_or_missing_weights_file(tiny_out, tmp_path, capsys):
+    """A model.onnx.data cut short (a copy interrupted, a full disk) is marked in the listing and named in one
+    warning line on stderr, for the folder and for the graph file; a sound export has no warning."""
+    assert main(["inspect", str(tiny_out)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    d = copy_export(tiny_out, tmp_path / "o")
+    data = d / "model.onnx.data"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 3)
+    assert main(["inspect", str(d)]) == 0
+    cap = capsys.readouterr()
+    assert "TRUNCATED: the graphs read" in cap.out
+    assert cap.err.startswith("warning: model.onnx.data is truncated (") and cap.err.count("\n") == 1
+    assert main(["inspect", str(d / "model.onnx")]) == 0
+    cap = capsys.readouterr()
+    assert "TRUNCATED: the graph reads" in cap.out and "warning: model.onnx.data is truncated" in cap.err
+    data.unlink()
+    assert main(["inspect", str(d)]) == 0
+    assert "warning: model.onnx.data is missing" in capsys.readouterr().err
