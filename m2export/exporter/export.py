@@ -622,7 +622,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         OutputFolderError: ``outdir`` is a file, not empty without ``force``, unsafe to replace (see ``force``),
             changed during the export, or not writable (full disk included).
         ExportError: the ONNX export itself failed (nothing is left behind).
-        CheckpointError, ConfigError: the checkpoint cannot be loaded or its config is unsupported.
+        CheckpointError, ConfigError: the checkpoint cannot be loaded or its config is unsupported; a checkpoint
+            file changed (written in place) during the export, which read it until the end (nothing is written).
         Interrupted: SIGINT/SIGTERM (exit 130/143 in the CLI); nothing is left, the previous export intact.
     """
     ssm_impl = canonical("flavour", ssm_impl)
@@ -650,10 +651,12 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                              hint="export fp32 or fp16 for model.packed.onnx, or drop `packed_prefill` for bf16")
     n_steps = 1 + 2 + (len(impls) + int(packed_prefill)) * (1 + int(check)) + 1
     bar = _Progress(progress, n_steps)
-    from m2export.models.checkpoint import checkpoint_files
+    from m2export.models.checkpoint import checkpoint_files, file_stamps, unchanged_since
 
+    sources = checkpoint_files(checkpoint)
+    stamps = file_stamps(sources)  # before the load: the weights are read from their mappings until the end
     with _paths.staged_output(outdir, force=force, force_foreign=force_foreign, owned=foreign_reason,
-                              protect=checkpoint_files(checkpoint)) as tmp, bar, _quiet_third_party_logs():
+                              protect=sources) as tmp, bar, _quiet_third_party_logs():
         from m2export.models.checkpoint import load_checkpoint
 
         bar.step(f"loading {checkpoint}")
@@ -703,6 +706,7 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
                             graphs=graphs, tool_versions=tool_versions(), tokenizer=tokenizer)
         write_manifest(tmp, manifest)
         write_genai_files(tmp, manifest, checkpoint)
+        unchanged_since(stamps)
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
 

@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -750,6 +751,36 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     except (CheckpointError, OSError):
         return out
     return out + [d, d / "config.json", *([index] if index is not None else []), *files]
+
+
+def file_stamps(paths) -> dict[Path, tuple[int, int, int]]:
+    """(inode, size, mtime in ns) of each regular file among ``paths`` (through symlinks), for
+    :func:`unchanged_since`; a path that is no regular file is left out."""
+    out = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[Path(p)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def unchanged_since(stamps: dict[Path, tuple[int, int, int]]) -> None:
+    """Raise CheckpointError if a file of ``stamps`` (:func:`file_stamps`) was replaced, resized or written since.
+
+    Why: an export reads the weights from read-only mappings of the files until it has written the last graph
+    (:class:`MappedWeights`), so a checkpoint written in place meanwhile (a same-size rewrite: ``open(f, 'r+b')``)
+    would give an export mixing old and new weights under the old file's sha256. (A file truncated meanwhile
+    is a SIGBUS on the next page read: the process dies, its staging folder is cleaned by the next run.)
+    """
+    now = file_stamps(stamps)
+    for p, was in stamps.items():
+        if now.get(p) != was:
+            raise CheckpointError(f"{p}: changed while it was being exported (written, resized or replaced): the "
+                                  "export would mix its old and new weights; nothing was written",
+                                  hint="export again once the checkpoint is no longer being written")
 
 
 def checkpoint_foreign_reason(folder: str | os.PathLike) -> str | None:

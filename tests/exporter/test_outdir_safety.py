@@ -177,6 +177,35 @@ def test_files_appearing_in_outdir_during_the_export_survive(tmp_path, monkeypat
     assert sorted(p.name for p in out.iterdir()) == ["arrived.txt"]
 
 
+def test_checkpoint_written_in_place_during_the_export_is_refused(tmp_path, monkeypatch, capsys, ck):
+    """The export reads the weights from mappings of the checkpoint until its last graph is written: a same-size
+    rewrite of model.safetensors meanwhile (here: after the load, one float of the last tensor changed in
+    place) gave exit 0 and an export mixing old and new weights under the old file's sha256. Now: one line
+    naming the file, exit 1, nothing written."""
+    import m2export.exporter.export as ex
+
+    mine = tmp_path / "ck"
+    shutil.copytree(ck, mine)
+    st = mine / "model.safetensors"
+    out = tmp_path / "out"
+    orig = ex._export_step
+
+    def step(*a, **k):
+        with open(st, "r+b") as fh:  # in place: same inode, same size
+            fh.seek(-4, os.SEEK_END)
+            last = fh.read(4)
+            fh.seek(-4, os.SEEK_END)
+            fh.write(bytes(b ^ 0x01 for b in last))
+        return orig(*a, **k)
+    monkeypatch.setattr(ex, "_export_step", step)
+    assert main(["export", str(mine), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {st}: changed while it was being exported" in err and "Traceback" not in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    monkeypatch.setattr(ex, "_export_step", orig)
+    assert main(["export", str(mine), "-o", str(out), "-q"]) == 0  # unchanged since its own load: exported
+
+
 @posix
 def test_concurrent_exports_to_one_new_outdir(tmp_path, ck):
     out = tmp_path / "out"
