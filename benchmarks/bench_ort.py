@@ -10,7 +10,8 @@ to the HF format so mobius can read it; or a path to any HF Mamba-2 folder):
   --optimize`` from a throwaway venv (``--mobius-venv``, created with ``pip install mobius-onnx``
   on first use; never a project dependency);
 * ORT prefill L=128 / 512 and decode ms/token: every model's session in one process, measured in
-  interleaved rounds (m2export, mobius, m2export, ...), best and median of ``--reps`` (>= 10); with
+  interleaved rounds (m2export, mobius, m2export, ...), best and median of ``--reps`` (>= 10) rounds on each of
+  ``--session-sets`` (4) fresh sets of sessions, created in alternating orders (:func:`measure` says why); with
   ``--all-flavours`` (default) the std and ssmscan flavours too (a second export, ``ssm_impl="both"``,
   whose wall/RSS/disk cells are that export's);
 * accuracy: logits of the L=512 prefill vs transformers' ``Mamba2ForCausalLM`` in float64 (rel-L2), and vs
@@ -155,35 +156,43 @@ def _profile_counts(path: Path) -> tuple[int, float]:
     return sum(n for n, _ in ops), sum(ms for _, ms in ops)
 
 
-def measure(runners: dict, vocab: int, seqlens, reps: int, decode_steps: int) -> dict:
+def measure(graphs: dict[str, Path], threads: int, vocab: int, seqlens, reps: int, decode_steps: int,
+            session_sets: int = 4) -> dict:
+    """Best and median ms of each graph's prefill (per L) and decode step, in interleaved rounds.
+
+    The rounds run on ``session_sets`` sets of fresh sessions (each set made, timed for ``reps`` rounds, and
+    dropped before the next), created and interleaved in the graphs' order, then in the reverse order, and so on;
+    the statistics pool every set. Why: two sessions of one graph in one process differed by up to ~10% per
+    decode token here, whichever graph it was and whichever was created first (their memory's placement; decode
+    streams every weight per token), which made one set's decode comparison a draw of where each session's
+    weights landed (benchmarks/RESULTS.md, issue 16's decode row)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    res = {k: {} for k in runners}
-    for L in seqlens:
-        ids = rng.integers(0, vocab, (1, L), dtype=np.int64)
-        for r in runners.values():
-            r.run(ids)  # warm-up
-        ts = {k: [] for k in runners}
-        for _ in range(reps):
+    ids_of = {L: rng.integers(0, vocab, (1, L), dtype=np.int64) for L in seqlens}
+    ids16 = rng.integers(0, vocab, (1, 16), dtype=np.int64)
+    tok = np.array([[1]], np.int64)
+    ts = {k: {c: [] for c in [f"prefill L={L} ms" for L in seqlens] + ["decode ms/token"]} for k in graphs}
+    for s in range(session_sets):
+        order = list(graphs) if s % 2 == 0 else list(graphs)[::-1]
+        runners = {k: Runner(graphs[k], threads) for k in order}
+        for L in seqlens:
+            for r in runners.values():
+                r.run(ids_of[L])  # warm-up
+            for _ in range(reps):
+                for k, r in runners.items():
+                    t = time.perf_counter()
+                    r.run(ids_of[L])
+                    ts[k][f"prefill L={L} ms"].append(time.perf_counter() - t)
+        states = {k: r.run(ids16)[1] for k, r in runners.items()}
+        for _ in range(max(reps, decode_steps)):
             for k, r in runners.items():
                 t = time.perf_counter()
-                r.run(ids)
-                ts[k].append(time.perf_counter() - t)
-        for k, v in ts.items():
-            res[k][f"prefill L={L} ms"] = (1e3 * min(v), 1e3 * statistics.median(v))
-    ids = rng.integers(0, vocab, (1, 16), dtype=np.int64)
-    states = {k: r.run(ids)[1] for k, r in runners.items()}
-    ts = {k: [] for k in runners}
-    tok = np.array([[1]], np.int64)
-    for _ in range(max(reps, decode_steps)):
-        for k, r in runners.items():
-            t = time.perf_counter()
-            _, states[k] = r.run(tok, states[k])
-            ts[k].append(time.perf_counter() - t)
-    for k, v in ts.items():
-        res[k]["decode ms/token"] = (1e3 * min(v), 1e3 * statistics.median(v))
-    return res
+                _, states[k] = r.run(tok, states[k])
+                ts[k]["decode ms/token"].append(time.perf_counter() - t)
+        del runners, states
+        gc.collect()
+    return {k: {c: (1e3 * min(v), 1e3 * statistics.median(v)) for c, v in row.items()} for k, row in ts.items()}
 
 
 def accuracy(runners: dict, ck: Path, L: int = 512) -> dict:
@@ -229,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--session-sets", type=int, default=4,
+                    help="fresh sets of sessions the rounds run on, created in alternating orders (measure())")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/m2export-bench-ort")
     ap.add_argument("--mobius-venv", default="/tmp/m2export-mobius-venv")
@@ -238,6 +249,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.reps < 10:
         ap.error("--reps: at least 10")
+    if args.session_sets < 1:
+        ap.error("--session-sets: at least 1")
     import numpy as np
     import onnxruntime
     import torch
@@ -277,11 +290,12 @@ def main(argv=None) -> int:
             graphs["m2export ssmscan"] = (out_both / "model.onnx", out_both, e_both)
         g_mob = next(iter(sorted(out_mob.rglob("model.onnx"))), None) or next(iter(sorted(out_mob.rglob("*.onnx"))))
         graphs["mobius"] = (g_mob, out_mob, e_mob)
-        runners = {k: Runner(g, args.threads) for k, (g, _, _) in graphs.items()}
         vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
         _log(f"[{name}] timing (interleaved)")
-        t = measure(runners, vocab, args.seqlens, args.reps, args.decode_steps)
+        t = measure({k: g for k, (g, _, _) in graphs.items()}, args.threads, vocab, args.seqlens, args.reps,
+                    args.decode_steps, args.session_sets)
         _log(f"[{name}] accuracy")
+        runners = {k: Runner(g, args.threads) for k, (g, _, _) in graphs.items()}
         acc = accuracy(runners, ck, max(args.seqlens))
         del runners
         prof = work / "profiles"
@@ -309,7 +323,8 @@ def main(argv=None) -> int:
     head = (f"## bench_ort.py — {now} — CPU {os.cpu_count()} cores ({platform.machine()}, shared), "
             f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, mobius-onnx {mob_version}, "
             f"{args.threads} threads, "
-            f"best / median of {args.reps} interleaved runs, load {os.getloadavg()[0]:.1f} at the end\n\n"
+            f"best / median of {args.reps} interleaved runs on each of {args.session_sets} fresh session sets "
+            f"(alternating creation order), load {os.getloadavg()[0]:.1f} at the end\n\n"
             "| checkpoint | exporter | export wall / peak RSS | on disk | "
             + " | ".join(f"prefill L={L} ms" for L in args.seqlens)
             + " | decode ms/token | ORT kernels prefill L=512 / decode | logits rel-L2 vs transformers fp64 "
