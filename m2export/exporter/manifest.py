@@ -43,9 +43,24 @@ ROLES = ("prefill", "decode")
 #: saved inputs and reference outputs (m2export/check/repro.py)
 CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py",
                       "check_inputs.json", "check_reference_outputs.json")
-#: other names m2export writes into OUTDIR (besides the manifest's graphs and engines)
-_OUTDIR_PATTERNS = (MANIFEST_FILE, "*.onnx", "*.onnx.data", "*.plan", ".timing.cache", *CHECK_REPORT_FILES,
-                    GENAI_CONFIG_FILE, *TOKENIZER_FILES)
+#: other names m2export writes into OUTDIR (besides the manifest's graphs and engines, and the fixed graph,
+#: weight and engine names of :func:`_graph_and_engine_names`)
+_OUTDIR_PATTERNS = (MANIFEST_FILE, ".timing.cache", *CHECK_REPORT_FILES, GENAI_CONFIG_FILE, *TOKENIZER_FILES)
+
+
+def _graph_and_engine_names() -> set[str]:
+    """The graph files of every flavour and the packed graph, the weights file and each graph's engines
+    (prefill+decode and decode-only): what an export or a build may leave in OUTDIR unlisted (a build stopped
+    before its manifest update). Not ``*.onnx``: a user's own ``mine.onnx`` in an export folder is not m2export's."""
+    from m2export.exporter.configs import PREFILL_FILE, WEIGHTS_FILE
+    from m2export.exporter.export import graph_file
+    from m2export.exporter.packed import PACKED_FILE
+    from m2export.names import FLAVOUR_SUFFIX
+    from m2export.trt.build import plan_name
+
+    graphs = {PREFILL_FILE, PACKED_FILE} | {graph_file(impl, False) for impl in FLAVOUR_SUFFIX}  # suffixed ones
+    return graphs | {WEIGHTS_FILE} | {plan_name(g, roles) for g in graphs for roles in (("prefill", "decode"),
+                                                                                       ("decode",))}
 
 
 def _has_role(entry_role: str, role: str) -> bool:
@@ -315,7 +330,7 @@ def foreign_reason(folder: str | Path) -> str | None:
         ok = False
     if not ok:
         return f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
-    listed = set()
+    listed = _graph_and_engine_names()
     for g in raw["graphs"] + list(raw.get("engines") or []):
         if isinstance(g, dict):
             listed |= {str(g.get("file"))} | {str(x) for x in g.get("external_data") or []}

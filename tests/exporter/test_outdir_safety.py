@@ -105,13 +105,28 @@ def test_force_refuses_a_folder_m2export_did_not_write(tmp_path, capsys, ck):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis"]
 
 
-def test_force_refuses_an_export_holding_a_users_file(tmp_path, capsys, ck, previous):
+@pytest.mark.parametrize("name", ["notes.txt", "mine.onnx", "mine.onnx.data", "mine.plan"])
+def test_force_refuses_an_export_holding_a_users_file(tmp_path, capsys, ck, previous, name):
+    """A user's own graph, weights or engine in an export folder (mine.onnx): --force deleted it (any *.onnx,
+    *.onnx.data or *.plan counted as m2export's); only the names m2export writes do now."""
     out = tmp_path / "out"
     shutil.copytree(previous, out)
-    (out / "notes.txt").write_text("mine")
+    (out / name).write_text("mine")
     assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
-    assert "did not write (notes.txt)" in capsys.readouterr().err
-    assert (out / "notes.txt").read_text() == "mine"
+    assert f"did not write ({name})" in capsys.readouterr().err
+    assert (out / name).read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["model.std.onnx", "model.packed.onnx", "model.plan", "model.decode.plan",
+                                  "model.std.plan"])
+def test_force_replaces_an_export_holding_unlisted_files_m2export_writes(tmp_path, ck, previous, name):
+    """A graph or engine m2export names but the manifest does not list (a build stopped before its manifest
+    update) is m2export's: replaced."""
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    (out / name).write_text("stale")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 0
+    assert not (out / name).exists() or (out / name).read_text() != "stale"
 
 
 def test_force_foreign_replaces_on_request(tmp_path, ck):
