@@ -963,8 +963,8 @@ def _check_fits_memory(spec: ModelSpec | None, cfg: Mamba2Config | None, dtype: 
     if need > memory:
         raise ParameterError(f"random checkpoint: its weights alone are {human_bytes(need)}, more than this "
                              f"machine's {human_bytes(memory)} of memory (they are built in memory, then written)",
-                             hint="ask for a smaller shape (--d-model, --n-layer, --vocab-size, ...) or a "
-                                  "smaller --dtype")
+                             hint="ask for a smaller shape (`d_model`, `n_layer`, `vocab_size`, ...) or a "
+                                  "smaller `dtype`")
 
 
 def _built_in(dtype: torch.dtype | None, make):
