@@ -111,6 +111,17 @@ def large_decay_inputs(p: SSMScanProblem, *, seed: int, chunk_sum: float = -4000
     return out
 
 
+def packed_large_decay_case() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A packed case of :func:`large_decay_inputs`: 3 sequences (100, 300, 112 tokens: boundaries inside chunks of
+    64 and 256), 8 heads, headdim 16, ngroups 2, d_state 16, an fp32 initial state per sequence. Returns the
+    ssm_scan keyword inputs (``initial_state`` (3, 8, 16, 16)) and ``cu_seqlens`` (4,) int32."""
+    lengths = [100, 300, 112]
+    p = SSMScanProblem(1, sum(lengths), 8, 16, 2, 16)
+    inp = large_decay_inputs(p, seed=3)
+    inp["initial_state"] = torch.randn(len(lengths), 8, 16, 16, generator=torch.Generator().manual_seed(4))
+    return inp, torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+
+
 def assert_cumsum_trt_safe(nodes, initializers=()) -> None:
     """Every CumSum (the segment sums, one per scan) on axis -2 with default attributes: the TensorRT
     ICumulativeLayer bugs need CumSums on different axes (TensorRT#4551) or differing reverse (#4513)."""

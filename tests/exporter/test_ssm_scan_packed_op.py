@@ -18,7 +18,7 @@ from m2export import contract
 from m2export.contract import SSMScanAttrs
 from m2export.exporter.ssm_scan_op import ssm_scan_packed_node_model
 from m2export.kernels.ssd.packed import ssm_scan_packed_recurrent
-from tests.helpers import assert_close, assert_cumsum_trt_safe, large_decay_inputs, stable_seed
+from tests.helpers import assert_close, assert_cumsum_trt_safe, packed_large_decay_case, stable_seed
 from tests.kernels.test_ssd_packed import PACKS, _packed_inputs
 
 ort = pytest.importorskip("onnxruntime")
@@ -110,13 +110,7 @@ def test_packed_body_has_no_loop_and_trt_safe_cumsums():
 def test_packed_large_decay_sums():
     """dt*A summing to about -4,000 per 256 tokens (issue 16) with boundaries inside chunks: segment sums from
     their own terms, within 5e-6 of the float64 oracle (a difference of cumulative sums misses by 3e-5 .. 1e-4)."""
-    from m2export.contract import SSMScanProblem
-
-    lengths = [100, 300, 112]
-    p = SSMScanProblem(1, sum(lengths), 8, 16, 2, 16)
-    inp = large_decay_inputs(p, seed=3)
-    inp["initial_state"] = torch.randn(len(lengths), 8, 16, 16, generator=torch.Generator().manual_seed(4))
-    cu = torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+    inp, cu = packed_large_decay_case()
     ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
     y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=256))).run(None, _feeds(inp, cu))
     assert np.isfinite(y).all() and np.isfinite(fs).all()

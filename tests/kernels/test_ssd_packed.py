@@ -17,7 +17,7 @@ from m2export.errors import ContractError
 from m2export.kernels.ssd import ssm_scan
 from m2export.kernels.ssd.packed import ssm_scan_packed_chunked, ssm_scan_packed_recurrent
 from tests.helpers import SSD_STATE_REL, SSD_Y_REL, assert_close, count_unwritten, large_decay_inputs, make_inputs, \
-    poison_, requires_cutile, stable_seed
+    packed_large_decay_case, poison_, requires_cutile, stable_seed
 from tests.plugins.fakes import Expr
 
 # (id, sequence lengths); chunk 64: 63|64 puts a boundary inside chunk 0, 64 one on a chunk edge
@@ -61,11 +61,7 @@ def test_chunked_reference_matches_the_oracle(pack, dtype):
 def test_chunked_reference_large_decay_sums():
     """dt*A summing to -4,000 per 256 tokens (issue 16), boundaries inside chunks: segment sums from their own
     terms, 5e-6 of the oracle (as cumsum differences: 3e-5 .. 1e-4)."""
-    lengths = [100, 300, 112]
-    p = SSMScanProblem(1, sum(lengths), 8, 16, 2, 16)
-    inp = large_decay_inputs(p, seed=3)
-    inp["initial_state"] = torch.randn(len(lengths), 8, 16, 16, generator=torch.Generator().manual_seed(4))
-    cu = torch.tensor([0, 100, 400, 512], dtype=torch.int32)
+    inp, cu = packed_large_decay_case()
     ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
     out = ssm_scan_packed_chunked(**inp, cu_seqlens=cu, chunk_size=256)
     assert_close("y", ref.y, out.y, rel=5e-6)
