@@ -42,8 +42,8 @@ from typing import Any, Callable
 import numpy as np
 
 from m2export import backends, names
-from m2export.check.data import (TokenDataLoader, byte_tokens, chunk_size_of, default_shapes, read_corpus,
-                                 token_windows)
+from m2export.check.data import (TokenDataLoader, byte_tokens, check_shapes, chunk_size_of, default_shapes,
+                                 read_corpus, token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
 from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
 from m2export.check.repro import (RecordingLoader, left_out_note, reproduction_commands, ssmscan_build_note,
@@ -445,8 +445,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         checkpoint: the reference checkpoint (default: the manifest's ``source_checkpoint``); its sha256
             must match the manifest's.
         atol, rtol: ``VALUE`` or ``NAME:VALUE`` (NAME may be a glob) on top of the dtype defaults.
-        shapes: prefill (batch, seqlen) sizes (default: the engine profile's min/opt/max when engines
-            exist, else :func:`~m2export.check.data.default_shapes`).
+        shapes: prefill (batch, seqlen) sizes, each >= 1 (default: the engine profile's min/opt/max when
+            engines exist, else :func:`~m2export.check.data.default_shapes`); an empty prompt or batch is a
+            UsageError (:func:`~m2export.check.data.check_shapes`), before anything is fed.
         decode_steps: decode-graph steps in the sequence section (0 skips the section).
         prompt_len: prompt length of the sequence section (default chunk_size // 2 + 5).
         text: corpus file (default: the Python stdlib sources).
@@ -482,6 +483,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             raise UsageError(f"`{param}` {value}: expected an integer >= {low}")
     if reference not in REFERENCES:
         raise UsageError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
+    shapes = check_shapes(shapes) if shapes else None
     _check_reference_backend(reference_backend, reference)
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
     unknown = [r for r in runtimes if r not in ALL_RUNTIMES]
@@ -519,7 +521,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     rtol_d = parse_tolerances(rtol, rtol_d, out_names, "rtol")
     compare_func = make_compare_func(atol_d, rtol_d)
 
-    shapes = list(shapes or _engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
+    shapes = shapes or list(_engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
     loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader)
     rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt,

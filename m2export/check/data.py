@@ -128,8 +128,32 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             if b < 1 or s < 1:
                 raise ValueError
         except ValueError:
-            raise UsageError(f"`shapes`: bad item {item!r}; expected BATCHxSEQLEN with positive integers, "
-                             "e.g. 1x1,2x64") from None
+            raise UsageError(f"`shapes`: bad item {item!r}; {_SHAPES_EXPECTED}") from None
+        out.append((b, s))
+    return out
+
+
+_SHAPES_EXPECTED = "expected BATCHxSEQLEN with positive integers, e.g. 1x1,2x64"
+
+
+def check_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``shapes`` (the library's (batch, seqlen) pairs) as a list of int pairs, each >= 1.
+
+    Every graph call needs a token (an empty prompt has none to continue from; the graphs cannot refuse it
+    themselves, ONNX Runtime fails inside a kernel), and a batch of 0 has nothing to compare.
+
+    Raises:
+        UsageError: an item that is not two integers >= 1, named.
+    """
+    out = []
+    for item in shapes:
+        try:
+            b, s = (int(v) for v in item)
+            ok = b >= 1 and s >= 1 and (b, s) == tuple(item)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UsageError(f"`shapes`: bad item {item!r}; {_SHAPES_EXPECTED}")
         out.append((b, s))
     return out
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from m2export.check.compare import parse_tolerances
-from m2export.check.data import (TokenDataLoader, byte_tokens, default_shapes, parse_shapes, stdlib_corpus,
+from m2export.check.compare import parse_tolerances, run_check
+from m2export.check.data import (TokenDataLoader, byte_tokens, check_shapes, default_shapes, parse_shapes, stdlib_corpus,
                                  token_windows)
 from m2export.check.runners import ModelFromCheckpoint, TorchRunner
 from m2export.errors import CheckpointError, M2ExportError
@@ -117,6 +117,17 @@ def test_data_loader_continued_feeds_carry_reference_states(tiny_ck):
         full = ck.model(torch.from_numpy(whole))
     np.testing.assert_allclose(cont.logits.numpy(), full.logits[:, prefix_len:].numpy(), atol=1e-4)
     np.testing.assert_allclose(cont.ssm_states[1].numpy(), full.ssm_states[1].numpy(), atol=1e-4)
+
+@pytest.mark.parametrize("bad", [(1, 0), (0, 4), (2, -1), (1.5, 2), (1, 2, 3)])
+def test_run_check_refuses_an_empty_prompt_or_batch_in_one_line(tiny_out, tmp_path, bad):
+    """An empty prompt (sequence_length 0) or batch given to the library's ``run_check`` is refused by name before
+    anything runs: the graphs cannot refuse it themselves (ONNX Runtime fails inside a kernel) and the reference
+    stopped with torch's conv error (sequence_length 0) or numpy's "need at least one array to stack" (batch 0)."""
+    with pytest.raises(M2ExportError, match=r"shapes`?: bad item .*expected BATCHxSEQLEN with positive integers"):
+        run_check(tiny_out, shapes=[(1, 4), bad], report_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    assert check_shapes([(1, 1), [2, 64]]) == [(1, 1), (2, 64)]
+
 
 def test_parse_shapes_and_tolerances():
     assert parse_shapes("1x1, 2X64") == [(1, 1), (2, 64)]
