@@ -31,7 +31,7 @@ from m2export.errors import InternalError
 log = logging.getLogger(__name__)
 
 PLUGIN_ID = f"{contract.PLUGIN_NAMESPACE}::{contract.OP_NAME}"
-#: the packed (cu_seqlens) form, JIT only: one launch group per sequence (m2export.kernels.ssd ``cu_seqlens``)
+#: the packed (cu_seqlens) form, JIT only: one launch group over all sequences (m2export.kernels.ssd ``cu_seqlens``)
 PACKED_PLUGIN_ID = f"{contract.PLUGIN_NAMESPACE}::{contract.PACKED_OP_NAME}"
 #: contract dtype name -> TensorRT's autotune spelling
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int32": "INT32"}

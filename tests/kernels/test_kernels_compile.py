@@ -278,3 +278,48 @@ def test_every_tile_family_compiles(headdim, d_state, dt):
         assert scan, plan.launches
         for launch in scan[:1]:
             assert _export_launch(launch)[:4] == b"\x7fELF", fam
+
+
+@pytest.mark.parametrize("dt,chunk,block_p,d_state", CASES, ids=[f"{c[0]}_Q{c[1]}_N{c[3]}" for c in CASES])
+@pytest.mark.parametrize("has_init", [True, False], ids=["init", "no_init"])
+def test_packed_work_item_kernels_compile(dt, chunk, block_p, d_state, has_init):
+    """The packed form as routed (m2export.kernels.ssd.cutile_packed: one block per sequence segment, driven by
+    the work table): pre-pass, pass 1 and pass 2 for sm_90, both y-store variants."""
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd.cutile_packed import make_packed_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(1, 700, 8, 64, 2, d_state, dtype=dt)
+    cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=3, dt_pre=True, merge_tail=False)
+    for masked_all in (True, False):
+        plan = make_packed_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
+                                has_dt_bias=True, has_init=has_init, masked_all=masked_all)
+        launches = [plan.dt] + [l for seg, scan, _ in plan.pieces for l in (seg, scan)]
+        assert [l.name for l in launches] == ["ssd_packed_dt_kernel", "ssd_packed_segment_kernel",
+                                              "ssd_packed_scan_kernel"]
+        for launch in launches if masked_all else launches[2:]:
+            assert _export_launch(launch)[:4] == b"\x7fELF"
+
+
+def test_packed_work_table():
+    """packed_work: one item per sequence segment of at most seg_chunks chunks (near-equal, none empty), chunk
+    ranges covering each sequence's tokens, folds pointing at the sequence's first item, pass-1 rows for every
+    item but a sequence's last, empty sequences listed and owning no item."""
+    from m2export.kernels.ssd.cutile_packed import WORK_COLUMNS, packed_work
+
+    cu = [0, 63, 63, 128, 1000, 1001]  # boundary inside chunk 0, an empty sequence, one on a chunk edge, L=1
+    rows, npass1, empties = packed_work(cu, 64, 5)
+    items = [dict(zip(WORK_COLUMNS, r)) for r in rows]
+    main, p1 = items[:len(rows) - npass1], items[len(rows) - npass1:]
+    assert empties == [1]
+    for s in (0, 2, 3, 4):
+        mine = [it for it in main if it["seq"] == s]
+        assert mine and all(it["a"] == cu[s] and it["e"] == cu[s + 1] for it in mine)
+        assert mine[0]["c_begin"] == cu[s] // 64 and mine[-1]["c_end"] == (cu[s + 1] - 1) // 64 + 1
+        assert all(x["c_end"] == y["c_begin"] for x, y in zip(mine, mine[1:]))
+        assert all(0 < it["c_end"] - it["c_begin"] <= 5 for it in mine)
+        assert [it["last"] for it in mine] == [0] * (len(mine) - 1) + [1]
+        assert all(it["first_item"] == main.index(mine[0]) for it in mine)
+    assert [it["item"] for it in main] == list(range(len(main)))
+    assert p1 == [it for it in main if not it["last"]] and npass1 == 2  # sequence 3: 14 chunks -> 5 + 5 + 4
+    assert [(it["c_begin"], it["c_end"]) for it in main if it["seq"] == 3] == [(2, 7), (7, 12), (12, 16)]

@@ -134,8 +134,8 @@ def test_packed_shape_rule_ints_and_shape_exprs():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("pack", PACKS, ids=[c[0] for c in PACKS])
 def test_cutile_packed_matches_the_oracle(pack, dtype):
-    """ssm_scan's packed path (one launch group per sequence) and the single launch group over all sequences
-    (ssm_scan_packed_cutile, its default plan), both against one oracle run."""
+    """ssm_scan's packed path (routed to the work-item launch group, cu_seqlens on the device) and
+    ssm_scan_packed_cutile called directly with host offsets (its default plan), both against one oracle run."""
     name, lengths = pack
     p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("gpu", name, dtype), H=8, P=64, G=2, N=128)
     ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
@@ -151,21 +151,21 @@ def test_cutile_packed_matches_the_oracle(pack, dtype):
 
 
 def _run_packed_plans(inp, cu, ref, dtype, configs, *, rel_y, rel_state):
-    """Run the single launch group (ssm_scan_packed_cutile) with each config (None: its default plan) on
+    """Run the packed launch group (cutile_packed.ssm_scan_packed_cutile) with each config (None: its default plan) on
     NaN-poisoned outputs and compare with the oracle ``ref``; returns the last run's (y, final_state)."""
     import math
 
     from m2export.contract import validate_packed
-    from m2export.kernels.ssd.cutile import ssm_scan_packed_cutile
+    from m2export.kernels.ssd.cutile_packed import ssm_scan_packed_cutile
 
     dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
     p, nseq = validate_packed(**dev, cu_seqlens=cu)
+    offsets = cu.tolist()
     for cfg in configs:
         y = poison_(torch.empty(p.shape_of("y"), dtype=dev["x"].dtype, device="cuda"))
         fs = poison_(torch.empty(nseq, p.nheads, p.headdim, p.d_state, device="cuda"))
-        ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES),
-                               cu.cuda(), problem=p, nseq=nseq, dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
-                               final_state_out=fs, config=cfg)
+        ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES), offsets, problem=p, dt_softplus=True,
+                               dt_limit=(0.0, math.inf), out=y, final_state_out=fs, config=cfg)
         torch.cuda.synchronize()
         assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0, cfg
         assert_close(f"y ({cfg})", ref.y, y.cpu(), rel=rel_y)
@@ -177,9 +177,9 @@ def _run_packed_plans(inp, cu, ref, dtype, configs, *, rel_y, rel_state):
 @requires_cutile
 @pytest.mark.parametrize("dtype,init", [("float32", True), ("bfloat16", False), ("float16", True)])
 def test_cutile_packed_every_plan(dtype, init):
-    """The seven-sequence pack through the single pass and split plans (pass 1 segments that begin, hold and end
-    sequences: nseg 2, 5 and one segment per chunk), chunk 32 and 64, both state layouts; with and without
-    initial states."""
+    """The seven-sequence pack through plans whose work items are whole sequences (nseg 1) or segments of them
+    (pass 1 and the fold: nseg 2, 5 and one chunk per item), chunk 32 and 64, both state layouts; with and
+    without initial states."""
     from m2export.kernels.ssd.plan import choose_config
 
     lengths = [1, 63, 64, 65, 500, 2048, 7]
@@ -223,11 +223,9 @@ def test_cutile_packed_no_leak_and_large_decay_sums():
 @pytest.mark.gpu
 @requires_cutile
 def test_cutile_packed_is_one_launch_group(monkeypatch):
-    """Seven sequences through ssm_scan_packed_cutile cost its plan's launches (pre-pass, pass 1, scan), not one
-    group per sequence."""
-    import math
-
-    import m2export.kernels.ssd.cutile as cut
+    """Seven sequences through ssm_scan (cu_seqlens) cost the packed plan's launches (pre-pass, pass 1, scan), not
+    one group per sequence."""
+    import m2export.kernels.ssd.cutile_packed as cut
     from m2export.contract import validate_packed
 
     p, inp, cu = _packed_inputs([1, 63, 64, 65, 500, 2048, 7], "bfloat16", seed=11, H=8, P=64, G=2, N=128)
@@ -235,8 +233,7 @@ def test_cutile_packed_is_one_launch_group(monkeypatch):
     p, nseq = validate_packed(**dev, cu_seqlens=cu)
 
     def run():
-        cut.ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES), cu.cuda(), problem=p, nseq=nseq, dt_softplus=True,
-                                   dt_limit=(0.0, math.inf))
+        ssm_scan(**dev, cu_seqlens=cu)
 
     run()  # compile first
     seen = []
@@ -274,3 +271,18 @@ def test_cutile_packed_reads_cu_seqlens_on_the_launch_stream():
         assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
         assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL["float32"])
         assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL["float32"])
+
+
+@pytest.mark.gpu
+@requires_cutile
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cutile_packed_branch_store_variant(monkeypatch, dtype):
+    """The scan's other y-store build (TMA store on chunks inside one sequence, masked scatter only on chunks that
+    straddle a boundary; cutile_packed.MASKED_ALL False, timed by bench_ssd_packed.py) on the seven-sequence pack."""
+    import m2export.kernels.ssd.cutile_packed as cp
+
+    monkeypatch.setattr(cp, "MASKED_ALL", False)
+    lengths = [1, 63, 64, 65, 500, 2048, 7]
+    p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("branch", dtype), H=8, P=64, G=2, N=128)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    _run_packed_plans(inp, cu, ref, dtype, [None], rel_y=SSD_Y_REL[dtype], rel_state=SSD_STATE_REL[dtype])

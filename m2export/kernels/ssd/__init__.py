@@ -106,13 +106,10 @@ def ssm_scan(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None, *, chunk_
 
 def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, attrs: SSMScanAttrs, backend: str,
                      out, final_state_out, stream, tiles=None) -> SSMScanOutput:
-    """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" scans
-    each sequence's slice of the packed tensors in place (views; seqlen 1 takes the decode-step kernel), so
-    no chunk of the kernel ever spans a boundary. One launch group per non-empty sequence.
-
-    The single launch group over all sequences (:func:`m2export.kernels.ssd.cutile.ssm_scan_packed_cutile`, chunks
-    straddling boundaries) is correct but measured slower than this loop up to 16 sequences on the H200
-    (benchmarks/RESULTS.md, bench_ssd_packed.py; benchmarks/NOTES_ssd.md): not routed here until it is faster."""
+    """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" runs
+    :func:`m2export.kernels.ssd.cutile_packed.ssm_scan_packed_cutile`, one launch group over all sequences (one
+    block per sequence segment, driven by a work table built here from the offsets, which are read on the host on
+    the launch stream: a device sync when they live on the GPU)."""
     from m2export.contract import check_cu_seqlens, validate_packed
 
     problem, nseq = validate_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens)
@@ -136,15 +133,8 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
         # read on the launch stream: whatever produced cu_seqlens (TensorRT's enqueue stream, often non-blocking)
         # ordered it there, and a copy on the current stream would not wait for it
         cu = check_cu_seqlens(cu_seqlens.tolist(), problem.seqlen)
-        x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
-        y, fs = out_buffers(x, fs_shape, out, final_state_out, allocate=True)
-        for s in range(nseq):
-            a, b = cu[s], cu[s + 1]
-            h0 = initial_state[s:s + 1] if initial_state is not None else None
-            if a == b:  # an empty sequence leaves its state as it was
-                fs[s].copy_(h0[0]) if h0 is not None else fs[s].zero_()
-                continue
-            ssm_scan(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], D, dt_bias, h0, chunk_size=attrs.chunk_size,
-                     dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend, out=y[:, a:b],
-                     final_state_out=fs[s:s + 1], stream=ls, tiles=tiles)
-    return SSMScanOutput(y, fs)
+    from m2export.kernels.ssd.cutile_packed import ssm_scan_packed_cutile
+
+    return ssm_scan_packed_cutile(x, dt, A, B, C, D, dt_bias, initial_state, cu, problem=problem,
+                                  dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, out=out,
+                                  final_state_out=final_state_out, stream=ls, tiles=tiles)
