@@ -108,8 +108,11 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
                      out, final_state_out, stream, tiles=None) -> SSMScanOutput:
     """Packed prefill: "torch" runs :func:`~m2export.kernels.ssd.packed.ssm_scan_packed_chunked`; "cutile" runs
     :func:`m2export.kernels.ssd.cutile_packed.ssm_scan_packed_cutile`, one launch group over all sequences (one
-    block per sequence segment, driven by a work table built here from the offsets, which are read on the host on
-    the launch stream: a device sync when they live on the GPU)."""
+    block per sequence segment, driven by a work table built from the offsets, which are read on the host on the
+    launch stream: a device sync when they live on the GPU); a pack with one non-empty sequence runs the unpacked
+    plan on that sequence's slice (H200, bench_ssd_packed.py, benchmarks/RESULTS.md 2026-12-02 08:11 UTC:
+    mamba2-2.7b T 8192 one sequence 0.178 ms unpacked vs 0.193 packed; 4 / 16 sequences packed 0.196 / 0.194
+    vs 0.228 / 0.464 ms for one launch group per sequence)."""
     from m2export.contract import check_cu_seqlens, validate_packed
 
     problem, nseq = validate_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens)
@@ -133,6 +136,17 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
         # read on the launch stream: whatever produced cu_seqlens (TensorRT's enqueue stream, often non-blocking)
         # ordered it there, and a copy on the current stream would not wait for it
         cu = check_cu_seqlens(cu_seqlens.tolist(), problem.seqlen)
+        live = [s for s in range(nseq) if cu[s] < cu[s + 1]]
+        if len(live) == 1:  # one sequence (and empty ones): the unpacked plan on its slice, in place
+            y, fs = out_buffers(x, fs_shape, out, final_state_out, allocate=True)
+            (a, b), s = (cu[live[0]], cu[live[0] + 1]), live[0]
+            if nseq > 1:  # the empty sequences keep their states
+                fs.copy_(initial_state) if initial_state is not None else fs.zero_()
+            ssm_scan(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], D, dt_bias,
+                     None if initial_state is None else initial_state[s:s + 1], chunk_size=attrs.chunk_size,
+                     dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, backend=backend, out=y[:, a:b],
+                     final_state_out=fs[s:s + 1], stream=ls, tiles=tiles)
+            return SSMScanOutput(y, fs)
     from m2export.kernels.ssd.cutile_packed import ssm_scan_packed_cutile
 
     return ssm_scan_packed_cutile(x, dt, A, B, C, D, dt_bias, initial_state, cu, problem=problem,
