@@ -144,15 +144,19 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         parts.append(("conv1d+SiLU", f"cutile (rel-err vs torch {conv_err:.1e})",
                       lambda: causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst), conv_fl))
         cprob = conv_validate(xBC, W["conv_w"], W["conv_b"])
-        for impl, tl, occ in conv_tiles:
-            fn = (lambda impl=impl, tl=tl, occ=occ: causal_conv1d_cutile(
+        for impl, tl, occ, lat in conv_tiles:
+            fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat: causal_conv1d_cutile(
                 xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
-                occupancy=occ or None, impl=impl))
+                occupancy=occ or None, impl=impl, latency=lat))
             yconv.fill_(float("nan"))
-            fn()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {mode} conv {impl} {tl}: FAILED {e!r}", file=sys.stderr, flush=True)
+                continue
             torch.cuda.synchronize()
             parts.append(("conv1d+SiLU", f"cutile {impl} tiles {'x'.join(map(str, tl))}" + (f" occ {occ}" if occ else "")
-                          + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
+                          + (f" lat {lat}" if lat else "") + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
                       lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
         xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
@@ -262,11 +266,12 @@ def main(argv=None):
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:4:1024:0,stream:256:4:512:0,stream:128:4:512:0,"
-                    "stream:256:8:512:0,stream:128:8:512:0,stream:256:16:512:0,stream:256:8:256:0,stream:256:16:256:0,"
-                    "stream:128:4:512:2,stream:64:8:512:0,stream:256:4:512:3",
-                    help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy or "
-                         "v1:BLOCK_T:BLOCK_C:occupancy (0: no hint), '' for none")
+    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:8:256:0:10,stream:256:8:256:4:10,"
+                    "stream:128:8:256:0:10,stream:256:4:512:0:10,stream:256:8:256:4:5,stream2d:256:8:256:0:0,"
+                    "stream2d:256:8:256:4:10,stream2d:128:8:256:4:10,stream2d:256:4:512:4:10",
+                    help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency] "
+                         "(stream2d: the same for conv1d_stream2d_kernel) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: "
+                         "no hint; latency: the row-load hint 1..10, 0 or absent: none), '' for none")
     ap.add_argument("--norm-variants", default="v2:1:4,v2:2:8,pieces:1:0:4,pieces:1:1:2,pieces:1:1:4,pieces:1:1:8,"
                     "pieces:2:1:2,pieces:2:1:4,pieces:2:1:8,pieces:2:1:16,pieces:4:1:4,pieces:4:1:8,pieces:1:0:16,"
                     "pieces:8:1:2",
@@ -283,7 +288,8 @@ def main(argv=None):
     conv_tiles = []
     for spec in filter(None, args.conv_variants.split(",")):
         impl, *v = spec.split(":")
-        conv_tiles.append((impl, tuple(int(t) for t in v[:-1]), int(v[-1])))
+        nt = 2 if impl == "v1" else 3
+        conv_tiles.append((impl, tuple(int(t) for t in v[:nt]), int(v[nt]), int(v[nt + 1]) if len(v) > nt + 1 else 0))
     norm_specs = [(k, tuple(int(t) for t in v)) for k, *v in (sp.split(":") for sp in args.norm_variants.split(",") if sp)]
 
     def norm_tiles(p):

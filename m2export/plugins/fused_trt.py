@@ -165,7 +165,7 @@ def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
     """The :class:`~m2export.kernels.launch.Launch` of ``conv1d_stream_kernel`` (:mod:`m2export.kernels.conv1d.cutile`:
     the whole prefill, every token and the final state, in one launch) for the plugin's tensors (x (batch, seqlen,
     conv_dim), weight, bias, conv_state; y, final_conv_state), bias and state always present (the ONNX node has all
-    four inputs). Tiles from the kernel module's ``choose_stream_tiles`` for ``conv_dim`` and :data:`AOT_CONV_SEQLEN`
+    four inputs). Tiles (and the row-load hint ``STREAM_LATENCY``) from the kernel module's ``choose_stream_tiles`` for ``conv_dim`` and :data:`AOT_CONV_SEQLEN`
     tokens (seqlen is a runtime extent of the engine; any tile is correct, the choice is only speed); grid
     ``(cdiv(seqlen, BLOCK_T), cdiv(conv_dim, BLOCK_C), batch)``. Made against the kernel's own signature (a drift
     fails here, not on the GPU)."""
@@ -181,7 +181,7 @@ def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
             L.array("state_out", dtype, 3, source=cc.OUTPUT_NAMES[1]),
             L.constant("BLOCK_T", bt), L.constant("ROWS", rows), L.constant("BLOCK_C", bc),
             L.constant("D_CONV", int(d_conv)), L.constant("HAS_BIAS", True), L.constant("HAS_STATE", True),
-            L.constant("SILU", bool(silu)))
+            L.constant("SILU", bool(silu)), L.constant("LATENCY", K.STREAM_LATENCY))
     return L.Launch(K.conv1d_stream_kernel, args,
                     grid=lambda batch, seqlen, conv_dim: (_cdiv(seqlen, bt), _cdiv(conv_dim, bc), batch))
 

@@ -127,18 +127,33 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 ]
 
 
+#: (impl, latency, occupancy) run through every PREFILL edge besides the default launch: the streaming kernels with
+#: the row-load latency hint (software-pipelined loads), candidates for the default (benchmarks/NOTES_fusion.md)
+PREFILL_CANDIDATES = [pytest.param(None, id="default"), pytest.param(("stream", 10, 4), id="stream_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 4), id="stream2d_lat10_occ4")]
+
+
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("variant", PREFILL_CANDIDATES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,seqlen,conv_dim,d_conv,state,bias,pad", PREFILL)
-def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype):
+def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype, variant):
+    from m2export.contract_conv1d import validate
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+
     x, w, bs, cs = make(batch, seqlen, conv_dim, d_conv, dtype, seed=seqlen + conv_dim + d_conv, state=state,
                         bias=bias, pad=pad, device="cuda")
     y_ref, st_ref = oracle(x, w, bs, cs)
     y = torch.full((batch, seqlen, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
     st = torch.full((batch, conv_dim, d_conv - 1), float("nan"), dtype=x.dtype, device="cuda")
     cs_before = None if cs is None else cs.clone()
-    res = causal_conv1d(x, w, bs, cs, out=y, state_out=st)
+    if variant is None:
+        res = causal_conv1d(x, w, bs, cs, out=y, state_out=st)
+    else:
+        impl, lat, occ = variant
+        res = causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st,
+                                   impl=impl, latency=lat, occupancy=occ)
     torch.cuda.synchronize()
     assert res.y is y and res.final_conv_state is st
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
@@ -161,13 +176,17 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("impl,tiles,occupancy", [
-    ("stream", (16, 4, 1024), None), ("stream", (64, 8, 512), 2), ("stream", (8, 8, 128), None),
-    ("stream", (256, 4, 256), None), ("stream", (4, 4, 16), None), ("stream", (32, 4, 512), 4),
-    ("stream", (16, 16, 256), None),
-    ("v1", (16, 128), None), ("v1", (32, 128), 2), ("v1", (4, 16), None)])
+@pytest.mark.parametrize("impl,tiles,occupancy,latency", [
+    ("stream", (16, 4, 1024), None, 0), ("stream", (64, 8, 512), 2, 0), ("stream", (8, 8, 128), None, 0),
+    ("stream", (256, 4, 256), None, 0), ("stream", (4, 4, 16), None, 0), ("stream", (32, 4, 512), 4, 0),
+    ("stream", (16, 16, 256), None, 0),
+    ("stream", (256, 8, 256), None, 10), ("stream", (128, 8, 256), None, 10), ("stream", (256, 4, 512), None, 10),
+    ("stream", (256, 8, 256), 4, 5), ("stream", (16, 4, 64), None, 10),
+    ("stream2d", (256, 8, 256), None, 0), ("stream2d", (128, 8, 256), 4, 10), ("stream2d", (256, 4, 512), 4, 10),
+    ("stream2d", (8, 8, 128), None, 10), ("stream2d", (4, 4, 16), None, 0),
+    ("v1", (16, 128), None, 0), ("v1", (32, 128), 2, 0), ("v1", (4, 16), None, 0)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cutile_prefill_tile_variants(impl, tiles, occupancy, dtype):
+def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, dtype):
     from m2export.contract_conv1d import validate
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
 
@@ -176,7 +195,7 @@ def test_cutile_prefill_tile_variants(impl, tiles, occupancy, dtype):
     y = torch.full((2, 300, 5376 // 4), float("nan"), dtype=x.dtype, device="cuda")
     st = torch.full((2, 5376 // 4, 3), float("nan"), dtype=x.dtype, device="cuda")
     causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st, tiles=tiles,
-                         occupancy=occupancy, impl=impl)
+                         occupancy=occupancy, impl=impl, latency=latency)
     torch.cuda.synchronize()
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
     assert torch.equal(st.cpu().double(), st_ref)
@@ -214,14 +233,17 @@ def test_stream_tiles():
 @pytest.mark.gpu
 @gpu
 def test_stream_tiles_refused():
-    """ROWS < d_conv - 1 (wrong outputs on the H200) and BLOCK_T not a multiple of ROWS: one-line ContractError."""
+    """ROWS < d_conv - 1 (wrong outputs on the H200), BLOCK_T not a multiple of ROWS, ROWS not a power of two
+    (stream2d) and a latency hint out of 0..10: one-line ContractError."""
     from m2export.contract_conv1d import validate
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
 
     x, w, bs, cs = make(1, 20, 64, 4, "float32", seed=1, device="cuda")
-    for tiles in ((32, 2, 64), (30, 4, 64)):
+    for impl, tiles in (("stream", (32, 2, 64)), ("stream", (30, 4, 64)), ("stream2d", (36, 6, 64))):
         with pytest.raises(ContractError, match="need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1"):
-            causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, tiles=tiles)
+            causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, tiles=tiles, impl=impl)
+    with pytest.raises(ContractError, match="latency: expected 0"):
+        causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, latency=11)
 
 
 UPDATE = [pytest.param(1, 200, 4, id="B1"), pytest.param(5, 5376 // 8, 3, id="B5_d3"),

@@ -205,7 +205,8 @@ def _shaped(dt: str, ndim: int):
 def test_conv1d_kernels_compile(dt, d_conv):
     """Prefill (the one-pass streaming kernel, and v1: per-tap kernel + edge) and the update; the state
     arrays' rows (d_conv-1 elements) are not 16-byte multiples, hence plain stride constraints for them.
-    The streaming kernel's token rows are 16-byte loads (ld.global.v4) in its PTX."""
+    The streaming kernel's token rows are 16-byte loads (ld.global.v4) in its PTX; so are the 2-D variant's
+    (conv1d_stream2d_kernel, built with the row-load latency hint 10)."""
     from dataclasses import replace
 
     from m2export.contract_conv1d import Conv1dProblem
@@ -217,13 +218,17 @@ def test_conv1d_kernels_compile(dt, d_conv):
     state = replace(_arr(dt, 3), stride_divisible_by=(1, 1, 1))
     w2 = replace(_arr(dt, 2), stride_divisible_by=(1, 1))
     stream = _export(K.conv1d_stream_kernel, [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
-                                              *K.choose_stream_tiles(p, _SIZE[dt]), d_conv, True, True, True])
+                                              *K.choose_stream_tiles(p, _SIZE[dt]), d_conv, True, True, True,
+                                              K.STREAM_LATENCY])
     assert "ld.global.v4" in ptx_from_cubin(stream)
+    s2d = _export(K.conv1d_stream2d_kernel, [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
+                                             256, 8, 256, d_conv, True, True, True, 10])
+    assert "ld.global.v4" in ptx_from_cubin(s2d)
     fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), w2, _arr(dt, 1), _arr(dt, 3), bt, bc, d_conv, True, True])
     edge = _export(K.conv1d_edge_kernel, [_arr(dt, 3), _arr(dt, 2), _arr(dt, 1), state, _arr(dt, 3), state,
                                           K.EDGE_BLOCK_C, d_conv, True, True, True])
     upd = _export(K.conv1d_update_kernel, [_arr(dt, 2), w2, _arr(dt, 1), state, _arr(dt, 2), 4, 256, d_conv, True, True])
-    for cubin in (stream, fwd, edge, upd):
+    for cubin in (stream, s2d, fwd, edge, upd):
         assert cubin[:4] == b"\x7fELF"
 
 

@@ -79,6 +79,16 @@ def _ct_bias(bias, ci, BLOCK_C: ConstInt, HAS_BIAS: ConstBool):
     return ct.full((BLOCK_C,), 0.0, dtype=ct.float32)
 
 
+def _ct_rows_load(x, index, ROWS: ConstInt, BLOCK_C: ConstInt, LATENCY: ConstInt):
+    """The (1, ROWS, BLOCK_C) tile ``index`` of x (zero past its ends), with the DRAM latency hint LATENCY
+    (1..10) or none (0). With a hint of 10 on the streaming kernels' row loads, tileiras issues the loads
+    of the next steps before this step's stores (sm_90 PTX read on the CPU: three steps of rows in the
+    prologue, one step ahead in the loop)."""
+    if LATENCY > 0:
+        return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO, latency=LATENCY)
+    return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO)
+
+
 # ----------------------------------------------------------------------------- kernels
 @ct.kernel
 def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt,
@@ -109,7 +119,7 @@ def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, 
 @ct.kernel
 def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
                          BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
-                         SILU: ConstBool):
+                         SILU: ConstBool, LATENCY: ConstInt):
     """Prefill, every token and the final state, one pass over x. Grid: (cdiv(seqlen, BLOCK_T),
     cdiv(conv_dim, BLOCK_C), batch).
 
@@ -123,7 +133,9 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
     (the last D_CONV-1 inputs, from conv_state when seqlen < D_CONV-1). BLOCK_T % ROWS == 0 and
     ROWS >= D_CONV-1 (the rows kept for the next step are then all rows of this step; with ROWS 2 at
     d_conv 4, where an old row moves within the carried tuple, the H200 gave wrong outputs).
-    conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased.
+    conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased. LATENCY: the row loads' DRAM
+    latency hint (1..10; 0: the compiler's own), with which tileiras software-pipelines the row loads of
+    the next steps ahead of this step's stores (see :func:`_ct_rows_load`).
     """
     tt = ct.bid(0)
     ci = ct.bid(1)
@@ -147,14 +159,65 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
         t1 = t0 + s * ROWS
         rows = ()
         for i in ct.static_iter(range(ROWS)):
-            rows += (ct.load(x, index=(b, t1 + i, ci), shape=(1, 1, BLOCK_C), padding_mode=_ZERO
-                             ).reshape((BLOCK_C,)).astype(f32),)
+            rows += (_ct_rows_load(x, (b, t1 + i, ci), 1, BLOCK_C, LATENCY).reshape((BLOCK_C,)).astype(f32),)
         full = win + rows
         for i in ct.static_iter(range(ROWS)):
             acc = bs
             for k in ct.static_iter(range(D_CONV)):
                 acc = acc + ws[k] * full[i + k]
             ct.store(y, index=(b, t1 + i, ci), tile=_ct_act(acc, SILU).astype(y.dtype).reshape((1, 1, BLOCK_C)))
+        win = full[ROWS:]
+    if t0 + BLOCK_T >= seqlen:
+        j = ct.arange(STATE_TILE, dtype=ct.int32)
+        ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
+        st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
+        if HAS_STATE:
+            st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
+        ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+
+
+@ct.kernel
+def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
+                           BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
+                           SILU: ConstBool, LATENCY: ConstInt):
+    """Prefill as :func:`conv1d_stream_kernel` (same grid, block ownership, carried rows, gathers and final
+    state), with 2-D tiles: each step loads its ROWS token rows as one (1, ROWS, BLOCK_C) tile (16-byte
+    loads), takes the rows out with ``ct.extract`` for the taps, puts the outputs back with ``ct.insert``
+    and stores them as one (1, ROWS, BLOCK_C) tile. Weights are gathered (one strided element per channel
+    and tap). ROWS a power of two >= D_CONV-1, BLOCK_T % ROWS == 0; LATENCY as in the streaming kernel.
+    """
+    tt = ct.bid(0)
+    ci = ct.bid(1)
+    b = ct.bid(2)
+    f32 = ct.float32
+    seqlen = x.shape[1]
+    t0 = tt * BLOCK_T
+    steps = BLOCK_T // ROWS
+    cidx = ci * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)
+    ws = ()
+    for k in ct.static_iter(range(D_CONV)):
+        ws += (ct.gather(weight, (cidx, k)).astype(f32).reshape((1, BLOCK_C)),)
+    bs = _ct_bias(bias, ci, BLOCK_C, HAS_BIAS).reshape((1, BLOCK_C))
+    win = ()
+    for j in ct.static_iter(range(D_CONV - 1)):
+        t = t0 - (D_CONV - 1) + j
+        r = ct.gather(x, (b, t, cidx)).astype(f32)
+        if HAS_STATE:
+            r = r + ct.gather(conv_state, (b, cidx, t + (D_CONV - 1))).astype(f32)
+        win += (r.reshape((1, BLOCK_C)),)
+    for s in range(steps):
+        cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY).reshape((ROWS, BLOCK_C)).astype(f32)
+        rows = ()
+        for i in ct.static_iter(range(ROWS)):
+            rows += (ct.extract(cur, (i, 0), (1, BLOCK_C)),)
+        full = win + rows
+        out = ct.full((ROWS, BLOCK_C), 0.0, dtype=f32)
+        for i in ct.static_iter(range(ROWS)):
+            acc = bs
+            for k in ct.static_iter(range(D_CONV)):
+                acc = acc + ws[k] * full[i + k]
+            out = ct.insert(out, (i, 0), _ct_act(acc, SILU))
+        ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
         win = full[ROWS:]
     if t0 + BLOCK_T >= seqlen:
         j = ct.arange(STATE_TILE, dtype=ct.int32)
@@ -247,6 +310,10 @@ def choose_update_tiles(p: Conv1dProblem) -> tuple[int, int]:
     return bb, bc
 
 
+STREAM_LATENCY = 0
+"""The streaming prefill's row-load latency hint by default (0: none, the compiler's own)."""
+
+
 def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) -> tuple[int, int, int]:
     """(BLOCK_T, ROWS, BLOCK_C) of :func:`conv1d_stream_kernel`: 256 channels (smaller for narrow
     problems), 8 rows per step, and the longest token range (256 down to 16) that still gives >= 4
@@ -264,20 +331,25 @@ def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) ->
 
 def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
                          state_out=None, stream=None, tiles: tuple[int, ...] | None = None,
-                         occupancy: int | None = None, impl: str = "stream") -> Conv1dOutput:
+                         occupancy: int | None = None, impl: str = "stream", latency: int | None = None) -> Conv1dOutput:
     """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
 
     ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
     in_proj output); weight/bias/conv_state are made contiguous. ``impl`` "stream" (default): one
     launch of :func:`conv1d_stream_kernel`, ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding
-    :func:`choose_stream_tiles`; "v1": :func:`conv1d_fwd_kernel` + :func:`conv1d_edge_kernel`,
-    ``tiles`` = (BLOCK_T, BLOCK_C) overriding :func:`choose_fwd_tiles` (benchmarks). ``occupancy``
-    overrides the compiler's default.
+    :func:`choose_stream_tiles`; "stream2d": :func:`conv1d_stream2d_kernel`, same tiles (ROWS a power
+    of two); "v1": :func:`conv1d_fwd_kernel` + :func:`conv1d_edge_kernel`, ``tiles`` = (BLOCK_T,
+    BLOCK_C) overriding :func:`choose_fwd_tiles` (benchmarks). ``occupancy`` overrides the compiler's
+    default; ``latency`` the streaming kernels' row-load hint (1..10, 0: none; default
+    :data:`STREAM_LATENCY`).
     """
     from m2export.kernels.conv1d import conv_out_buffers
 
-    if impl not in ("stream", "v1"):
-        raise ContractError(f"impl: expected 'stream' or 'v1', got {impl!r}")
+    if impl not in ("stream", "stream2d", "v1"):
+        raise ContractError(f"impl: expected 'stream', 'stream2d' or 'v1', got {impl!r}")
+    lat = STREAM_LATENCY if latency is None else int(latency)
+    if not 0 <= lat <= 10:
+        raise ContractError(f"latency: expected 0 (no hint) or 1..10, got {latency!r}")
     p = problem
     dev = x.device
     stream_ = launch_stream(stream, dev)
@@ -292,14 +364,16 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
         raw = int(stream_.cuda_stream)
         b_arg = bias if bias is not None else weight
         s_arg = conv_state if conv_state is not None else st_out
-        if impl == "stream":
+        if impl in ("stream", "stream2d"):
             bt, rows, bc = tiles or choose_stream_tiles(p, x.element_size())
-            if bt % rows or rows < p.d_conv - 1:
+            if bt % rows or rows < p.d_conv - 1 or (impl == "stream2d" and rows & (rows - 1)):
                 raise ContractError(f"tiles: {(bt, rows, bc)} need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1 "
-                                    f"({p.d_conv - 1}): with fewer rows per step the kernel gave wrong outputs on the H200")
-            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_stream_kernel, occupancy),
+                                    f"({p.d_conv - 1}; a power of two for 'stream2d'): with fewer rows per step the "
+                                    "kernel gave wrong outputs on the H200")
+            kern = conv1d_stream_kernel if impl == "stream" else conv1d_stream2d_kernel
+            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), hinted(kern, occupancy),
                       (x, weight, b_arg, s_arg, y, st_out, bt, rows, bc, p.d_conv, bias is not None,
-                       conv_state is not None, bool(silu)))
+                       conv_state is not None, bool(silu), lat))
             return Conv1dOutput(y, st_out)
         bt, bc = tiles or choose_fwd_tiles(p)
         n_main = p.seqlen - (p.d_conv - 1)
