@@ -656,13 +656,16 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     sources = checkpoint_files(checkpoint)
     stamps = file_stamps(sources)  # before the load: the weights are read from their mappings until the end
     with _paths.staged_output(outdir, force=force, force_foreign=force_foreign, owned=foreign_reason,
-                              protect=sources) as tmp, bar, _quiet_third_party_logs():
+                              protect=sources) as tmp, bar, _quiet_third_party_logs(), contextlib.ExitStack() as held:
         from m2export.models.checkpoint import load_checkpoint
 
         bar.step(f"loading {checkpoint}")
-        # mapped: the weights leave resident memory once checked, and again as each is written (MappedWeights)
+        # mapped: the weights leave resident memory once checked, and again as each is written; each file under
+        # a read lease, given up when this block ends (a truncation meanwhile: CheckpointError, no SIGBUS)
         ck = load_checkpoint(checkpoint, dtype=torch_dtype(DTYPES[dtype]), allow_nonfinite=allow_nonfinite,
                              mapped=True)
+        if ck.pages is not None:
+            held.callback(ck.pages.close)
         if packed_prefill:
             from m2export.exporter.packed import check_packable
 
@@ -707,6 +710,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         write_manifest(tmp, manifest)
         write_genai_files(tmp, manifest, checkpoint)
         unchanged_since(stamps)
+        if ck.pages is not None:
+            ck.pages.check()
     log.debug("exported %s -> %s (%s)", checkpoint, outdir, ", ".join(g.file for g in graphs))
     return manifest
 

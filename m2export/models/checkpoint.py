@@ -17,6 +17,7 @@ Every declared tensor shape is checked against the weight files' headers before 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,6 +26,7 @@ import pickle
 import re
 import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,58 +372,67 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         got = MappedWeights.of(files, wm)
         if got is not None:
             pages, sd = got
+        else:  # no lease (or not plain safetensors): read, never map, so a truncated file is an error, not a SIGBUS
+            sd = _TensorsOnDisk.of(files, wm)
+            if sd is not None and not allow_nonfinite:
+                sd.check = (dtype, where)
     if sd is None:
         sd = _read_tensors(files, wm)
-    if not allow_nonfinite and not isinstance(sd, _TensorsOnDisk):
-        if pages is None:
-            check_weights(sd, dtype, where)
-        else:  # one tensor resident at a time
-            for k, v in sd.items():
-                check_weights({k: v}, dtype, where)
-                pages.release(v)
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.float()
-    if tied_head is not None:
-        emb = sd[plan.sources["backbone.embedding.weight"].keys[0]]
-        if not torch.equal(sd[tied_head].to(emb.dtype), emb):
-            raise CheckpointError(f"{where}: tensor {tied_head!r} differs from the embedding, but config.json ties "
-                                  "them (tie_word_embeddings/tie_embeddings): which one is meant is unclear",
-                                  hint="set tie_word_embeddings to false if the checkpoint has its own lm_head")
-    params = dict(model.state_dict())
-    later = set(plan.copies) | {plan.sources[i].keys[0] for i in plan.copies.values() if i in plan.sources}
-    uses: dict[str, int] = {}
-    for src in plan.sources.values():
-        for n in src.keys:
-            uses[n] = uses.get(n, 0) + 1
-    new: dict[str, torch.Tensor] = {}
-    shared: dict[str, str] = {}
-    for k, src in plan.sources.items():
-        t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
-        new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
-        del t
-        if share is not None:
-            for cand, label in share(k, new[k]):
-                if cand.shape == new[k].shape and cand.dtype == new[k].dtype and bit_equal(cand, new[k]):
-                    new[k], shared[k] = cand, label
-                    break
-        for n in src.keys:  # a read tensor converted or stacked is dropped once nothing else reads it
-            if pages is not None:
-                pages.release(sd[n])  # converted or stacked: read; kept: touched by the checks above at most
-            uses[n] -= 1
-            if not uses[n] and n not in later:
-                del sd[n]
-    _assign_state(model, new)
-    for copy, internal in plan.copies.items():  # Zamba2: later callers' copies of a shared block
-        ref = plan.sources[internal].keys[0] if internal in plan.sources else None
-        if ref is None or sd[copy].shape != sd[ref].shape or not torch.equal(sd[copy], sd[ref]):
-            raise CheckpointError(f"{where}: tensor {copy!r} differs from {ref!r}, its shared block's stored copy: "
-                                  "the blocks are not shared (transformers 5.24 unties Zamba2's shared blocks when "
-                                  "tie_word_embeddings is false), which m2export does not support")
-    model.eval()
-    if pages is not None:
-        pages.release_all()  # the tied-head and shared-copy comparisons read tensors again
-    return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec, shared, pages)
+    try:  # a failed load gives its leases up at once (the writer waiting for one goes on)
+        if not allow_nonfinite and not isinstance(sd, _TensorsOnDisk):
+            if pages is None:
+                check_weights(sd, dtype, where)
+            else:  # one tensor resident at a time
+                for k, v in sd.items():
+                    check_weights({k: v}, dtype, where)
+                    pages.release(v)
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.float()
+        if tied_head is not None:
+            emb = sd[plan.sources["backbone.embedding.weight"].keys[0]]
+            if not torch.equal(sd[tied_head].to(emb.dtype), emb):
+                raise CheckpointError(f"{where}: tensor {tied_head!r} differs from the embedding, but config.json ties "
+                                      "them (tie_word_embeddings/tie_embeddings): which one is meant is unclear",
+                                      hint="set tie_word_embeddings to false if the checkpoint has its own lm_head")
+        params = dict(model.state_dict())
+        later = set(plan.copies) | {plan.sources[i].keys[0] for i in plan.copies.values() if i in plan.sources}
+        uses: dict[str, int] = {}
+        for src in plan.sources.values():
+            for n in src.keys:
+                uses[n] = uses.get(n, 0) + 1
+        new: dict[str, torch.Tensor] = {}
+        shared: dict[str, str] = {}
+        for k, src in plan.sources.items():
+            t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
+            new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
+            del t
+            if share is not None:
+                for cand, label in share(k, new[k]):
+                    if cand.shape == new[k].shape and cand.dtype == new[k].dtype and bit_equal(cand, new[k]):
+                        new[k], shared[k] = cand, label
+                        break
+            for n in src.keys:  # a read tensor converted or stacked is dropped once nothing else reads it
+                if pages is not None:
+                    pages.release(sd[n])  # converted or stacked: read; kept: touched by the checks above at most
+                uses[n] -= 1
+                if not uses[n] and n not in later:
+                    del sd[n]
+        _assign_state(model, new)
+        for copy, internal in plan.copies.items():  # Zamba2: later callers' copies of a shared block
+            ref = plan.sources[internal].keys[0] if internal in plan.sources else None
+            if ref is None or sd[copy].shape != sd[ref].shape or not torch.equal(sd[copy], sd[ref]):
+                raise CheckpointError(f"{where}: tensor {copy!r} differs from {ref!r}, its shared block's stored copy: "
+                                      "the blocks are not shared (transformers 5.24 unties Zamba2's shared blocks when "
+                                      "tie_word_embeddings is false), which m2export does not support")
+        model.eval()
+        if pages is not None:
+            pages.release_all()  # the tied-head and shared-copy comparisons read tensors again
+        return LoadedCheckpoint(model, cfg, fmt, d, files, _sha256([d / "config.json", *files]), spec, shared, pages)
+    except BaseException:
+        if pages is not None:
+            pages.close()
+        raise
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor, slice_elements: int = 1 << 22) -> bool:
@@ -530,52 +541,148 @@ class _TensorsOnDisk(dict):
 
 class MappedWeights:
     """Read-only mappings of a checkpoint's safetensors files (``mmap.ACCESS_READ``: PROT_READ, MAP_SHARED)
-    whose tensors a model's parameters are views of (``load_checkpoint(mapped=True)``), and :meth:`release`,
-    which drops a tensor's pages from the process's resident memory (``madvise(MADV_DONTNEED)``).
+    whose tensors a model's parameters are views of (``load_checkpoint(mapped=True)``), each file guarded by a
+    read lease, and :meth:`release`, which drops a tensor's pages from the process's resident memory
+    (``madvise(MADV_DONTNEED)``).
 
-    Why: a file mapping keeps every page read resident while it lives, so once an export has checked and
+    Why mappings: a file mapping keeps every page read resident while it lives, so once an export has checked and
     written every weight, its RSS holds the whole file (the 130m export: 0.67 of its 0.96 GiB peak, the rest
     torch, onnx and the graph). Releasing a page of a read-only shared file mapping loses nothing: no page of
     it can differ from the file, the page stays in the page cache, and the next read faults it back in with
     the file's bytes. Where the platform has no ``MADV_DONTNEED`` (not Linux), :meth:`release` does nothing.
+
+    Why leases: a read of a mapped page past the end of a file truncated meanwhile (a checkpoint saved again into
+    the same folder: ``open(f, 'wb')``) is a SIGBUS, which kills the process; Python cannot catch it. Each file
+    is opened once more and holds a read lease (``fcntl(F_SETLEASE, F_RDLCK)``, Linux, fcntl(2) "Leases"): any
+    other open of it for writing or truncation, by any process, waits until this process gives the lease up
+    (at most /proc/sys/fs/lease-break-time, 45 s by default) while SIGIO tells it so. The SIGIO handler
+    (:func:`_on_lease_break`) records the file and raises CheckpointError naming it (outside a critical
+    section of :mod:`m2export._paths`); :meth:`release` and :meth:`check` raise it again should a caller have
+    swallowed it; :meth:`close` gives the leases up, after which the writer goes on. A file whose lease cannot
+    be taken (another user's file without CAP_LEASE, a file system without leases such as NFS, a file open for
+    writing, not Linux, not the main thread) is not mapped: :meth:`of` returns None and the loader reads the
+    tensors into the process's own memory (a truncated file is then a CheckpointError at the read).
     """
 
     def __init__(self):
         #: (first address, end address, mapping) of each file
         self._maps: list[tuple[int, int, object]] = []
+        #: (path, fd holding the read lease) of each file
+        self._leases: list[tuple[Path, int]] = []
+        #: the file whose lease another open broke (the export must not go on reading), else None
+        self.broken: Path | None = None
 
     @classmethod
     def of(cls, files: list[Path], weight_map: dict[str, str] | None
            ) -> "tuple[MappedWeights, dict[str, torch.Tensor]] | None":
         """(mappings, name -> tensor view) for ``files`` (the tensors ``weight_map`` assigns to each shard), or
-        None where :meth:`_TensorsOnDisk.of` refuses a file or a tensor's offset is not a multiple of its
-        element size (the caller then reads the files as before)."""
+        None where :meth:`_TensorsOnDisk.of` refuses a file, a tensor's offset is not a multiple of its
+        element size, or a file's read lease cannot be taken (the caller then reads the files as before).
+        Raises CheckpointError if a file is shorter than its header says once its lease is held."""
         import mmap
         import warnings
 
         import numpy as np
 
-        where = _TensorsOnDisk.of(files, weight_map)
-        if where is None:
-            return None
-        entries = list(dict.items(where))  # (file, dtype, shape, start, end); dict's items: no reading
-        if any(end > start and start % torch.empty((), dtype=dt).element_size()
-               for _, (_, dt, _, start, end) in entries):
-            return None
-        self, out, maps = cls(), {}, {}
-        for f in dict.fromkeys(e[0] for _, e in entries):  # a safetensors file has its 8-byte header at least
-            with open(f, "rb") as fh:
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            lo = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-            self._maps.append((lo, lo + len(mm), mm))
-            maps[f] = mm
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable|.*non-writable")
-            for k, (f, dt, shape, start, end) in entries:
-                size = torch.empty((), dtype=dt).element_size()
-                out[k] = torch.frombuffer(maps[f], dtype=dt, count=(end - start) // size, offset=start).reshape(shape) \
-                    if end > start else torch.empty(shape, dtype=dt)
+        self = cls()
+        try:
+            for f in files:
+                if not self._lease(f):
+                    self.close()
+                    return None
+            where = _TensorsOnDisk.of(files, weight_map)  # the headers, read once every lease is held
+            if where is None:
+                self.close()
+                return None
+            entries = list(dict.items(where))  # (file, dtype, shape, start, end); dict's items: no reading
+            if any(end > start and start % torch.empty((), dtype=dt).element_size()
+                   for _, (_, dt, _, start, end) in entries):
+                self.close()
+                return None
+            need = {f: 8 for f in files}
+            for _, (f, _, _, _, end) in entries:
+                need[f] = max(need[f], end)
+            out, maps = {}, {}
+            for f, fd in self._leases:
+                st, now = os.fstat(fd), os.stat(f)
+                if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino) or st.st_size < need[f]:
+                    raise CheckpointError(f"{f}: {'replaced' if st.st_ino != now.st_ino else 'truncated'} while it "
+                                          f"was being loaded ({st.st_size} bytes, its header needs {need[f]})",
+                                          hint="load it again once it is no longer being written")
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                lo = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+                self._maps.append((lo, lo + len(mm), mm))
+                maps[f] = mm
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*not writable|.*non-writable")
+                for k, (f, dt, shape, start, end) in entries:
+                    size = torch.empty((), dtype=dt).element_size()
+                    out[k] = torch.frombuffer(maps[f], dtype=dt, count=(end - start) // size,
+                                              offset=start).reshape(shape) if end > start else torch.empty(shape,
+                                                                                                            dtype=dt)
+        except BaseException:
+            self.close()
+            raise
+        self.check()
         return self, out
+
+    def _lease(self, f: Path) -> bool:
+        """Open ``f`` read-only and take a read lease on it (kept in :attr:`_leases`); False where none can be
+        had (the fd is closed again)."""
+        import threading
+
+        fcntl = _fcntl()
+        if fcntl is None or threading.current_thread() is not threading.main_thread():
+            return False
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        _watch(self)  # the handler first: SIGIO's default action ends the process
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError:  # EACCES (not the owner), EAGAIN (open for writing), EINVAL (no leases there)
+            os.close(fd)
+            return False
+        self._leases.append((Path(f), fd))
+        return True
+
+    def _breaking(self) -> Path | None:
+        """The first file whose lease is being broken (``F_GETLEASE`` answers ``F_UNLCK`` then), else None."""
+        fcntl = _fcntl()
+        for f, fd in self._leases:
+            try:
+                if fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK:
+                    return f
+            except OSError:
+                return f
+        return None
+
+    def error(self) -> CheckpointError:
+        """The error for :attr:`broken`."""
+        return CheckpointError(f"{self.broken}: changed while it was being exported (opened for writing or "
+                               "truncated by a process): the export would read a changing file; nothing was "
+                               "written", hint="export again once the checkpoint is no longer being written")
+
+    def check(self) -> None:
+        """Raise :meth:`error` if another open broke a lease (the export must stop reading the files)."""
+        if self.broken is not None:
+            raise self.error()
+
+    def close(self) -> None:
+        """Give the leases up (a writer waiting for them goes on; the tensors, still views of the mappings, are
+        no longer guarded). Idempotent."""
+        leases, self._leases = self._leases, []
+        fcntl = _fcntl()
+        for _, fd in leases:
+            with contextlib.suppress(OSError):  # the mapping holds a dup of the fd: closing ours keeps the lease
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _unwatch(self)
+
+    def __del__(self):
+        self.close()
 
     def release(self, a) -> int:
         """Drop the pages under ``a`` (a torch tensor or numpy array, or a view of one: its whole storage or
@@ -590,6 +697,7 @@ class MappedWeights:
             from numpy.lib.array_utils import byte_bounds  # numpy >= 2
         except ImportError:
             byte_bounds = np.byte_bounds
+        self.check()
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if advice is None or not self._maps:
             return 0
@@ -619,6 +727,55 @@ class MappedWeights:
         for _, _, mm in self._maps:
             mm.madvise(advice)
         return sum(end - first for first, end, _ in self._maps)
+
+
+def _fcntl():
+    """The fcntl module where it has file leases (Linux), else None."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    return fcntl if hasattr(fcntl, "F_SETLEASE") and hasattr(fcntl, "F_GETLEASE") else None
+
+
+#: the MappedWeights holding leases, and the SIGIO handler in force before :func:`_on_lease_break` was installed
+_watched: "weakref.WeakSet[MappedWeights]" = weakref.WeakSet()
+_sigio_before: list = []
+
+
+def _watch(mw: MappedWeights) -> None:
+    """Install :func:`_on_lease_break` for SIGIO (main thread) while any MappedWeights holds a lease."""
+    import signal
+
+    _watched.add(mw)
+    if not _sigio_before:
+        _sigio_before.append(signal.signal(signal.SIGIO, _on_lease_break))
+
+
+def _unwatch(mw: MappedWeights) -> None:
+    import signal
+    import threading
+
+    _watched.discard(mw)
+    if not _watched and _sigio_before and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGIO, _sigio_before.pop())
+
+
+def _on_lease_break(signum, frame) -> None:
+    """SIGIO: if another open is breaking one of our leases, record the file and raise CheckpointError (deferred
+    to the next :meth:`MappedWeights.check` or :meth:`~MappedWeights.release` inside a critical section of
+    :mod:`m2export._paths`); any other SIGIO goes to the handler in force before."""
+    for mw in list(_watched):
+        f = mw._breaking()
+        if f is not None:
+            if mw.broken is None:
+                mw.broken = f
+            if not _paths._holding:
+                raise mw.error()
+            return
+    before = _sigio_before[0] if _sigio_before else None
+    if callable(before):
+        before(signum, frame)
 
 
 def _assign_state(model: HybridLM, tensors: dict[str, torch.Tensor]) -> None:
@@ -772,8 +929,9 @@ def unchanged_since(stamps: dict[Path, tuple[int, int, int]]) -> None:
 
     Why: an export reads the weights from read-only mappings of the files until it has written the last graph
     (:class:`MappedWeights`), so a checkpoint written in place meanwhile (a same-size rewrite: ``open(f, 'r+b')``)
-    would give an export mixing old and new weights under the old file's sha256. (A file truncated meanwhile
-    is a SIGBUS on the next page read: the process dies, its staging folder is cleaned by the next run.)
+    would give an export mixing old and new weights under the old file's sha256. (Where the files are mapped
+    under read leases, such a write or a truncation is refused as it starts: :class:`MappedWeights`; this check
+    covers the files read without one, and a file replaced by a rename.)
     """
     now = file_stamps(stamps)
     for p, was in stamps.items():

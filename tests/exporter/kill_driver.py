@@ -4,13 +4,16 @@ usage: python tests/exporter/kill_driver.py POINT SIGNAL m2export-args...
 
 POINT (each hooks a name that exists in every version of the exporter, so the same harness runs on old code):
   load          before the checkpoint is loaded (m2export.models.checkpoint.load_checkpoint)
+  check         before the loader's first weight check (m2export.models.checkpoint.check_weights): files open
   torch_export  inside torch.onnx's first capture strategy (torch.export.export), whose fallback catches
                 ``Exception``
   save          after the first graph file is saved (m2export.exporter.export._save)
   manifest      before the manifest is written (m2export.exporter.export.write_manifest)
   swap          before the first rename that moves the output folder (OUT as source or destination)
   swap_after    right after that rename (with SIGKILL: the swap is cut half-way)
-SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process.
+SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process. Or TRUNCATE: another
+process truncates the checkpoint's *.safetensors files to 0 bytes (os.truncate), once, and this one waits for it
+to finish before going on.
 """
 
 from __future__ import annotations
@@ -22,14 +25,23 @@ import sys
 
 
 def main() -> int:
-    point, sig, args = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3:]
+    point, sig, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     out = os.path.abspath(args[args.index("-o") + 1])
     fired = []
 
     def fire():
         if not fired:
             fired.append(1)
-            os.kill(os.getpid(), sig)
+            if sig == "TRUNCATE":
+                import glob
+                import subprocess
+
+                files = sorted(glob.glob(os.path.join(args[args.index("export") + 1], "*.safetensors")))
+                # Popen + wait, not run: run kills the child when the wait is interrupted by an exception
+                subprocess.Popen([sys.executable, "-c", "import os, sys\nfor f in sys.argv[1:]: os.truncate(f, 0)",
+                                  *files]).wait()
+            else:
+                os.kill(os.getpid(), getattr(signal, sig))
 
     def before(obj, name):
         orig = getattr(obj, name)
@@ -40,9 +52,9 @@ def main() -> int:
             return orig(*a, **k)
         setattr(obj, name, wrapper)
 
-    if point == "load":
+    if point in ("load", "check"):
         import m2export.models.checkpoint as m
-        before(m, "load_checkpoint")
+        before(m, "load_checkpoint" if point == "load" else "check_weights")
     elif point == "torch_export":
         import torch.export
         before(torch.export, "export")

@@ -126,3 +126,47 @@ def test_export_holds_no_checkpoint_page_after_writing_the_weights(tmp_path, mon
     assert f.stat().st_size > 8 << 20
     assert len(seen) == 3 and max(seen) <= f.stat().st_size // 16, seen
     assert len(merged) == 6 and max(merged) <= f.stat().st_size // 16, merged  # sampled and compared: released
+
+
+def test_leases_are_given_up_after_the_export_and_after_a_failed_load(tmp_path):
+    """The export holds a read lease on each mapped file (a writer's open waits on it, up to 45 s) only while it
+    reads: once export_model returns, or a mapped load fails, a write opens the file at once and SIGIO's handler
+    is the one before."""
+    import signal
+    import time
+
+    from m2export.exporter.export import export_model
+
+    ck = random_checkpoint(tmp_path / "ck", seed=7, **SIZES)
+    f = ck / "model.safetensors"
+    before = signal.getsignal(signal.SIGIO)
+    loaded = load_checkpoint(ck, dtype=torch.float32, mapped=True)
+    assert loaded.pages is not None and loaded.pages._leases, "no lease taken: bad test"
+    assert signal.getsignal(signal.SIGIO) is not before
+    loaded.pages.close()
+    assert signal.getsignal(signal.SIGIO) is before
+    export_model(ck, tmp_path / "out", check=False)
+    assert signal.getsignal(signal.SIGIO) is before
+    t = time.monotonic()
+    with open(f, "r+b"):
+        pass
+    assert time.monotonic() - t < 5
+    with open(ck / "config.json") as fh:
+        cfg = json.load(fh)
+    cfg["vocab_size"] += 1  # the tensors no longer match: the load fails after the leases were taken
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(ck, dtype=torch.float32, mapped=True)
+    assert signal.getsignal(signal.SIGIO) is before
+
+
+def test_a_file_open_for_writing_is_read_not_mapped(tmp_path):
+    """No lease can be had on a file some process holds open for writing (EAGAIN): the mapped load reads the
+    tensors into the process's memory instead (no mapping a truncation could turn into a SIGBUS), equal."""
+    ck = random_checkpoint(tmp_path / "ck", seed=8, **SIZES)
+    with open(ck / "model.safetensors", "r+b"):
+        got = load_checkpoint(ck, dtype=torch.float32, mapped=True)
+    assert got.pages is None and mapped_rss(ck / "model.safetensors") == 0  # no page of the file mapped
+    state = _state(got.model)
+    want = _state(load_checkpoint(ck, dtype=torch.float32).model)
+    assert set(state) == set(want) and all(bit_equal(state[k], want[k]) for k in want)
