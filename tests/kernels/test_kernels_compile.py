@@ -183,6 +183,43 @@ def test_d_state_256_default_plan_compiles():
         assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
+def _threads(cubin: bytes) -> int:
+    from m2export.plugins.aot import ptx_from_cubin, required_threads
+
+    nt = required_threads(ptx_from_cubin(cubin))
+    return nt[0] * nt[1] * nt[2] if nt else 0
+
+
+# (kind, shape (batch, seqlen, nheads, headdim, ngroups, d_state), dtype): Falcon-H1-7B's JIT default (64:32, the
+# state as (headdim, d_state)) and the AOT kernel's default tiles at d_state 128 (64:64, (d_state, headdim))
+WS_INIT_CASES = [("jit", (2, 8192, 24, 128, 1, 256), "bfloat16"), ("aot", (2, 8192, 128, 64, 8, 128), "bfloat16"),
+                 ("aot", (2, 8192, 128, 64, 8, 128), "float16")]
+
+
+@pytest.mark.parametrize("kind,shape,dtype", WS_INIT_CASES, ids=[f"{c[0]}_N{c[1][5]}_{c[2]}" for c in WS_INIT_CASES])
+def test_scan_with_initial_state_keeps_the_warp_specialised_build(kind, shape, dtype):
+    """With an initial state the scan kernel keeps tileiras's warp-specialised build (256 threads: a producer warp
+    group issuing the TMA loads, a consumer group) on these plans, as without one: plan.init_tma_default makes the
+    initial-state load a plain load there. With that load through TMA these builds had 128 threads (255 or 254
+    registers), and the 128-thread build measured 0.827 against 0.401 ms on Falcon-H1-7B (benchmarks/NOTES_ssd.md).
+    Depends on the pinned tileiras (13.4)."""
+    from m2export.contract import SSMScanAttrs, SSMScanProblem
+    from m2export.kernels.ssd.cutile import aot_spec, make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(*shape, dtype=dtype)
+    if kind == "aot":
+        launch = aot_spec(p, SSMScanAttrs(), has_initial_state=True)
+        assert not launch.config.init_tma
+    else:
+        cfg = choose_config(p)
+        assert not cfg.init_tma
+        plan = make_scan_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True,
+                              has_init=True)
+        (launch,) = [la for la in plan.launches if la.name == "ssd_scan_kernel"]
+    assert _threads(_export_launch(launch)) == 256
+
+
 @pytest.mark.parametrize("block_p,d_state,occupancy", [(64, 128, 2), (8, 64, 8)])
 def test_step_kernel_compiles(block_p, d_state, occupancy):
     from m2export.contract import SSMScanProblem

@@ -136,7 +136,8 @@ def test_overrides_win():
     cfg = choose_config(p, chunk=128, block_p=32, nseg=3, occupancy=0, state_t=False, split_upd=True, dt_pre=False,
                         worker_warps=8, seg_occupancy=3, merge_tail=False)
     assert cfg == ScanConfig(chunk=128, block_p=32, nseg=3, chunks_per_seg=22, occupancy=None, state_t=False,
-                             split_upd=True, dt_pre=False, worker_warps=8, seg_occupancy=3, merge_tail=False)
+                             split_upd=True, dt_pre=False, worker_warps=8, seg_occupancy=3, merge_tail=False,
+                             init_tma=True)
 
 
 def test_aot_config_is_single_launch_without_pre_pass():
@@ -221,3 +222,23 @@ def test_aot_config_takes_a_tactics_tiles():
         c = aot_config(p, f)
         assert (c.chunk, c.block_p, c.state_t, c.nseg, c.dt_pre) == (f.chunk, f.block_p, f.state_t, 1, False)
     assert aot_config(p, None) == aot_config(p)
+
+
+def test_initial_state_load_rule_is_one_home_and_deterministic():
+    """plan.init_tma_default decides whether the initial-state load may use TMA: JIT plans keep it except the
+    (headdim, d_state) state at d_state >= 256 (Falcon-H1-7B's default); the AOT kernel never uses it; an explicit
+    init_tma overrides; the tile families the tuner builds follow the same rule."""
+    from m2export.kernels.ssd.plan import config_for, init_tma_default, tile_families
+
+    falcon = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
+    d128 = SSMScanProblem(2, 8192, 128, 64, 8, 128, dtype="bfloat16")
+    assert choose_config(falcon).init_tma is False and choose_config(d128).init_tma is True
+    assert choose_config(falcon, state_t=True).init_tma is True
+    assert choose_config(d128, state_t=False).init_tma is True
+    assert choose_config(falcon, init_tma=True).init_tma is True and choose_config(d128, init_tma=False).init_tma is False
+    for p in (falcon, d128, SSMScanProblem(1, 100, 8, 80, 2, 128, dtype="float16")):
+        assert aot_config(p).init_tma is False
+        for fam in tile_families(p):
+            assert aot_config(p, fam).init_tma is False
+            assert config_for(p, fam).init_tma == init_tma_default(fam.state_t, p.d_state, aot=False)
+        assert choose_config(p) == choose_config(p)

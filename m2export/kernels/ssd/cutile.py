@@ -422,9 +422,18 @@ def _ct_store_seg_state(arr, b, h, s, pt, state, BLOCK_P: ConstInt, D_STATE: Con
 
 
 def _ct_initial_state(initial_state, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, HAS_INIT: ConstBool,
-                      STATE_T: ConstBool):
+                      STATE_T: ConstBool, INIT_TMA: ConstBool):
+    """The entry state of a block: initial_state's rows in the on-chip layout (HAS_INIT), else zeros. INIT_TMA
+    False makes that one load a plain (non-TMA) load: tileiras then keeps the warp-specialised build for some
+    tiles where the TMA load loses it (plan.ScanConfig.init_tma, benchmarks/NOTES_ssd.md); same values."""
     if HAS_INIT:
-        return _ct_load_state(initial_state, b, h, pt, BLOCK_P, D_STATE, STATE_T)
+        if INIT_TMA:
+            return _ct_load_state(initial_state, b, h, pt, BLOCK_P, D_STATE, STATE_T)
+        if STATE_T:
+            return ct.load(initial_state, index=(b, h, 0, pt), shape=(1, 1, D_STATE, BLOCK_P), order=(0, 1, 3, 2),
+                           padding_mode=_ZERO, allow_tma=False).reshape((D_STATE, BLOCK_P)).astype(ct.float32)
+        return ct.load(initial_state, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE), padding_mode=_ZERO,
+                       allow_tma=False).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
     return _ct_zero_state(BLOCK_P, D_STATE, STATE_T)
 
 
@@ -487,7 +496,7 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
                      CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                      HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, P_TILE0: ConstInt):
+                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, P_TILE0: ConstInt, INIT_TMA: ConstBool):
     """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim tiles).
 
     Block (bh, 0, t) owns batch bh // nheads, head bh % nheads, headdim rows [pt*BLOCK_P,
@@ -499,7 +508,7 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
+    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T, INIT_TMA)
     nchunks = ct.cdiv(seqlen, CHUNK)
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
@@ -583,7 +592,8 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
-                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, PACKED: ConstBool):
+                    HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, PACKED: ConstBool,
+                    INIT_TMA: ConstBool):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
@@ -600,8 +610,9 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     s = ct.bid(1)
     nseg = ct.num_blocks(1)
     a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT and not PACKED, STATE_T)
-    state2 = _ct_initial_state(initial_state, b, h, TAIL_TILE, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T)
+    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT and not PACKED, STATE_T, INIT_TMA)
+    state2 = _ct_initial_state(initial_state, b, h, TAIL_TILE, TAIL_P, D_STATE, HAS_INIT and HAS_TAIL, STATE_T,
+                               INIT_TMA)
     for sp in range(s):
         ld = ct.exp2(ct.load(seg_logdecay, index=(b, h, sp), shape=(1, 1, 1)).reshape((1,)))
         state = state * ld + _ct_load_seg_state(seg_state, b, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
@@ -643,7 +654,7 @@ def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_li
         L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
         L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
         L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
-        L.constant("P_TILE0", piece.tile0),
+        L.constant("P_TILE0", piece.tile0), L.constant("INIT_TMA", bool(cfg.init_tma)),
     )
     if grid is None:
         grid = (p.batch * p.nheads, 1, piece.tiles)
@@ -713,7 +724,7 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
             L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail),
-            L.constant("PACKED", bool(packed)))
+            L.constant("PACKED", bool(packed)), L.constant("INIT_TMA", bool(cfg.init_tma)))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
@@ -888,7 +899,7 @@ def ssm_scan_packed_cutile(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens
 
 
 #: bump when a kernel change can change which candidate is fastest (part of every tuning key)
-KERNEL_VERSION = "ssd-2026-12-01"
+KERNEL_VERSION = "ssd-2026-12-02"
 
 
 def tuned_config(p: SSMScanProblem, inputs: dict, flags: dict, ls, dev) -> ScanConfig:

@@ -37,6 +37,7 @@ class ScanConfig:
     worker_warps: int | None = None  # cuTile compiler hint num_worker_warps (None: compiler default)
     seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
     merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
+    init_tma: bool = True  # the initial-state load may use TMA (False: a plain load; see init_tma_default)
 
     @property
     def plan(self) -> str:
@@ -63,6 +64,23 @@ def _default_chunk(problem: SSMScanProblem) -> int:
 # autotuner's pick too); with an initial state its AOT build 0.724 vs 0.807 ms (RESULTS.md, NOTES_ssd.md).
 _D_STATE_256_JIT_TILES = (64, 32)
 _D_STATE_256_JIT_STATE_T = False
+
+
+def init_tma_default(state_t: bool, d_state: int, *, aot: bool) -> bool:
+    """Whether the scan's initial-state load may use TMA (the one home of this choice; ScanConfig.init_tma).
+
+    tileiras drops the warp-specialised build (256 -> 128 threads, 255 registers) when the chunk loop starts from
+    a TMA-loaded state in some tile families; a plain load of that one tile keeps it in others. sm_90 builds on the
+    CPU with an initial state (ptxas -v, 2026-12-02, benchmarks/NOTES_ssd.md "initial-state load"):
+    JIT scan kernel: TMA keeps 256 threads for every (d_state, headdim) family and for (headdim, d_state) at
+    d_state 128 (a plain load drops it there: 64:64 S 242 registers, 128 threads), while at d_state 256 the
+    (headdim, d_state) default (64:32 S) needs the plain load (TMA: 255 registers, 128 threads; plain: 128, 256).
+    AOT fused kernel (the plugin, always with a state): the plain load gives 256 threads where TMA gave 128
+    (64:64 T bf16/fp16, 64:32 S at d_state 256) and the same build class on every other family tried.
+    """
+    if aot:
+        return False
+    return state_t or d_state < 256
 
 
 def _default_block_p(headdim: int, d_state: int) -> int:
@@ -161,7 +179,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None,
-                  merge_tail: bool | None = None) -> ScanConfig:
+                  merge_tail: bool | None = None, init_tma: bool | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
@@ -202,9 +220,12 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     nseg = -(-nchunks // cps)  # no empty segment
     if dt_pre is None:  # the pre-pass grid has the chunks on y (at most 65535: ~4M tokens at chunk 64)
         dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
+    if init_tma is None:
+        init_tma = init_tma_default(state_t, problem.d_state, aot=False)
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
-                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail)
+                      worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail,
+                      init_tma=init_tma)
 
 
 def aot_config(problem: SSMScanProblem, tiles: "TileFamily | None" = None) -> ScanConfig:
@@ -212,7 +233,7 @@ def aot_config(problem: SSMScanProblem, tiles: "TileFamily | None" = None) -> Sc
     TensorRT tactic's :class:`TileFamily`, replaces chunk, block_p and the state layout)."""
     cfg = ScanConfig(chunk=_default_chunk(problem), block_p=_default_block_p(problem.headdim, problem.d_state), nseg=1,
                      chunks_per_seg=0, occupancy=DEFAULT_OCCUPANCY, state_t=DEFAULT_STATE_T,
-                     split_upd=DEFAULT_SPLIT_UPD)
+                     split_upd=DEFAULT_SPLIT_UPD, init_tma=init_tma_default(DEFAULT_STATE_T, problem.d_state, aot=True))
     return cfg if tiles is None else replace(cfg, chunk=tiles.chunk, block_p=tiles.block_p, state_t=tiles.state_t)
 
 
