@@ -205,7 +205,8 @@ def ssd_packed_scan_kernel(x, coef, B, C, D, initial_state, work, seg_state, seg
         d_h = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)
     else:
         d_h = ct.full((1,), 0.0, dtype=ct.float32)
-    state = _ct_initial_state(initial_state, s, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T)
+    # the packed pass 2 loads h0 through TMA (INIT_TMA True): its 256-thread build was measured so (NOTES_ssd.md)
+    state = _ct_initial_state(initial_state, s, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T, True)
     for sp in range(first_item, i):
         ld = ct.exp2(ct.load(seg_logdecay, index=(0, h, sp), shape=(1, 1, 1)).reshape((1,)))
         state = state * ld + _ct_load_seg_state(seg_state, 0, h, sp, pt, BLOCK_P, D_STATE, STATE_T)
