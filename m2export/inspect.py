@@ -91,7 +91,7 @@ def describe_onnx(path: str | Path) -> dict[str, Any]:
         v = helper.get_attribute_value(a)
         return v.decode() if isinstance(v, bytes) else v
 
-    scans = [{"name": n.name, "inputs": list(n.input), "outputs": list(n.output),
+    scans = [{"name": n.name, "op": n.op_type, "inputs": list(n.input), "outputs": list(n.output),
               "attributes": {a.name: attr(a) for a in n.attribute}}
              for n in m.graph.node if n.op_type in (OP_NAME, PACKED_OP_NAME) and n.domain == OP_DOMAIN]
     for sc in scans:  # the contract, not just the names: chunk_size 0, plugin_version "2" ... are errors
@@ -327,11 +327,17 @@ def _io_lines(ios: list[dict], indent: str, limit: int = 6) -> list[str]:
     return out
 
 
+def _scan_op(scans: list[dict]) -> str:
+    """The op name(s) of a graph's scan nodes: SSMScan, or SSMScanPacked in a packed-prefill graph."""
+    return "/".join(sorted({s.get("op", OP_NAME) for s in scans})) or OP_NAME
+
+
 def _scan_lines(scans: list[dict], indent: str) -> list[str]:
     if not scans:
         return [f"{indent}SSMScan nodes: none (standard ONNX ops only)"]
     attrs = [tuple(sorted(s["attributes"].items())) for s in scans]
-    out = [f"{indent}SSMScan nodes ({OP_DOMAIN}::{OP_NAME}): {len(scans)}"]
+    op = _scan_op(scans)
+    out = [f"{indent}{op} nodes ({OP_DOMAIN}::{op}): {len(scans)}"]
     for a, n in Counter(attrs).items():
         out.append(f"{indent}  {n} x " + ", ".join(f"{k}={v}" for k, v in a))
     return out
@@ -398,7 +404,7 @@ def format_text(info: dict[str, Any]) -> str:
                 continue
             n_scan = len(g["ssm_scan_nodes"])
             L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {human_bytes(g['bytes'])}, "
-                     f"{g['nodes']} nodes, {n_scan} SSMScan, opsets "
+                     f"{g['nodes']} nodes, {n_scan} {_scan_op(g['ssm_scan_nodes'])}, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
             for kind, axes in g.get("state_layouts", {}).items():
                 L.append(f"    {kind:<10} layout {_shape(axes)}")

@@ -166,10 +166,11 @@ class Manifest:
         for g in self.graphs:
             if _has_role(g.role, role) and (ssm_impl is None or g.ssm_impl == ssm_impl):
                 return g
-        have = [(g.role, g.ssm_impl) for g in self.graphs]
+        have = ", ".join(f"{g.role} {g.ssm_impl}" for g in self.graphs) or "no graphs"
         raise ExportFolderError(f"{MANIFEST_FILE}: no {role} graph" + (f" with ssm_impl={ssm_impl}" if ssm_impl else "")
-                                + f"; the export has {have}",
-                                hint="re-export with both graph flavours (`ssm_impl='both'`)")
+                                + f"; the export has: {have}",
+                                hint=f"re-export with that flavour (`ssm_impl='{ssm_impl}'`, or 'all' for every flavour)"
+                                if ssm_impl else "re-export the checkpoint into this folder")
 
     def ssm_impls(self) -> list[str]:
         """The flavours of the prefill graph (sorted): the packed prefill graph, whose entry says ssmscan whatever

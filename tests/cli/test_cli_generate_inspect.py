@@ -266,3 +266,23 @@ def test_inspect_names_a_truncated_or_missing_weights_file(tiny_out, tmp_path, c
     data.unlink()
     assert main(["inspect", str(d)]) == 0
     assert "warning: model.onnx.data is missing" in capsys.readouterr().err
+
+
+def test_missing_flavour_hint_names_that_flavour(tiny_out, capsys):
+    """A graph flavour the folder lacks: the hint names that flavour (it said "--ssm-impl both", which a both
+    export already has), and the folder's graphs are listed in words, not as a Python list of tuples."""
+    assert main(["generate", str(tiny_out), "--prompt", "x", "--ssm-impl", "native"]) == 1
+    err = capsys.readouterr().err
+    first, hint = err.splitlines()[0], err.splitlines()[1]
+    assert "no prefill graph with ssm_impl=native" in first and "[(" not in first, err
+    assert "native" in hint and "both" not in hint, err
+
+
+def test_inspect_names_the_packed_scan_op():
+    """A packed-prefill graph's scan nodes are SSMScanPacked, and inspect says so (it labelled them SSMScan)."""
+    from m2export.contract import OP_DOMAIN, PACKED_OP_NAME
+    from m2export.inspect import _scan_lines
+
+    packed = [{"name": f"n{i}", "op": PACKED_OP_NAME, "attributes": {"chunk_size": 64}} for i in range(2)]
+    assert _scan_lines(packed, "")[0] == f"{PACKED_OP_NAME} nodes ({OP_DOMAIN}::{PACKED_OP_NAME}): 2"
+    assert _scan_lines([dict(packed[0], op="SSMScan")], "")[0] == f"SSMScan nodes ({OP_DOMAIN}::SSMScan): 1"
