@@ -17,12 +17,13 @@ sys.modules["cuda.tile"] = None  # any import of cuda.tile now raises ImportErro
 import m2export
 skipped = []
 for m in pkgutil.walk_packages(m2export.__path__, "m2export."):
-    if m.name.endswith(".cutile"):  # the kernel modules themselves: need cuda.tile by design
+    if m.name.rsplit(".", 1)[1] in ("cutile", "cutile_packed"):  # the kernel modules: need cuda.tile by design
         skipped.append(m.name)
         continue
     importlib.import_module(m.name)
 assert skipped == ["m2export.kernels.conv1d.cutile", "m2export.kernels.gated_norm.cutile",
-                   "m2export.kernels.ssd.cutile", "m2export.kernels.ssd_step.cutile"], skipped
+                   "m2export.kernels.ssd.cutile", "m2export.kernels.ssd.cutile_packed",
+                   "m2export.kernels.ssd_step.cutile"], skipped
 
 import torch
 from m2export.contract import SSMScanProblem
