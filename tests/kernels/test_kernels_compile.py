@@ -127,7 +127,8 @@ def test_packed_config():
     per headdim piece (head dim 80: pieces 64 + 16, no merged tail); past the pre-pass grid it refuses in one line."""
     from m2export.contract import SSMScanProblem
     from m2export.errors import ContractError
-    from m2export.kernels.ssd.cutile import make_scan_plan, packed_config
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import packed_config
     from m2export.kernels.ssd.plan import MAX_GRID_Y, choose_config, tile_families
 
     p = SSMScanProblem(1, 8192, 80, 80, 1, 128, dtype="bfloat16")

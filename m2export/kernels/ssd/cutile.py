@@ -61,7 +61,7 @@ results below 2**-126 to zero, which saves ptxas's denormal fix-up around each M
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -75,8 +75,8 @@ from m2export.kernels._host import (cached_plan, check_supported, hinted, launch
 from m2export.kernels.launch import Launch
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels import _tune
-from m2export.kernels.ssd.plan import (MAX_GRID_Y, HeaddimPiece, ScanConfig, TileFamily, aot_config, choose_config,
-                                      config_for, headdim_pieces, launch_pieces, tile_families)
+from m2export.kernels.ssd.plan import (HeaddimPiece, ScanConfig, TileFamily, aot_config, choose_config,
+                                      config_for, headdim_pieces, launch_pieces, packed_config, tile_families)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -846,55 +846,6 @@ def ssm_scan_cutile(x, dt, A, B, C, D, dt_bias, initial_state, *, problem: SSMSc
             config = tuned_config(p, inputs, flags, ls, dev)
         plan = scan_plan(p, device=dev, config=config, **flags)
         run_scan_plan(plan, dict(inputs, y=y, final_state=final_state), int(ls.cuda_stream), dev)
-    return SSMScanOutput(y, final_state)
-
-
-def packed_config(p: SSMScanProblem, *, sm_count: int, tiles: TileFamily | None = None) -> ScanConfig:
-    """The plan of the packed form for the packed batch ``p`` (batch 1, seqlen = all tokens): what
-    :func:`choose_config` (or ``tiles``, :func:`config_for`) picks for one sequence of that length, with the
-    pre-pass (it finds each token's sequence) and one launch per headdim piece. Raises ContractError past
-    MAX_GRID_Y chunks (the pre-pass grid)."""
-    nchunks = -(-p.seqlen // (tiles.chunk if tiles else choose_config(p, sm_count=sm_count).chunk))
-    if nchunks > MAX_GRID_Y:
-        raise ContractError(f"x: packed prefill of {p.seqlen} tokens is {nchunks} chunks, more than the pre-pass "
-                            f"grid's {MAX_GRID_Y}; split the batch")
-    if tiles is not None:
-        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False)
-    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False)
-
-
-def ssm_scan_packed_cutile(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens, *, problem: SSMScanProblem,
-                           nseq: int, dt_softplus: bool, dt_limit: tuple[float, float], out=None, final_state_out=None,
-                           stream=None, config: ScanConfig | None = None,
-                           tiles: TileFamily | None = None) -> SSMScanOutput:
-    """cuTile packed prefill in one launch group (pre-pass, optional pass 1, scan): the semantics of
-    :func:`m2export.kernels.ssd.packed.ssm_scan_packed_chunked` on validated arguments.
-
-    ``cu_seqlens``: (nseq + 1,) int32 on x's device, already checked (:func:`m2export.contract.check_cu_seqlens`;
-    read only on the device here: no host sync). ``problem``: the packed batch (batch 1, seqlen = all tokens);
-    initial_state (or None: zeros) and final_state are (nseq, nheads, headdim, d_state) fp32; empty sequences
-    get their initial state. The plan: ``config``, else :func:`packed_config` (``tiles`` if given; no autotuning).
-    All work is queued on ``stream`` (see :func:`ssm_scan_cutile`).
-    """
-    dev = x.device
-    ls = launch_stream(stream, dev)
-    p = problem
-    with torch.cuda.device(dev), torch.cuda.stream(ls):
-        x, dt, B, C = (unit_stride(t) for t in (x, dt, B, C))
-        A, D, dt_bias, initial_state, cu_seqlens = (None if t is None else t.contiguous()
-                                                    for t in (A, D, dt_bias, initial_state, cu_seqlens))
-        y, final_state = out_buffers(x, (nseq, p.nheads, p.headdim, p.d_state), out, final_state_out, allocate=True)
-        if p.seqlen == 0:  # every sequence is empty
-            final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
-            return SSMScanOutput(y, final_state)
-        flags = dict(dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=D is not None,
-                     has_dt_bias=dt_bias is not None, has_init=initial_state is not None)
-        if config is None and tiles is not None:
-            config = packed_config(p, sm_count=sm_count(dev), tiles=tiles)
-        plan = scan_plan(p, device=dev, config=config, packed=True, **flags)
-        tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, initial_state=initial_state,
-                       cu_seqlens=cu_seqlens, y=y, final_state=final_state)
-        run_scan_plan(plan, tensors, int(ls.cuda_stream), dev)
     return SSMScanOutput(y, final_state)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,7 @@ from m2export.kernels.ssd.cutile import (_LOG2E, _SEQ_TILE, _ZERO, ConstBool, Co
                                          _ct_load_seg_state, _ct_seg_df_cumsum, _ct_step_size, _ct_store_seg_state,
                                          _ct_store_state)
 from m2export.kernels.ssd.naive import SSMScanOutput
-from m2export.kernels.ssd.plan import MAX_GRID_Y, ScanConfig, TileFamily, choose_config, config_for, launch_pieces
+from m2export.kernels.ssd.plan import MAX_GRID_Y, ScanConfig, TileFamily, launch_pieces, packed_config
 
 #: columns of a work-table row: sequence, its first token a, one past its last token e, the item's chunks
 #: [c_begin, c_end), the sequence's first item (pass 2 folds the pass-1 states of items [first_item, item)),
@@ -243,20 +243,6 @@ def ssd_packed_scan_kernel(x, coef, B, C, D, initial_state, work, seg_state, seg
 
 
 # ----------------------------------------------------------------------------- plan
-def packed_config(p: SSMScanProblem, *, sm_count: int, tiles: TileFamily | None = None) -> ScanConfig:
-    """The tiles and segment length of the packed form for the packed batch ``p`` (batch 1, seqlen = all tokens):
-    what :func:`choose_config` (or ``tiles``, :func:`config_for`) picks for one sequence of that length, with the
-    pre-pass and one launch per headdim piece; sequences are cut into work items of at most its chunks_per_seg
-    chunks. Raises ContractError past MAX_GRID_Y chunks (the pre-pass grid)."""
-    nchunks = -(-p.seqlen // (tiles.chunk if tiles else choose_config(p, sm_count=sm_count).chunk))
-    if nchunks > MAX_GRID_Y:
-        raise ContractError(f"x: packed prefill of {p.seqlen} tokens is {nchunks} chunks, more than the pre-pass "
-                            f"grid's {MAX_GRID_Y}; split the batch")
-    if tiles is not None:
-        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False)
-    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False)
-
-
 def segment_chunks(cfg: ScanConfig, seqlen: int) -> int:
     """Most chunks of one work item under ``cfg``: its chunks_per_seg, or all chunks for a single-pass plan."""
     return max(1, -(-seqlen // cfg.chunk) if cfg.nseg == 1 else cfg.chunks_per_seg)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from m2export.contract import SSMScanProblem
+from m2export.errors import ContractError
 
 _DEFAULT_SM_COUNT = 132  # H200 SXM
 
@@ -293,3 +294,17 @@ def config_for(problem: SSMScanProblem, family: TileFamily, *, sm_count: int = _
     """:func:`choose_config` with ``family``'s tiles (segment count, hints and pre-pass as the heuristic picks)."""
     return choose_config(problem, sm_count=sm_count, chunk=family.chunk, block_p=family.block_p,
                          state_t=family.state_t)
+
+
+def packed_config(p: SSMScanProblem, *, sm_count: int, tiles: TileFamily | None = None) -> ScanConfig:
+    """The tiles and segment length of the packed form for the packed batch ``p`` (batch 1, seqlen = all tokens):
+    what :func:`choose_config` (or ``tiles``, :func:`config_for`) picks for one sequence of that length, with the
+    pre-pass and one launch per headdim piece; sequences are cut into work items of at most its chunks_per_seg
+    chunks. Raises ContractError past MAX_GRID_Y chunks (the pre-pass grid)."""
+    nchunks = -(-p.seqlen // (tiles.chunk if tiles else choose_config(p, sm_count=sm_count).chunk))
+    if nchunks > MAX_GRID_Y:
+        raise ContractError(f"x: packed prefill of {p.seqlen} tokens is {nchunks} chunks, more than the pre-pass "
+                            f"grid's {MAX_GRID_Y}; split the batch")
+    if tiles is not None:
+        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False)
+    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False)
