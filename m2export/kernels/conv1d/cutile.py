@@ -89,6 +89,19 @@ def _ct_rows_load(x, index, ROWS: ConstInt, BLOCK_C: ConstInt, LATENCY: ConstInt
     return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO)
 
 
+def _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV: ConstInt, HAS_STATE: ConstBool):
+    """state_out[b, cidx, :] = the last D_CONV-1 inputs of batch b (state column j holds token
+    seqlen - (D_CONV-1) + j; a token < 0 comes from conv_state, out of bounds of x (0) and in bounds of
+    conv_state at D_CONV-1+t). Columns past D_CONV-1 and channels past conv_dim are dropped by the
+    bounds-checked scatter."""
+    j = ct.arange(STATE_TILE, dtype=ct.int32)
+    ts = x.shape[1] - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
+    st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
+    if HAS_STATE:
+        st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
+    ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+
+
 # ----------------------------------------------------------------------------- kernels
 @ct.kernel
 def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt,
@@ -168,12 +181,7 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
             ct.store(y, index=(b, t1 + i, ci), tile=_ct_act(acc, SILU).astype(y.dtype).reshape((1, 1, BLOCK_C)))
         win = full[ROWS:]
     if t0 + BLOCK_T >= seqlen:
-        j = ct.arange(STATE_TILE, dtype=ct.int32)
-        ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
-        st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
-        if HAS_STATE:
-            st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
-        ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+        _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV, HAS_STATE)
 
 
 @ct.kernel
@@ -220,12 +228,7 @@ def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: C
         ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
         win = full[ROWS:]
     if t0 + BLOCK_T >= seqlen:
-        j = ct.arange(STATE_TILE, dtype=ct.int32)
-        ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
-        st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
-        if HAS_STATE:
-            st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
-        ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+        _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV, HAS_STATE)
 
 
 @ct.kernel
@@ -256,11 +259,7 @@ def conv1d_edge_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_C: Const
         acc = acc + xs * w.astype(f32)[None, :]
     keep = (j[:, None] < D_CONV - 1) & (j[:, None] < seqlen)
     ct.scatter(y, (b, j[:, None], cidx[None, :]), _ct_act(acc, SILU).astype(y.dtype), mask=keep)
-    ts = seqlen - (D_CONV - 1) + j  # token held in state column j (< 0: from conv_state)
-    st = ct.gather(x, (b, ts[None, :], cidx[:, None]))
-    if HAS_STATE:
-        st = st + ct.gather(conv_state, (b, cidx[:, None], ts[None, :] + (D_CONV - 1)))
-    ct.scatter(state_out, (b, cidx[:, None], j[None, :]), st.astype(state_out.dtype))
+    _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV, HAS_STATE)
 
 
 @ct.kernel
