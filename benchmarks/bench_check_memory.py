@@ -153,7 +153,7 @@ def _instrument(tl: Timeline):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--interval", type=float, default=0.1, help="RSS sampling interval, s (default 0.1)")
     p.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
     p.add_argument("--sweep-feeds", type=int, metavar="N",

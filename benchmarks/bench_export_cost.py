@@ -77,7 +77,7 @@ def _versions() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--rev", action="append", required=True, help="git revision, or WORKTREE (repeatable)")
     ap.add_argument("--runs", type=int, default=3)

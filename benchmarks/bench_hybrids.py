@@ -393,7 +393,7 @@ def _bench_preset(preset, args, res, family, ck, out, logits_dir, work) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", help="hybrid preset (repeatable)")
     ap.add_argument("--dtype", default="fp32", choices=DTYPES)
     ap.add_argument("--ssm-impl", default="all", help="what the export writes (m2export export --ssm-impl)")

@@ -262,7 +262,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")

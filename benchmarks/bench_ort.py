@@ -233,7 +233,7 @@ def accuracy(runners: dict, ck: Path, L: int = 512) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", action="append", help="130m | bundled | HF folder (repeatable; default both)")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--reps", type=int, default=10)

@@ -78,7 +78,7 @@ def _profile(path: Path) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graph", action="append", metavar="NAME=PATH",
                     help="a decoder graph (default: bench_ort.py's 130m exports in --workdir)")
     ap.add_argument("--workdir", default="/tmp/m2export-bench-ort")

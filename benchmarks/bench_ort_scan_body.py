@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from m2export.kernels.ssd.naive import ssm_scan_recurrent
     from tests.helpers import make_inputs
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1, 2, 8, 64, 512])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--nheads", type=int, default=24)

@@ -49,7 +49,7 @@ def _checkpoint(name: str, tmp: Path) -> Path:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="bundled")
     ap.add_argument("--packs", default=",".join(PACKS), help=f"comma list of {list(PACKS)}")
     ap.add_argument("--reps", type=int, default=10)

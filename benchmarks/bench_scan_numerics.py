@@ -146,7 +146,7 @@ def bench_hf(rows: list, work: Path, seqlens=(128, 512), split=300) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/m2export-numerics")
     ap.add_argument("--label", default="", help="a word for the RESULTS.md heading (e.g. 'before', 'after')")
     ap.add_argument("--no-hf", action="store_true", help="synthetic SSMScan only")

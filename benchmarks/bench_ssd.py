@@ -260,7 +260,7 @@ def warm_up_parallel(args) -> None:
 
 def main(argv=None):
     global ANCHORS
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="a,b,c,d")
     ap.add_argument("--variants", default="auto", help="cuTile configs: auto, or chunk:block_p:nseg,...")
     ap.add_argument("--no-mamba", action="store_true")

@@ -64,7 +64,7 @@ class _TrtLike:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--block-p", default="auto",

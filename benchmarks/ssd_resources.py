@@ -66,7 +66,7 @@ def ptxas_report(cubin: bytes, ptxas: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="falcon_h1_7b", help="a bench_ssd.py shape name")
     ap.add_argument("--variants", default="auto", help="bench_ssd.py --variants syntax")
     ap.add_argument("--initial-state", action="store_true")

@@ -1,0 +1,32 @@
+"""Benchmark scripts take their flags spelled out in full, like the CLI (whose parsers set allow_abbrev=False).
+
+An abbreviated flag such as ``--rep`` for ``--repeat`` silently picking an option is how a benchmark row gets
+recorded under settings nobody asked for; argparse's default allows it, so every script's parser must refuse it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCHMARKS.rglob("*.py"))
+
+
+def _parsers(path: Path) -> list[ast.Call]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and (getattr(n.func, "attr", None) == "ArgumentParser" or getattr(n.func, "id", None) == "ArgumentParser")]
+
+
+def test_there_are_benchmark_parsers():
+    assert sum(len(_parsers(p)) for p in SCRIPTS) >= 10
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_benchmark_parsers_refuse_abbreviated_flags(path):
+    for call in _parsers(path):
+        kw = {k.arg: k.value for k in call.keywords}
+        assert "allow_abbrev" in kw and isinstance(kw["allow_abbrev"], ast.Constant) and kw["allow_abbrev"].value is False, (
+            f"{path.name}:{call.lineno}: ArgumentParser without allow_abbrev=False")
