@@ -194,7 +194,8 @@ def test_new_dims_dtypes_split_large_decay(dtype):
 #: 48 = 32 + 16 in one launch) in one pass and split, every dtype, partial chunks
 MERGED_TAIL_CASES = [(80, 128, 64, 3 * 64 + 1, "bfloat16", 1), (80, 128, 64, 5 * 64 + 9, "bfloat16", 3),
                      (80, 128, 64, 37, "float16", 1), (96, 128, 128, 3 * 128 + 1, "float16", 2),
-                     (48, 64, 32, 5 * 32 + 1, "float32", 3), (80, 128, 32, 2 * 32 + 5, "float32", 2)]
+                     (48, 64, 32, 5 * 32 + 1, "float32", 3), (80, 128, 32, 2 * 32 + 5, "float32", 2),
+                     (48, 64, 64, 2 * 64 + 7, "bfloat16", 2)]
 
 
 @pytest.mark.gpu
@@ -204,7 +205,8 @@ MERGED_TAIL_CASES = [(80, 128, 64, 3 * 64 + 1, "bfloat16", 1), (80, 128, 64, 5 *
                          ids=[f"P{a}_N{b}_Q{c}_L{d}_{e}_s{f}" for a, b, c, d, e, f in MERGED_TAIL_CASES])
 def test_merged_tail(headdim, d_state, chunk, seqlen, dtype, nseg, merge):
     """A block owning a full tile and the narrower tail (merge_tail) vs one launch per piece: both vs the float64
-    oracle with an initial state, ngroups 2, NaN-poisoned outputs (every y row and state row written once)."""
+    oracle with an initial state, ngroups 2, NaN-poisoned outputs (every y row and state row written once). The
+    heuristic's state layout: (headdim, d_state) for merged tails in bf16/fp16, (d_state, headdim) otherwise."""
     from m2export.kernels.ssd.plan import choose_config, launch_pieces
 
     p = SSMScanProblem(2, seqlen, 8, headdim, 2, d_state, dtype=dtype)

@@ -106,6 +106,25 @@ def test_merged_tail_plans_like_one_tile_per_head():
     assert cfg.nseg == choose_config(p64).nseg == 2
 
 
+def test_merged_tail_keeps_the_state_as_headdim_by_d_state_in_16_bit():
+    """A merged headdim tail (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16) with bf16/fp16 inputs keeps the state as
+    (headdim, d_state) (with an initial state its sm_90 build stays warp-specialised at P80 N128; the
+    (d_state, headdim) build does not: plan._MERGED_TAIL_STATE_T); fp32, unmerged pieces and full tiles keep the
+    default (d_state, headdim); an explicit state_t wins."""
+    for dtype in ("bfloat16", "float16"):
+        for dims in [(1, 8192, 128, 80, 8, 128), (2, 100, 8, 96, 2, 128), (2, 100, 8, 48, 1, 64)]:
+            p = SSMScanProblem(*dims, dtype=dtype)
+            cfg = choose_config(p)
+            assert plan.launch_pieces(p.headdim, cfg.block_p, cfg.merge_tail)[0][1] is not None
+            assert cfg.state_t is False and cfg.init_tma is True  # the TMA initial-state load (init_tma_default)
+            assert choose_config(p, state_t=True).state_t is True
+            assert choose_config(p, merge_tail=False).state_t is True  # pieces: one launch each, the default
+        assert choose_config(SSMScanProblem(1, 8192, 128, 64, 8, 128, dtype=dtype)).state_t is True
+        assert choose_config(SSMScanProblem(2, 100, 8, 112, 2, 128, dtype=dtype)).state_t is True  # 64+32+16: 3 launches
+    assert choose_config(SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="float32")).state_t is True
+    assert aot_config(SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="bfloat16")).state_t is True  # no merged tail
+
+
 def test_unmerged_pieces_are_modelled_as_separate_launches():
     # without merging, 80 is two launches of 128 blocks each, one after the other: each is modelled on its own
     # (the old model counted 256 blocks in one launch and chose one segment; measured 2.0x head dim 64 per row)

@@ -66,6 +66,15 @@ def _default_chunk(problem: SSMScanProblem) -> int:
 _D_STATE_256_JIT_TILES = (64, 32)
 _D_STATE_256_JIT_STATE_T = False
 
+# Merged headdim tails (launch_pieces: 80 = 64 + 16 in one block) with 16-bit inputs keep the state as (headdim,
+# d_state). sm_90 builds on the CPU with an initial state (ptxas -v, bf16 and fp16, Nemotron-Nano-9B's P80 N128, 64-row
+# tile + 16-row tail): (d_state, headdim) 255 registers, 112-byte stack, 128 threads (tileiras drops warp
+# specialisation, the build that ran 0.581 ms with a state against 0.346 without); (headdim, d_state) 128 registers,
+# no stack, 256 threads with or without a state, and 0.305 against 0.336 ms without a state (H200, same run,
+# 2026-12-02; benchmarks/NOTES_ssd.md). P96 (64 + 32) builds 128 threads with either layout, P48 N64 (32 + 16) 256
+# with either; fp32 (FFMA, spills) 128 threads with either and keeps the default.
+_MERGED_TAIL_STATE_T = False
+
 
 def init_tma_default(state_t: bool, d_state: int, *, aot: bool) -> bool:
     """Whether the scan's initial-state load may use TMA (the one home of this choice; ScanConfig.init_tma).
@@ -184,7 +193,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
-    bf16: chunk 64, 32-row tiles and the state as (headdim, d_state), measured); nseg
+    bf16: chunk 64, 32-row tiles and the state as (headdim, d_state), measured); the state as (headdim, d_state)
+    for a merged headdim tail with 16-bit inputs (_MERGED_TAIL_STATE_T); nseg
     minimising the sum of :func:`_plan_cost` over the launches of :func:`launch_pieces` (launches on one
     stream run one after the other: each pays its own waves), over 1..MAX_NSEG
     (wave quantisation matters: on the H200, shape d
@@ -203,12 +213,14 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
-    state_t = DEFAULT_STATE_T if state_t is None else state_t
     split_upd = DEFAULT_SPLIT_UPD if split_upd is None else split_upd
     merge_tail = DEFAULT_MERGE_TAIL if merge_tail is None else merge_tail
+    launches = launch_pieces(problem.headdim, block_p, merge_tail)
+    if state_t is None and problem.dtype != "float32" and launches[0][1] is not None:  # a merged tail
+        state_t = _MERGED_TAIL_STATE_T
+    state_t = DEFAULT_STATE_T if state_t is None else state_t
     nchunks = max(1, -(-problem.seqlen // chunk))
-    bases = [max(1, problem.batch * problem.nheads * pc.tiles)
-             for pc, _ in launch_pieces(problem.headdim, block_p, merge_tail)]
+    bases = [max(1, problem.batch * problem.nheads * pc.tiles) for pc, _ in launches]
     if nseg is None:
         slots = (occupancy or 1) * sm_count
         cost = {n: sum(_plan_cost(base, nchunks, n, slots) for base in bases)
