@@ -13,15 +13,41 @@ POINT (each hooks a name that exists in every version of the exporter, so the sa
   swap_after    right after that rename (with SIGKILL: the swap is cut half-way)
 SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process. Or TRUNCATE: another
 process truncates the checkpoint's *.safetensors files to 0 bytes (os.truncate), once, and this one waits for it
-to finish before going on.
+to finish before going on. Or WAIT_OTHER: no signal; this process waits (up to 120 s, then exits 3) until another
+process is writing OUT as well (a marked staging sibling of OUT whose marker names another pid) or OUT exists,
+then goes on: held at ``swap``, two exports to one new OUT deterministically overlap past their output checks.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import json
 import os
 import signal
 import sys
+import time
+
+
+def wait_for_other(out: str) -> None:
+    """Wait until another process has a staging folder for ``out`` (it passed its output checks) or ``out`` exists."""
+    from m2export._paths import STAGING_MARKER
+
+    parent, name = os.path.split(out)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.lexists(out):
+            return
+        for s in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*")):
+            try:
+                with open(os.path.join(s, STAGING_MARKER)) as fh:
+                    if json.load(fh).get("pid") != os.getpid():
+                        return
+            except (OSError, ValueError, AttributeError):
+                pass  # being created, or gone
+        time.sleep(0.02)
+    print(f"kill_driver: no other export of {out} within 120 s", file=sys.stderr)
+    os._exit(3)
 
 
 def main() -> int:
@@ -32,8 +58,9 @@ def main() -> int:
     def fire():
         if not fired:
             fired.append(1)
-            if sig == "TRUNCATE":
-                import glob
+            if sig == "WAIT_OTHER":
+                wait_for_other(out)
+            elif sig == "TRUNCATE":
                 import subprocess
 
                 files = sorted(glob.glob(os.path.join(args[args.index("export") + 1], "*.safetensors")))

@@ -256,14 +256,21 @@ def test_checkpoint_truncated_during_the_export_is_one_error_line(tmp_path, ck, 
 
 @posix
 def test_concurrent_exports_to_one_new_outdir(tmp_path, ck):
+    """Two exports to one new OUT: one wins, the other refuses (nothing of it left). The ssmscan export is held
+    before its swap until the other one is writing too (or has swapped in): without that the first could finish
+    before the second started, which then refused at its output check ("exists and is not empty"), not in the
+    overlap this test is about (it failed so once on a fresh clone). Either may swap in first."""
     out = tmp_path / "out"
     procs = []
     threads = [threading.Thread(target=lambda i=i: procs.append(
-        (i, run_cli("export", str(ck), "-o", str(out), "-q", *(["--ssm-impl", "both"] if i else []))))) for i in (0, 1)]
+        (i, run_cli("export", str(ck), "-o", str(out), "-q", *(["--ssm-impl", "both"] if i else []),
+                    **({} if i else dict(point="swap", sig="WAIT_OTHER")))))) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    held = next(p for i, p in procs if i == 0)
+    assert "fired=True" in held.stderr, held.stderr[-2000:]
     rcs = sorted(p.returncode for _, p in procs)
     assert rcs == [0, 1], [(p.returncode, p.stderr[-300:]) for _, p in procs]
     loser = next(p for _, p in procs if p.returncode == 1)
