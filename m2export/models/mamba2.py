@@ -34,13 +34,22 @@ from m2export.models.layers import MLP, Attention, MoE, Router, SharedBlock
 from m2export.models.spec import (BATCH, PAST, AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec,
                                   ParallelSpec)
 
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype the norms, gates, ``A`` and the residual stream are computed in: float32, or float64
+    for a float64 tensor (a float64 model is a float64 forward throughout: with a float64 scan, e.g.
+    :func:`~m2export.kernels.ssd.naive.ssm_scan_recurrent`, no op rounds to float32)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """Signature of an SSMScan implementation: ``fn(x, dt, A, B, C, D, dt_bias, initial_state, *, chunk_size,
 dt_softplus, dt_limit) -> (y, final_state)`` (see m2export.contract)."""
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in ``out_dtype`` (default weight dtype)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (float64 for a float64 ``x``), returned in
+    ``out_dtype`` (default weight dtype)."""
 
     def __init__(self, d: int, eps: float = 1e-5):
         super().__init__()
@@ -48,8 +57,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        xf = _compute(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)
         return y.to(out_dtype or self.weight.dtype)
 
 
@@ -70,13 +79,13 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if self.norm_before_gate else x.float() * F.silu(z.float())
+        xf = _compute(x) if self.norm_before_gate else _compute(x) * F.silu(_compute(z))
         shp = xf.shape
         g = xf.reshape(*shp[:-1], shp[-1] // self.group_size, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = g.reshape(shp) * self.weight.float()
+        y = g.reshape(shp) * self.weight.to(xf.dtype)
         if self.norm_before_gate:
-            y = y * F.silu(z.float())
+            y = y * F.silu(_compute(z))
         return y.to(x.dtype)
 
 
@@ -134,11 +143,11 @@ class Mamba2Mixer(nn.Module):
             new_conv_state = xpad[:, :, xpad.shape[2] - (s.d_conv - 1):]
             xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
         x, B, C = torch.split(xBC, [s.d_inner, s.ngroups * s.d_state, s.ngroups * s.d_state], dim=-1)
-        A = -torch.exp(self.A_log.float())  # fp32: A_log in bf16 would lose the decay's precision
+        A = -torch.exp(_compute(self.A_log))  # fp32 (or float64): A_log in bf16 would lose the decay's precision
         y, new_ssm_state = (_cutile_scan if cutile else self.scan_fn)(
             x.reshape(batch, seqlen, s.nheads, s.headdim), dt,
             A, B.reshape(batch, seqlen, s.ngroups, s.d_state), C.reshape(batch, seqlen, s.ngroups, s.d_state),
-            self.D.float(), self.dt_bias.float(), None if ssm_state is None else ssm_state.float(),
+            _compute(self.D), _compute(self.dt_bias), None if ssm_state is None else _compute(ssm_state),
             chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit)
         y = y.reshape(batch, seqlen, s.d_inner)
         if s.norm == "gated_rms" and cutile:
@@ -150,7 +159,7 @@ class Mamba2Mixer(nn.Module):
         elif s.norm == "gated_rms":
             y = self.norm(y, z)
         else:  # "gate": y * silu(z), no norm (Falcon-H1 mamba_rms_norm = false)
-            y = (y.float() * F.silu(z.float())).to(y.dtype)
+            y = (_compute(y) * F.silu(_compute(z))).to(y.dtype)
         out = self.out_proj(y)
         if s.out_multiplier != 1.0:
             out = out * s.out_multiplier
@@ -380,7 +389,7 @@ class HybridLM(nn.Module):
         h = self.backbone.embedding(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             h = h * self.spec.embedding_multiplier
-        return (h.float() if self.spec.residual_in_fp32 else h), h
+        return (_compute(h) if self.spec.residual_in_fp32 else h), h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seqlen, vocab_size) in the model dtype of the last layer's residual stream ``h``."""

@@ -64,6 +64,11 @@ def check_decay(A: torch.Tensor) -> None:
                             f"(max(A) = {A.max().item():.4g})")
 
 
+def _as_fp32_spec(t):
+    """``t``, or for a float64 tensor a float32 meta tensor of its shape (what :func:`validate` reads)."""
+    return torch.empty(t.shape, dtype=torch.float32, device="meta") if t is not None and t.dtype == torch.float64 else t
+
+
 def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
     """(b, l, ngroups, n) -> (b, l, nheads, n), head h reading group h // (nheads // ngroups)."""
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
@@ -74,11 +79,13 @@ def ssm_scan_recurrent(x, dt, A, B, C, D=None, dt_bias=None, initial_state=None,
                        dtype: torch.dtype = torch.float64) -> SSMScanOutput:
     """The oracle: SSMScan evaluated token by token in ``dtype`` (float64 by default).
 
-    Shapes as in :mod:`m2export.contract`. Returns y and final_state in ``dtype``.
-    Raises ContractError on arguments that break the contract.
+    Shapes as in :mod:`m2export.contract`; the dtypes too, except that float64 tensors are accepted wherever the
+    contract has float32 or x's dtype (checked as if they were float32; a float64 model's forward,
+    :func:`~m2export.models.reference.float64_model`, feeds its scan unrounded). Returns y and final_state in
+    ``dtype``. Raises ContractError on arguments that break the contract.
     """
     attrs = SSMScanAttrs.make(dt_softplus=dt_softplus, dt_limit=dt_limit)
-    p = validate(x, dt, A, B, C, D, dt_bias, initial_state)
+    p = validate(*(_as_fp32_spec(t) for t in (x, dt, A, B, C, D, dt_bias, initial_state)))
     check_decay(A)
     delta = dt_transform(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=attrs.dt_limit, dtype=dtype)
     xs, Bs, Cs = x.to(dtype), _expand_groups(B.to(dtype), p.nheads), _expand_groups(C.to(dtype), p.nheads)
