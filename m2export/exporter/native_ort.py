@@ -12,11 +12,12 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
   no transpose of a state anywhere, where the contract's (b, h, headdim, d_state) would cost a pass over
   every state per call;
 * every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
-  the ``Slice`` of the concatenation that is ``present_conv_state``) becomes ``If(seqlen == 1)`` one
-  ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)``, which reads and writes the
-  activations in the (batch, seqlen, channels) layout the in-projection produces (the traced graph's
+  the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
+  ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)`` for any number of tokens (its SiLU
+  is accurate where ORT's fusion of the traced one is not: :func:`fuse_causal_conv`), which reads and writes
+  the activations in the (batch, seqlen, channels) layout the in-projection produces (the traced graph's
   Transposes of the activations around the conv go) and the conv states channels-last, the native graph
-  I/O's (batch, d_conv - 1, conv_dim): a decode token runs that node alone; else the traced conv;
+  I/O's (batch, d_conv - 1, conv_dim); the graph has no ``If``;
 * every RMSNorm as traced (``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps))``, then the weight) becomes
   one ``RMSNormalization`` (opset 23), or ``com.microsoft::SkipSimplifiedLayerNormalization`` where its input
   is a residual ``Add`` (the sum is that node's fourth output);
@@ -73,11 +74,9 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
     relayout_states(out, io)
     inline(out)
     fused = fuse_causal_conv(out)
-    share_seqlen_test(out)
     fuse_rms_norm(out)
     constant_reshapes(out)
     fold_reshapes(out)
-    sink_into_branches(out)  # last: constant_reshapes frees the shape arithmetic the branches alone still read
     import onnx_ir as ir
 
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
@@ -389,81 +388,30 @@ def _single_consumer(value, op_type: str):
     return uses[0] if len(uses) == 1 and uses[0].op_type == op_type and uses[0].domain == "" else None
 
 
-def seqlen_is_one(model):
-    """The graph's one ``sequence_length == 1`` test (bool, shape (1,)) on the first graph input with a
-    ``sequence_length`` axis, created on first use (``Shape`` + ``Equal`` at the top of the graph)."""
-    import numpy as np
-    import onnx_ir as ir
-
-    from m2export.exporter.configs import SEQ
-
-    g = model.graph
-    name = "seqlen_is_one"
-    for node in g:
-        if node.outputs and node.outputs[0].name == name:
-            return node.outputs[0]
-    for v in g.inputs:
-        axis = next((i for i, d in enumerate(v.shape or []) if isinstance(d, ir.SymbolicDim) and d.value == SEQ), None)
-        if axis is not None:
-            break
-    else:
-        raise ExportError(f"internal: no graph input has a {SEQ!r} axis")
-    one = ir.Value(name=f"{name}.one", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
-                   const_value=ir.tensor(np.array([1], np.int64), name=f"{name}.one"))
-    g.register_initializer(one)
-    shape = ir.node("Shape", [v], {"start": axis, "end": axis + 1}, name=f"{name}.shape")
-    shape.outputs[0].name = f"{name}.shape"
-    test = ir.node("Equal", [shape.outputs[0], one], name=name)
-    test.outputs[0].name, test.outputs[0].dtype, test.outputs[0].shape = name, ir.DataType.BOOL, ir.Shape([1])
-    g.insert_before(next(iter(g)), [shape, test])
-    return test.outputs[0]
-
-
-def share_seqlen_test(model) -> int:
-    """Point every top-level ``If`` whose condition is ``Equal(Shape(v, start=1, end=2), [1])`` on a value
-    with a ``sequence_length`` axis 1 (the native SSMScan bodies' one-token test) at :func:`seqlen_is_one`:
-    one test per graph instead of one per layer. Returns the number of Ifs rewired."""
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-
-    from m2export.exporter.configs import SEQ
-
-    done = 0
-    for node in [n for n in model.graph if n.op_type == "If" and n.domain == ""]:
-        eq = _producer(node.inputs[0], "Equal")
-        sh = _producer(eq.inputs[0], "Shape") if eq is not None else None
-        one = ir.convenience.get_const_tensor(eq.inputs[1]) if eq is not None else None
-        if sh is None or one is None or one.numpy().reshape(-1).tolist() != [1]:
-            continue
-        v = sh.inputs[0]
-        start, end = sh.attributes.get("start"), sh.attributes.get("end")
-        if start is None or end is None or (start.value, end.value) != (1, 2) or v.shape is None or len(v.shape) < 2 \
-                or not (isinstance(v.shape[1], ir.SymbolicDim) and v.shape[1].value == SEQ):
-            continue
-        node.replace_input_with(0, seqlen_is_one(model))
-        done += 1
-    if done:
-        common.RemoveUnusedNodesPass()(model)
-    return done
-
-
 def fuse_causal_conv(model) -> int:
-    """Replace each traced causal depthwise conv + SiLU (+ its state Slice) by ``If(sequence_length == 1)``
-    ORT's ``CausalConvWithState``, else the traced nodes themselves.
+    """Replace each traced causal depthwise conv + SiLU (+ its state Slice) by ORT's ``CausalConvWithState``
+    (``activation="silu"``, channels-last), for any number of tokens.
 
     Pattern (as torch.onnx traces ``Mamba2Mixer``): ``cat = Concat(past, x, axis=2)``; ``present =
     Slice(cat, ...)`` (a graph output); ``c = Conv(cat, W[, bias], group=channels, no padding, stride 1,
     dilation 1)``; ``y = Mul(c, Sigmoid(c))``; usually ``x = Transpose(t, perm=[0, 2, 1])`` and a
     ``Transpose(y, perm=[0, 2, 1])`` after it (the in-projection's channels-last layout). ``past`` is a graph
     input, or a ``Transpose(perm=[0, 2, 1])`` of one (a channels-last conv state, :func:`relayout_states`), and
-    ``present`` a graph output or a ``Transpose(perm=[0, 2, 1])`` of the Slice that is one. Why two branches:
-    ORT 1.32's CPU CausalConvWithState is 3-5x faster than the traced nodes for one token and 2-3x slower
-    from ~128 tokens on (one 130m-shaped conv, benchmarks/RESULTS.md). The decode branch runs it
-    channels-last on ``t`` (no transpose of the activations) and on the states as the graph I/O has them:
-    a channels-last state (the native flavour's I/O) goes in and out untransposed, a (batch, channels,
+    ``present`` a graph output or a ``Transpose(perm=[0, 2, 1])`` of the Slice that is one. The node runs
+    channels-last on ``t`` (no transpose of the activations) and on the states as the graph I/O has them: a
+    channels-last state (the native flavour's I/O) goes in and out untransposed, a (batch, channels,
     d_conv - 1) one is transposed. Anything else is left as it is. Returns the number fused.
+
+    Why at every length, where ORT 1.32's CPU ``Conv`` is faster from ~128 tokens on: ONNX Runtime fuses the
+    traced ``x * Sigmoid(x)`` into ``QuickGelu``, whose logistic has an absolute error of ~1e-7 (relative
+    2e-3 at x < -3), while this node's SiLU is accurate to ~1e-7 relative. On the 130m-shaped checkpoint of
+    benchmarks/bench_ort.py the traced prefill conv put the logits 1.5% further from a float64 forward
+    (3.36e-5 vs 3.31e-5 rel-L2) and the prefill at 512 tokens was within the machine's noise of this node's
+    (benchmarks/RESULTS.md, "Issue 16 accuracy: the native conv at every length"). It also removes the
+    per-layer ``If(sequence_length == 1)`` the two-way choice needed.
     """
     import onnx_ir as ir
+    import onnx_ir.passes.common as common
 
     g = model.graph
     fused = 0
@@ -501,89 +449,45 @@ def fuse_causal_conv(model) -> int:
         if (past_cl is None) != (present_t is None):  # one layout for both states
             continue
         name = conv.name or "conv"
-        traced = [cat, conv, sig, mul, slices[0]] + ([present_t] if present_t is not None else [])
         pre = _producer(x, "Transpose")
-        if _perm(pre) == [0, 2, 1] and len(x.uses()) == 1:
-            traced.insert(0, pre)
-        else:
+        if not (_perm(pre) == [0, 2, 1] and len(x.uses()) == 1):
             pre = None
         y = mul.outputs[0]
         post = [u.node for u in y.uses()]
         post = post[0] if len(post) == 1 and post[0].op_type == "Transpose" and _perm(post[0]) == [0, 2, 1] \
             and not y.is_graph_output() else None
-        if post is not None:
-            traced.insert(traced.index(slices[0]), post)
         y_out = post.outputs[0] if post is not None else y  # the pattern's output, channels-last when post
 
-        # decode branch: CausalConvWithState, channels-last
-        dec = []
+        new = []
 
         def t(v, nm):
-            dec.append(ir.node("Transpose", [v], {"perm": [0, 2, 1]}, name=f"{name}.{nm}"))
-            dec[-1].outputs[0].name = f"{name}.{nm}"  # names are global across subgraphs (SSA)
-            dec[-1].outputs[0].type = v.type
-            return dec[-1].outputs[0]
+            new.append(ir.node("Transpose", [v], {"perm": [0, 2, 1]}, name=f"{name}.{nm}"))
+            new[-1].outputs[0].name = f"{name}.{nm}"
+            new[-1].outputs[0].type = v.type
+            return new[-1].outputs[0]
 
         x_cl = pre.inputs[0] if pre is not None else t(x, "x_channels_last")
         ccws = ir.node("CausalConvWithState", [x_cl, w, conv.inputs[2] if len(conv.inputs) > 2 else None,
                                                past_cl if past_cl is not None else t(past, "past_channels_last")],
                        {"activation": "silu", "channels_last": 1}, domain=ORT_DOMAIN, num_outputs=2,
                        name=f"{name}.causal_conv_with_state")
-        dec.append(ccws)
+        new.append(ccws)
         ccws.outputs[0].name, ccws.outputs[1].name = f"{name}.y_channels_last", f"{name}.state_channels_last"
         ccws.outputs[0].type, ccws.outputs[1].type = y_out.type, present.type
-        y_dec = ccws.outputs[0] if post is not None else t(ccws.outputs[0], "y_channels_first")
-        s_dec = ccws.outputs[1] if present_t is not None else t(ccws.outputs[1], "present_channels_first")
-
-        outs = [ir.Value(name=f"{name}.if_y", type=y_out.type, shape=y_out.shape),
-                ir.Value(name=f"{name}.if_state", type=present.type, shape=present.shape)]
+        y_new = ccws.outputs[0] if post is not None else t(ccws.outputs[0], "y_channels_first")
+        s_new = ccws.outputs[1] if present_t is not None else t(ccws.outputs[1], "present_channels_first")
+        y_new.shape, s_new.shape = y_out.shape, present.shape
+        g.insert_before(pre if pre is not None else cat, new)
         y_name, present_name = y_out.name, present.name
-        y_out.replace_all_uses_with(outs[0], replace_graph_outputs=True)
-        present.replace_all_uses_with(outs[1], replace_graph_outputs=True)  # present_conv_state.{i}
-        g.insert_before(traced[0], ir.node("If", [seqlen_is_one(model)], outputs=outs, name=f"{name}.if_one_token",
-                                           attributes={
-            "then_branch": ir.Graph([], [y_dec, s_dec], nodes=dec, name=f"{name}_one_token"),
-            "else_branch": ir.Graph([], [y_out, present], nodes=[], name=f"{name}_traced")}))
-        g.remove(traced)  # not safe=True: that would detach their inputs; they move into the else branch
-        else_branch = outs[0].producer().attributes["else_branch"].value
-        for n in traced:
-            else_branch.append(n)
+        y_out.replace_all_uses_with(y_new, replace_graph_outputs=True)
+        present.replace_all_uses_with(s_new, replace_graph_outputs=True)  # present_conv_state.{i}
         y_out.name, present.name = f"{name}.y_traced", f"{name}.present_traced"
-        outs[0].name, outs[1].name = y_name, present_name
+        y_new.name, s_new.name = y_name, present_name
         fused += 1
     if fused:
-        g.sort()  # the If reads values (the Slice's bounds) computed after the first node it replaced
-    return fused
-
-
-def sink_into_branches(model) -> int:
-    """Move every top-level node whose outputs are read only inside one ``If`` branch (e.g. the traced Slice
-    bounds of the conv state, now inside :func:`fuse_causal_conv`'s prefill branch) into that branch, so the
-    other branch (decode) does not pay for it. Repeats until nothing moves; returns the number moved."""
-    g = model.graph
-    outputs = set(g.outputs)
-    moved = 0
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(g)):
-            users = {u.node.graph for v in node.outputs for u in v.uses()}
-            if not node.outputs or any(v in outputs for v in node.outputs) or len(users) != 1:
-                continue
-            (branch,) = users
-            if branch is g or branch is None:
-                continue
-            owner = next((n for n in g if n.op_type == "If" and any(
-                a.value is branch for a in n.attributes.values() if hasattr(a.value, "outputs"))), None)
-            if owner is None:
-                continue
-            g.remove(node)
-            branch.insert_before(next(iter(branch)), node) if len(branch) else branch.append(node)
-            moved += 1
-            changed = True
-    if moved:
+        common.RemoveUnusedNodesPass()(model)  # the traced nodes and the Slice bounds only they read
         g.sort()
-    return moved
+    return fused
 
 
 def fuse_rms_norm(model) -> int:

@@ -71,12 +71,15 @@ def traced(export_fp32_both):
 
 
 def test_fuse_causal_conv_vs_traced(traced):
-    """If(one token) CausalConvWithState (channels-last, the activations' transposes absorbed) else the traced conv."""
+    """One CausalConvWithState per layer for any number of tokens (channels-last, the activations' transposes
+    absorbed; its SiLU), the traced conv, its SiLU and its state Slice gone."""
     m, model = traced
     new = _native_copy(model)
     assert native_ort.fuse_causal_conv(new) == m.model_config().n_layer
     ops = [n.op_type for n in new.graph]
-    assert "Conv" not in ops and ops.count("If") == m.model_config().n_layer
+    assert ops.count("CausalConvWithState") == m.model_config().n_layer
+    assert not {"Conv", "If", "Slice", "Concat"} & set(ops)
+    assert ops.count("Sigmoid") == sum(n.op_type == "Sigmoid" for n in model.graph) - m.model_config().n_layer
     _compare(model, new, m.model_config().vocab_size)
 
 
