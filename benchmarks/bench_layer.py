@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import sys
 from pathlib import Path
 
@@ -103,14 +102,16 @@ def torch_conv_step(ly: Mamba2Config, x, state, w, b):
     return y
 
 
-def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles):
+def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles,
+             update_tiles=()):
     from m2export.kernels.conv1d import causal_conv1d, conv_update
-    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile, conv_update_cutile
     from m2export.kernels.gated_norm import gated_rmsnorm
     from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
     from m2export.kernels.ssd import ssm_scan
     from m2export.kernels.ssd_step import ssm_step
     from m2export.contract_conv1d import validate as conv_validate
+    from m2export.contract_conv1d import validate_update as conv_validate_update
     from m2export.contract_gated_norm import validate as norm_validate
 
     batch, seqlen = MODES[mode]
@@ -147,7 +148,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         for impl, tl, occ, lat in conv_tiles:
             fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat: causal_conv1d_cutile(
                 xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
-                occupancy=occ or None, impl=impl, latency=lat))
+                occupancy=occ, impl=impl, latency=lat))
             yconv.fill_(float("nan"))
             try:
                 fn()
@@ -182,6 +183,20 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         conv_err = rel_err(ref_y, res.y)
         parts.append(("conv1d+SiLU", f"cutile update, in place (rel-err vs torch {conv_err:.1e})",
                       lambda: conv_update(xBC, cstate, W["conv_w"], W["conv_b"], out=yconv), conv_fl))
+        uprob = conv_validate_update(xBC, cstate, W["conv_w"], W["conv_b"])
+        for impl, tl in update_tiles:
+            fn = (lambda impl=impl, tl=tl, st_=None: conv_update_cutile(
+                xBC, cstate if st_ is None else st_, W["conv_w"], W["conv_b"], problem=uprob, silu=True, out=yconv,
+                tiles=tl, impl=impl))
+            yconv.fill_(float("nan"))
+            try:
+                fn(st_=cstate2.clone())
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {mode} conv update {impl} {tl}: FAILED {e!r}", file=sys.stderr, flush=True)
+                continue
+            torch.cuda.synchronize()
+            parts.append(("conv1d+SiLU", f"cutile update {impl} tiles {'x'.join(map(str, tl))} "
+                          f"(rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu, state copy)",
                       lambda: torch_conv_step(ly, xBC, cstate2, W["conv_w"], W["conv_b"]), conv_fl))
         xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
@@ -204,7 +219,11 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
     for kind, kw in norm_tiles(nprob):
         fn = lambda kw=kw: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, **kw)  # noqa: E731
         nout.fill_(float("nan"))
-        fn()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} {mode} norm {kind}: FAILED {e!r}", file=sys.stderr, flush=True)
+            continue
         torch.cuda.synchronize()
         parts.append(("gated RMSNorm", f"cutile {kind} (rel-err {rel_err(ref_n, nout):.1e})", fn, norm_fl))
     parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
@@ -266,12 +285,14 @@ def main(argv=None):
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:8:256:0:10,stream:256:8:256:4:10,"
-                    "stream:128:8:256:0:10,stream:256:4:512:0:10,stream:256:8:256:4:5,stream2d:256:8:256:0:0,"
-                    "stream2d:256:8:256:4:10,stream2d:128:8:256:4:10,stream2d:256:4:512:4:10",
+    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:8:256:0:0,stream:256:8:256:5:10,"
+                    "stream2d:256:32:128:4:10,stream2d:256:8:128:4:10",
                     help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency] "
                          "(stream2d: the same for conv1d_stream2d_kernel) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: "
                          "no hint; latency: the row-load hint 1..10, 0 or absent: none), '' for none")
+    ap.add_argument("--update-variants", default="gather:4:256,cols:4:256,cols:8:256,cols:16:128,cols:1:1024",
+                    help="extra decode conv-update configs, comma list of cols|gather:BLOCK_B:BLOCK_C "
+                         "(conv_update_cutile's kernels), '' for none")
     ap.add_argument("--norm-variants", default="v2:1:4,v2:2:8,pieces:1:0:4,pieces:1:1:2,pieces:1:1:4,pieces:1:1:8,"
                     "pieces:2:1:2,pieces:2:1:4,pieces:2:1:8,pieces:2:1:16,pieces:4:1:4,pieces:4:1:8,pieces:1:0:16,"
                     "pieces:8:1:2",
@@ -290,6 +311,8 @@ def main(argv=None):
         impl, *v = spec.split(":")
         nt = 2 if impl == "v1" else 3
         conv_tiles.append((impl, tuple(int(t) for t in v[:nt]), int(v[nt]), int(v[nt + 1]) if len(v) > nt + 1 else 0))
+    update_tiles = [(impl, (int(bb), int(bc))) for impl, bb, bc in
+                    (sp.split(":") for sp in args.update_variants.split(",") if sp)]
     norm_specs = [(k, tuple(int(t) for t in v)) for k, *v in (sp.split(":") for sp in args.norm_variants.split(",") if sp)]
 
     def norm_tiles(p):
@@ -320,7 +343,8 @@ def main(argv=None):
     for ln in args.layers.split(","):
         for mode in args.modes.split(","):
             print(f"{ln} {mode} ...", file=sys.stderr, flush=True)
-            run_mode(ln, LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles)
+            run_mode(ln, LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles,
+                     update_tiles=update_tiles)
     lines = [f"### Mamba-2 layer parts (issue 18), {head}", "",
              "| layer | mode | part | implementation | us | floor us | x floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -162,10 +162,11 @@ def _product(dims: Sequence[Any]) -> Any:
 
 
 def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
-    """The :class:`~m2export.kernels.launch.Launch` of ``conv1d_stream_kernel`` (:mod:`m2export.kernels.conv1d.cutile`:
-    the whole prefill, every token and the final state, in one launch) for the plugin's tensors (x (batch, seqlen,
-    conv_dim), weight, bias, conv_state; y, final_conv_state), bias and state always present (the ONNX node has all
-    four inputs). Tiles (and the row-load hint ``STREAM_LATENCY``) from the kernel module's ``choose_stream_tiles`` for ``conv_dim`` and :data:`AOT_CONV_SEQLEN`
+    """The :class:`~m2export.kernels.launch.Launch` of the prefill's streaming kernel (:mod:`m2export.kernels.conv1d.cutile`
+    ``stream_kernel()``: ``STREAM_IMPL`` with its ``STREAM_OCCUPANCY`` hint; the whole prefill, every token and the
+    final state, in one launch) for the plugin's tensors (x (batch, seqlen, conv_dim), weight, bias, conv_state; y,
+    final_conv_state), bias and state always present (the ONNX node has all four inputs). Tiles (and the row-load
+    hint ``STREAM_LATENCY``) from the kernel module's ``choose_stream_tiles`` for ``conv_dim`` and :data:`AOT_CONV_SEQLEN`
     tokens (seqlen is a runtime extent of the engine; any tile is correct, the choice is only speed); grid
     ``(cdiv(seqlen, BLOCK_T), cdiv(conv_dim, BLOCK_C), batch)``. Made against the kernel's own signature (a drift
     fails here, not on the GPU)."""
@@ -174,15 +175,17 @@ def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
 
     bt, rows, bc = K.choose_stream_tiles(cc.Conv1dProblem(batch=1, seqlen=AOT_CONV_SEQLEN, conv_dim=int(conv_dim),
                                                           d_conv=int(d_conv), dtype=dtype), 2 if dtype != "float32" else 4)
-    if bt % rows or rows < d_conv - 1:
-        raise InternalError(f"conv1d_stream_kernel tiles {(bt, rows, bc)}: need BLOCK_T % ROWS == 0, ROWS >= d_conv - 1")
+    try:
+        K.check_stream_tiles(K.STREAM_IMPL, (bt, rows, bc), int(d_conv))
+    except ContractError as e:
+        raise InternalError(f"{K.STREAM_IMPL} {e}") from None
     args = (L.array("x", dtype, 3), L.array("weight", dtype, 2), L.array("bias", dtype, 1),
             L.array("conv_state", dtype, 3), L.array("y", dtype, 3),
             L.array("state_out", dtype, 3, source=cc.OUTPUT_NAMES[1]),
             L.constant("BLOCK_T", bt), L.constant("ROWS", rows), L.constant("BLOCK_C", bc),
             L.constant("D_CONV", int(d_conv)), L.constant("HAS_BIAS", True), L.constant("HAS_STATE", True),
             L.constant("SILU", bool(silu)), L.constant("LATENCY", K.STREAM_LATENCY))
-    return L.Launch(K.conv1d_stream_kernel, args,
+    return L.Launch(K.stream_kernel(), args,
                     grid=lambda batch, seqlen, conv_dim: (_cdiv(seqlen, bt), _cdiv(conv_dim, bc), batch))
 
 
@@ -215,7 +218,7 @@ AOT_NORM_ROWS = 1 << 20
 @functools.lru_cache(maxsize=32)
 def compile_conv_kernel(dtype: str, d_conv: int, conv_dim: int, silu: bool, gpu_code: str,
                         ptx_isa: Union[Tuple[int, int], None] = None):
-    """``conv1d_stream_kernel`` as an :class:`~m2export.plugins.aot.AotKernel` (cached per dtype, d_conv, target); the
+    """The prefill's streaming kernel (:func:`conv_aot_spec`) as an :class:`~m2export.plugins.aot.AotKernel` (cached per dtype, d_conv, target); the
     1-D bias exported without TMA (:func:`_export_without_tma`)."""
     from m2export.plugins import aot
 

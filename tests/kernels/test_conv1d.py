@@ -129,8 +129,10 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 
 #: (impl, latency, occupancy) run through every PREFILL edge besides the default launch: the streaming kernels with
 #: the row-load latency hint (software-pipelined loads), candidates for the default (benchmarks/NOTES_fusion.md)
-PREFILL_CANDIDATES = [pytest.param(None, id="default"), pytest.param(("stream", 10, 4), id="stream_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 4), id="stream2d_lat10_occ4")]
+PREFILL_CANDIDATES = [pytest.param(None, id="default"), pytest.param(("stream", 10, 4, None), id="stream_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 4, None), id="stream2d_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 4, (256, 32, 128)), id="stream2d_256x32x128_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 4, (256, 16, 128)), id="stream2d_256x16x128_lat10_occ4")]
 
 
 @pytest.mark.gpu
@@ -151,9 +153,9 @@ def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype
     if variant is None:
         res = causal_conv1d(x, w, bs, cs, out=y, state_out=st)
     else:
-        impl, lat, occ = variant
+        impl, lat, occ, tiles = variant
         res = causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st,
-                                   impl=impl, latency=lat, occupancy=occ)
+                                   impl=impl, latency=lat, occupancy=occ, tiles=tiles)
     torch.cuda.synchronize()
     assert res.y is y and res.final_conv_state is st
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
@@ -184,6 +186,8 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
     ("stream", (256, 8, 256), 4, 5), ("stream", (16, 4, 64), None, 10),
     ("stream2d", (256, 8, 256), None, 0), ("stream2d", (128, 8, 256), 4, 10), ("stream2d", (256, 4, 512), 4, 10),
     ("stream2d", (8, 8, 128), None, 10), ("stream2d", (4, 4, 16), None, 0),
+    ("stream2d", (256, 16, 256), 4, 10), ("stream2d", (256, 16, 256), 4, 0), ("stream2d", (256, 8, 128), 8, 10),
+    ("stream2d", (128, 32, 128), 4, 10), ("stream2d", (128, 16, 128), 4, 10), ("stream", (256, 8, 256), 5, 10),
     ("v1", (16, 128), None, 0), ("v1", (32, 128), 2, 0), ("v1", (4, 16), None, 0)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, dtype):
@@ -225,8 +229,9 @@ def test_stream_tiles():
     from m2export.contract_conv1d import Conv1dProblem
     from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
-    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 256)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 256)
+    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 128)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 128)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=1000, conv_dim=1000, d_conv=4), 2) == (16, 8, 128)
     assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4) == (8, 8, 64)
 
 
@@ -252,14 +257,25 @@ UPDATE = [pytest.param(1, 200, 4, id="B1"), pytest.param(5, 5376 // 8, 3, id="B5
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("impl,tiles", [(None, None), ("gather", None), ("cols", (8, 256)), ("cols", (1, 1024)),
+                                        ("cols", (16, 128))])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,conv_dim,d_conv", UPDATE)
-def test_cutile_update_in_place(batch, conv_dim, d_conv, dtype):
+def test_cutile_update_in_place(batch, conv_dim, d_conv, dtype, impl, tiles):
+    """The default update (public entry point) and each kernel/tile choice vs float64, NaN-poisoned y, the state
+    shifted exactly."""
+    from m2export.contract_conv1d import validate_update
+    from m2export.kernels.conv1d.cutile import conv_update_cutile
+
     x, w, bs, cs = make(batch, 1, conv_dim, d_conv, dtype, seed=batch + conv_dim, pad=8, device="cuda")
     y_ref, st_ref = oracle(x, w, bs, cs)
     y = torch.full((batch, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
     state = cs.clone()
-    res = conv_update(x[:, 0], state, w, bs, out=y)
+    if impl is None:
+        res = conv_update(x[:, 0], state, w, bs, out=y)
+    else:
+        res = conv_update_cutile(x[:, 0], state, w, bs, problem=validate_update(x[:, 0], state, w, bs), silu=True,
+                                 out=y, impl=impl, tiles=tiles)
     torch.cuda.synchronize()
     assert res.y is y and res.final_conv_state is state
     assert_close("y", y_ref[:, 0], y.cpu(), rel=Y_REL[dtype])

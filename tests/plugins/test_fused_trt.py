@@ -194,7 +194,9 @@ def test_conv_aot_kernel_slots_and_extras(seqlen, dtype):
               "final_conv_state": exprs("batch", 200, 3)}
     launch = fp.conv_aot_launch(shapes, TRT_DT[dtype], "silu", gpu_code="sm_90")
     k = launch["kernel"]
-    assert launch["name"].startswith("conv1d_stream_kernel") and ".target sm_90" in launch["ptx"]
+    from m2export.kernels.conv1d import cutile as K
+
+    assert launch["name"].startswith(f"conv1d_{K.STREAM_IMPL}_kernel") and ".target sm_90" in launch["ptx"]
     slots = k.amap.trt_slots
     assert [s for s in slots if s.endswith(".ptr")] == ["x.ptr", "weight.ptr", "bias.ptr", "conv_state.ptr",
                                                         "y.ptr", "state_out.ptr"]

@@ -4,9 +4,10 @@ Order: tile helpers -> ``@ct.kernel`` functions (docstrings name the grid and wh
 -> launch configuration -> :func:`causal_conv1d_cutile` / :func:`conv_update_cutile` (called by
 :mod:`m2export.kernels.conv1d`).
 
-Prefill (default), one launch: :func:`conv1d_stream_kernel`. Block (token range, c-tile, b) walks its
-tokens ROWS at a time, one (1, 1, BLOCK_C) row load per token (a row index is a tile index: no
-array slices), keeps the last d_conv-1 rows on chip, gathers the d_conv-1 rows before its range
+Prefill, one launch: a streaming kernel (default :func:`conv1d_stream2d_kernel`, :data:`STREAM_IMPL`; also
+:func:`conv1d_stream_kernel`). Block (token range, c-tile, b) walks its tokens ROWS at a time (stream2d: one
+(1, ROWS, BLOCK_C) tile per step; stream: one (1, 1, BLOCK_C) row load per token; a row index is a tile
+index: no array slices), keeps the last d_conv-1 rows on chip, gathers the d_conv-1 rows before its range
 once (from conv_state for tokens < 0), and the block holding the last token writes the final
 conv_state. x is read once from DRAM and L2 (v1 below read each row once per tap from L2).
 
@@ -23,16 +24,17 @@ bounds of conv_state at d_conv-1+t, so the sum of two gathers is the padded inpu
 final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Accumulation in fp32
 in both; y in x's dtype.
 
-Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the streaming
-kernel 320-345 us (2.0x the byte floor). Read PTX built with ct.launch's constraints (extents
+Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the stream kernel
+320-351 us (2.0-2.1x the byte floor), stream2d 256x8x128 at occupancy 8 with the latency hint 287 us (1.75x). Read PTX built with ct.launch's constraints (extents
 divisible by 16, tests/kernels/test_kernels_compile.py): built without them, tileiras shows one
 2-byte load per element; with them, 16-byte loads. A variant that loads one (BLOCK_T, 4, BLOCK_C)
 tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the taps
 ran 1.8x slower than v1.
 
-Update. Block (b-tile, c-tile) reads the (BLOCK_B, BLOCK_C, 4) window [conv_state, x], writes y and
-the state shifted by one token, in place (each block reads its state tile before writing it, and
-no two blocks share one).
+Update (default :func:`conv1d_update_cols_kernel`, :data:`UPDATE_IMPL`). Block (b-tile, c-tile) reads the
+window [conv_state columns, x], writes y and the state shifted by one token, in place (each block reads its
+state tile before writing it, and no two blocks share one). H200, batch 128 bf16: 15.6 / 19.6 us at
+mamba2-2.7b / Nemotron-H-8B against 24.7 / 41.7 for the gather kernel (floor 2.6 / 4.9).
 
 Bytes (prefill): x read and y written once each, 2 * batch * seqlen * conv_dim * itemsize; the
 state and weights are small.
@@ -87,6 +89,12 @@ def _ct_rows_load(x, index, ROWS: ConstInt, BLOCK_C: ConstInt, LATENCY: ConstInt
     if LATENCY > 0:
         return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO, latency=LATENCY)
     return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO)
+
+
+def _n_steps(seqlen, t0, BLOCK_T: ConstInt, ROWS: ConstInt):
+    """Steps of ROWS tokens a streaming block starting at token t0 takes: its BLOCK_T tokens, cut at the step holding
+    token seqlen - 1, so no row tile it loads lies wholly past the end of x (cuTile leaves such a load undefined)."""
+    return min(BLOCK_T, seqlen - t0 + ROWS - 1) // ROWS
 
 
 def _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV: ConstInt, HAS_STATE: ConstBool):
@@ -168,7 +176,7 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
         if HAS_STATE:
             r = r + ct.gather(conv_state, (b, cidx, t + (D_CONV - 1))).astype(f32)
         win += (r,)
-    for s in range(BLOCK_T // ROWS):
+    for s in range(_n_steps(seqlen, t0, BLOCK_T, ROWS)):
         t1 = t0 + s * ROWS
         rows = ()
         for i in ct.static_iter(range(ROWS)):
@@ -213,7 +221,7 @@ def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: C
         if HAS_STATE:
             r = r + ct.gather(conv_state, (b, cidx, t + (D_CONV - 1))).astype(f32)
         win += (r.reshape((1, BLOCK_C)),)
-    for s in range(steps):
+    for s in range(_n_steps(seqlen, t0, BLOCK_T, ROWS)):
         cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY).reshape((ROWS, BLOCK_C)).astype(f32)
         rows = ()
         for i in ct.static_iter(range(ROWS)):
@@ -291,6 +299,33 @@ def conv1d_update_kernel(x, weight, bias, conv_state, y,
     ct.scatter(conv_state, (bidx[:, None, None], cidx[None, :, None], j[None, None, :]), new.astype(conv_state.dtype))
 
 
+@ct.kernel
+def conv1d_update_cols_kernel(x, weight, bias, conv_state, y, BLOCK_B: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt,
+                              HAS_BIAS: ConstBool, SILU: ConstBool):
+    """Single-token update as :func:`conv1d_update_kernel` (same grid, block ownership, in place on conv_state),
+    with plain tile loads and stores instead of 3-D gathers: state column j of the block is the
+    (BLOCK_B, BLOCK_C, 1) tile (bb, ci, j) of conv_state (no index tiles: the gathers' int32 index tensors
+    took 255 registers per thread, sm_90 CPU build), the weights' tap k the (BLOCK_C, 1) tile (ci, k). Every
+    column is read before any is written (the stores use the values just loaded, the same tiles)."""
+    bb = ct.bid(0)
+    ci = ct.bid(1)
+    f32 = ct.float32
+    xt = ct.load(x, index=(bb, ci), shape=(BLOCK_B, BLOCK_C), padding_mode=_ZERO).astype(f32)
+    cols = ()
+    for j in ct.static_iter(range(D_CONV - 1)):
+        cols += (ct.load(conv_state, index=(bb, ci, j), shape=(BLOCK_B, BLOCK_C, 1),
+                         padding_mode=_ZERO).reshape((BLOCK_B, BLOCK_C)).astype(f32),)
+    win = cols + (xt,)
+    acc = ct.full((BLOCK_B, BLOCK_C), 0.0, dtype=f32) + _ct_bias(bias, ci, BLOCK_C, HAS_BIAS)[None, :]
+    for k in ct.static_iter(range(D_CONV)):
+        w = ct.load(weight, index=(ci, k), shape=(BLOCK_C, 1), padding_mode=_ZERO).reshape((BLOCK_C,)).astype(f32)
+        acc = acc + win[k] * w[None, :]
+    ct.store(y, index=(bb, ci), tile=_ct_act(acc, SILU).astype(y.dtype))
+    for j in ct.static_iter(range(D_CONV - 1)):
+        ct.store(conv_state, index=(bb, ci, j),
+                 tile=win[j + 1].astype(conv_state.dtype).reshape((BLOCK_B, BLOCK_C, 1)))
+
+
 # ----------------------------------------------------------------------------- launch configuration
 def choose_fwd_tiles(p: Conv1dProblem) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_C) of the streaming prefill kernel, no occupancy hint: 16 tokens x 128 channels,
@@ -303,22 +338,46 @@ def choose_fwd_tiles(p: Conv1dProblem) -> tuple[int, int]:
 
 
 def choose_update_tiles(p: Conv1dProblem) -> tuple[int, int]:
-    """(BLOCK_B, BLOCK_C) of the update: 4 rows x 256 channels."""
+    """(BLOCK_B, BLOCK_C) of the update: 4 rows x 256 channels (H200, batch 128 bf16, cols kernel: 15.7 / 19.6 us
+    at mamba2-2.7b / Nemotron-H-8B; 8x256 14.8 / 23.6, 2x512 16.0 / 22.5, 16x128 15.3 / 25.0)."""
     bb = min(4, 1 << max(0, p.batch - 1).bit_length())
     bc = 256 if p.conv_dim > 128 else max(16, 1 << (p.conv_dim - 1).bit_length())
     return bb, bc
 
 
-STREAM_LATENCY = 0
-"""The streaming prefill's row-load latency hint by default (0: none, the compiler's own)."""
+UPDATE_IMPL = "cols"
+"""The single-token update's kernel by default: "cols" (:func:`conv1d_update_cols_kernel`, plain tile loads, 84
+registers at 4 x 256 bf16 in the sm_90 CPU build) or "gather" (:func:`conv1d_update_kernel`, 255 registers)."""
+
+STREAM_IMPL = "stream2d"
+"""The prefill's kernel by default: "stream2d" (:func:`conv1d_stream2d_kernel`) or "stream"
+(:func:`conv1d_stream_kernel`). H200, bf16, 2026-12-02 (benchmarks/NOTES_fusion.md): stream2d 256x8x128 with
+occupancy 8 and latency 10 286.8 / 93.6 us at mamba2-2.7b 4x8192 / 1x8192 and 482.5 / 139.3 at Nemotron-H-8B,
+against 351.3 / 96.8 and 643.5 / 157.8 for the stream kernel at 256x8x256 (no hints) in the same run."""
+
+STREAM_OCCUPANCY = 8
+"""The streaming prefill's blocks-per-SM hint by default (sm_90 CPU build of stream2d 256x8x128 bf16 with it: 63
+registers, 7 KB of shared memory, no spills: eight blocks of 128 threads per SM)."""
+
+STREAM_LATENCY = 10
+"""The streaming prefill's row-load latency hint by default (1..10; 0: none, the compiler's own)."""
+
+STREAM_KERNELS = {"stream": conv1d_stream_kernel, "stream2d": conv1d_stream2d_kernel}
+"""The prefill's streaming kernels by ``impl`` name (same parameters, grid and tiles)."""
+
+
+def stream_kernel(impl: str = STREAM_IMPL, occupancy: int = STREAM_OCCUPANCY):
+    """The streaming prefill kernel ``impl`` with the blocks-per-SM hint ``occupancy`` (0: none); the JIT launcher
+    and the AOT plugin (m2export/plugins/fused_trt.py) both take the kernel from here."""
+    return hinted(STREAM_KERNELS[impl], occupancy or None)
 
 
 def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_T, ROWS, BLOCK_C) of :func:`conv1d_stream_kernel`: 256 channels (smaller for narrow
-    problems), 8 rows per step, and the longest token range (256 down to 16) that still gives >= 4
-    blocks per SM. Measured on the H200 at mamba2-2.7b 4 x 8192 bf16 (benchmarks/NOTES_fusion.md):
-    256x8x256 320 us, 256x4x512 337, 256x4x1024 449, 256x8x512 562."""
-    bc = min(256, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
+    """(BLOCK_T, ROWS, BLOCK_C) of the streaming kernels: 128 channels (smaller for narrow problems), 8 rows per
+    step, and the longest token range (256 down to 16) that still gives >= 4 blocks per SM. Measured on the H200
+    (benchmarks/NOTES_fusion.md), mamba2-2.7b 4 x 8192 bf16: stream2d 256x8x128 at occupancy 8, latency 10 287 us;
+    stream 256x8x256 320-351, 256x4x512 337, 256x8x512 562; stream2d 256x16x128 / 256x32x128 (occupancy 4) 393 / 387."""
+    bc = min(128, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
     rows = 8
     bt = 256
     n_c = -(-p.conv_dim // bc)
@@ -328,22 +387,35 @@ def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) ->
     return bt, rows, bc
 
 
+def check_stream_tiles(impl: str, tiles: tuple[int, int, int], d_conv: int) -> None:
+    """Raise ContractError unless ``tiles`` (BLOCK_T, ROWS, BLOCK_C) fit the streaming kernel ``impl``: BLOCK_T a
+    multiple of ROWS, ROWS >= d_conv - 1 (with fewer rows per step the stream kernel gave wrong outputs on the
+    H200), ROWS a power of two for stream2d."""
+    bt, rows, bc = tiles
+    if bt % rows or rows < d_conv - 1 or (impl == "stream2d" and rows & (rows - 1)):
+        raise ContractError(f"tiles: {tuple(tiles)} need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1 "
+                            f"({d_conv - 1}; a power of two for 'stream2d'): with fewer rows per step the "
+                            "kernel gave wrong outputs on the H200")
+
+
 def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
                          state_out=None, stream=None, tiles: tuple[int, ...] | None = None,
-                         occupancy: int | None = None, impl: str = "stream", latency: int | None = None) -> Conv1dOutput:
+                         occupancy: int | None = None, impl: str | None = None,
+                         latency: int | None = None) -> Conv1dOutput:
     """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
 
     ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
-    in_proj output); weight/bias/conv_state are made contiguous. ``impl`` "stream" (default): one
-    launch of :func:`conv1d_stream_kernel`, ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding
-    :func:`choose_stream_tiles`; "stream2d": :func:`conv1d_stream2d_kernel`, same tiles (ROWS a power
-    of two); "v1": :func:`conv1d_fwd_kernel` + :func:`conv1d_edge_kernel`, ``tiles`` = (BLOCK_T,
-    BLOCK_C) overriding :func:`choose_fwd_tiles` (benchmarks). ``occupancy`` overrides the compiler's
-    default; ``latency`` the streaming kernels' row-load hint (1..10, 0: none; default
-    :data:`STREAM_LATENCY`).
+    in_proj output); weight/bias/conv_state are made contiguous. ``impl`` (default :data:`STREAM_IMPL`):
+    "stream2d" (:func:`conv1d_stream2d_kernel`) or "stream" (:func:`conv1d_stream_kernel`), one launch,
+    ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding :func:`choose_stream_tiles` (ROWS a power of two for
+    stream2d), ``occupancy`` the blocks-per-SM hint (default :data:`STREAM_OCCUPANCY`, 0: none), ``latency``
+    the row-load hint (default :data:`STREAM_LATENCY`; 1..10, 0: none); "v1": :func:`conv1d_fwd_kernel` +
+    :func:`conv1d_edge_kernel`, ``tiles`` = (BLOCK_T, BLOCK_C) overriding :func:`choose_fwd_tiles`, no hint
+    unless ``occupancy`` (benchmarks).
     """
     from m2export.kernels.conv1d import conv_out_buffers
 
+    impl = STREAM_IMPL if impl is None else impl
     if impl not in ("stream", "stream2d", "v1"):
         raise ContractError(f"impl: expected 'stream', 'stream2d' or 'v1', got {impl!r}")
     lat = STREAM_LATENCY if latency is None else int(latency)
@@ -365,19 +437,16 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
         s_arg = conv_state if conv_state is not None else st_out
         if impl in ("stream", "stream2d"):
             bt, rows, bc = tiles or choose_stream_tiles(p, x.element_size())
-            if bt % rows or rows < p.d_conv - 1 or (impl == "stream2d" and rows & (rows - 1)):
-                raise ContractError(f"tiles: {(bt, rows, bc)} need BLOCK_T a multiple of ROWS and ROWS >= d_conv - 1 "
-                                    f"({p.d_conv - 1}; a power of two for 'stream2d'): with fewer rows per step the "
-                                    "kernel gave wrong outputs on the H200")
-            kern = conv1d_stream_kernel if impl == "stream" else conv1d_stream2d_kernel
-            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), hinted(kern, occupancy),
+            check_stream_tiles(impl, (bt, rows, bc), p.d_conv)
+            kern = stream_kernel(impl, STREAM_OCCUPANCY if occupancy is None else occupancy)
+            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), kern,
                       (x, weight, b_arg, s_arg, y, st_out, bt, rows, bc, p.d_conv, bias is not None,
                        conv_state is not None, bool(silu), lat))
             return Conv1dOutput(y, st_out)
         bt, bc = tiles or choose_fwd_tiles(p)
         n_main = p.seqlen - (p.d_conv - 1)
         if n_main > 0:
-            ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_fwd_kernel, occupancy),
+            ct.launch(raw, (-(-n_main // bt), -(-p.conv_dim // bc), p.batch), hinted(conv1d_fwd_kernel, occupancy or None),
                       (x, weight, b_arg, y, bt, bc, p.d_conv, bias is not None, bool(silu)))
         ct.launch(raw, (-(-p.conv_dim // EDGE_BLOCK_C), p.batch, 1), conv1d_edge_kernel,
                   (x, weight, b_arg, s_arg, y, st_out, EDGE_BLOCK_C,
@@ -386,9 +455,14 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
 
 
 def conv_update_cutile(x, conv_state, weight, bias, *, problem: Conv1dProblem, silu: bool, out=None,
-                       stream=None, tiles: tuple[int, int] | None = None) -> Conv1dOutput:
+                       stream=None, tiles: tuple[int, int] | None = None, impl: str | None = None) -> Conv1dOutput:
     """cuTile single-token update on validated arguments, in place on ``conv_state`` (which must be
-    contiguous); see :func:`m2export.kernels.conv1d.conv_update`."""
+    contiguous); see :func:`m2export.kernels.conv1d.conv_update`. ``impl``: "cols"
+    (:func:`conv1d_update_cols_kernel`) or "gather" (:func:`conv1d_update_kernel`); default
+    :data:`UPDATE_IMPL`. ``tiles`` = (BLOCK_B, BLOCK_C) overrides :func:`choose_update_tiles`."""
+    impl = UPDATE_IMPL if impl is None else impl
+    if impl not in ("cols", "gather"):
+        raise ContractError(f"impl: expected 'cols' or 'gather', got {impl!r}")
     p = problem
     dev = x.device
     if not conv_state.is_contiguous():
@@ -403,7 +477,8 @@ def conv_update_cutile(x, conv_state, weight, bias, *, problem: Conv1dProblem, s
         if p.batch == 0:
             return Conv1dOutput(out, conv_state)
         bb, bc = tiles or choose_update_tiles(p)
-        ct.launch(int(stream_.cuda_stream), (-(-p.batch // bb), -(-p.conv_dim // bc), 1), conv1d_update_kernel,
+        kern = conv1d_update_cols_kernel if impl == "cols" else conv1d_update_kernel
+        ct.launch(int(stream_.cuda_stream), (-(-p.batch // bb), -(-p.conv_dim // bc), 1), kern,
                   (x, weight, bias if bias is not None else weight, conv_state, out, bb, bc, p.d_conv,
                    bias is not None, bool(silu)))
     return Conv1dOutput(out, conv_state)
