@@ -45,7 +45,7 @@ from m2export import backends, names
 from m2export.check.data import (TokenDataLoader, byte_tokens, check_shapes, chunk_size_of, default_shapes,
                                  read_corpus, token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
-from m2export.check.repro import DATA_LOADER_SCRIPT  # noqa: F401 (re-exported)
+from m2export.check.repro import DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE
 from m2export.check.repro import (RecordingLoader, left_out_note, reproduction_commands, ssmscan_build_note,
                                    write_saved)
 from m2export.check.repro import describe as describe_saved
@@ -58,7 +58,7 @@ from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,
                              ParameterError, UsageError)
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
-from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest
+from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest, record_files
 from m2export.exporter.runtime import Decoder, feed_dtype_of
 
 log = logging.getLogger(__name__)
@@ -600,16 +600,21 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
         vocab_coverage=loader.coverage, reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
+    written = [REPORT_JSON, REPORT_MD]
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
+            written += [DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE]
             cmds = reproduction_commands(outdir, manifest, report_dir, atol_d, rtol_d)
             report.polygraphy_commands, report.tensorrt_commands = cmds["onnxrt"], cmds["tensorrt"]
             report.saved, report.commands_dir = describe_saved(rec), str(report_dir)
             report.tensorrt_note = ssmscan_build_note(manifest) or ""
             report.reproduce_note = left_out_note(manifest) or ""
         report.histogram, report.histogram_note = _histogram(hist, report_dir / REPORT_PNG)
+        written += [REPORT_PNG] if report.histogram else []
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
+        if report_dir.resolve() == outdir.resolve():  # ours now: `export --force` may replace them
+            record_files(outdir, written)
     except OSError as e:
         raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
                                 hint="pass a writable folder as `report_dir`") from None

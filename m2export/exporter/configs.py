@@ -52,6 +52,8 @@ WEIGHTS_FILE = "model.onnx.data"
 #: role of the one graph per flavour: prefill, and decode at sequence_length 1
 GRAPH_ROLE = "prefill+decode"
 MANIFEST_FILE = "m2export.json"
+#: TensorRT timing cache ``m2export build`` reuses and updates in OUTDIR (by default)
+TIMING_CACHE_FILE = ".timing.cache"
 SSM_IMPLS = tuple(FLAVOURS)  # graph flavours ("ssmscan", "std", "native"): m2export/names.py
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 

@@ -35,7 +35,7 @@ from m2export import _paths
 from m2export.errors import ExportError, Interrupted, InternalError, M2ExportError, ParameterError, UsageError
 from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREFILL_FILE, SEQ,
                                        WEIGHTS_FILE, GraphIO)
-from m2export.exporter.manifest import GraphEntry, Manifest, foreign_reason, write_manifest
+from m2export.exporter.manifest import GraphEntry, Manifest, aux_record, foreign_reason, write_manifest
 from m2export.exporter.genai import TOKENIZER_FILES, write_genai_files
 from m2export.exporter.fused_ops import RMS_NORMALIZATION_OPSET, rms_normalization
 from m2export.exporter.native_ort import to_native_ort
@@ -707,8 +707,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,
                             checkpoint_sha256=ck.sha256, config=_manifest_config(ck), dtype=dtype, opset=opset,
                             graphs=graphs, tool_versions=tool_versions(), tokenizer=tokenizer)
+        manifest.files = aux_record(tmp, write_genai_files(tmp, manifest, checkpoint))  # ours: --force replaces them
         write_manifest(tmp, manifest)
-        write_genai_files(tmp, manifest, checkpoint)
         unchanged_since(stamps)
         if ck.pages is not None:
             ck.pages.check()

@@ -17,13 +17,15 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
 
 Graph flavours are named as in :mod:`m2export.names`; a manifest written with the old names
 (``plugin``/``onnx``) is read with the new ones. :func:`foreign_reason` tells a folder m2export wrote
-(``export --force`` may replace it) from any other. Version 1 folders (separate decode.onnx graphs, weights
+(``export --force`` may replace it) from any other; the manifest's ``files`` records the sha256 of each auxiliary
+file (genai_config.json, tokenizer copies, check reports, .timing.cache) as m2export wrote it, so that a user's
+file of the same name, or one edited since, is never taken for m2export's. Version 1 folders (separate decode.onnx graphs, weights
 stored in every graph) are refused with a re-export hint.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -32,7 +34,7 @@ from typing import Any
 
 from m2export._paths import loads_json
 from m2export.errors import ExportFolderError
-from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS
+from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS, TIMING_CACHE_FILE
 from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
 from m2export.models.config import Mamba2Config
 from m2export.names import canonical
@@ -43,9 +45,11 @@ ROLES = ("prefill", "decode")
 #: saved inputs and reference outputs (m2export/check/repro.py)
 CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py",
                       "check_inputs.json", "check_reference_outputs.json")
-#: other names m2export writes into OUTDIR (besides the manifest's graphs and engines, and the fixed graph,
-#: weight and engine names of :func:`_graph_and_engine_names`)
-_OUTDIR_PATTERNS = (MANIFEST_FILE, ".timing.cache", *CHECK_REPORT_FILES, GENAI_CONFIG_FILE, *TOKENIZER_FILES)
+#: the auxiliary files m2export writes into OUTDIR (besides its manifest, the manifest's graphs and engines, and the
+#: fixed graph, weight and engine names of :func:`_graph_and_engine_names`): export's genai_config.json and
+#: tokenizer copies, check's reports, build's timing cache. Each is recorded with its sha256 in the manifest's
+#: ``files`` when written (:func:`record_files`); ``export --force`` replaces one only while its content is that.
+AUX_FILES = (TIMING_CACHE_FILE, *CHECK_REPORT_FILES, GENAI_CONFIG_FILE, *TOKENIZER_FILES)
 
 
 def _graph_and_engine_names() -> set[str]:
@@ -138,6 +142,9 @@ class Manifest:
     manifest_version: int = MANIFEST_VERSION
     #: tokenizer files copied from the checkpoint folder (genai.TOKENIZER_FILES that were there)
     tokenizer: list[str] = field(default_factory=list)
+    #: the auxiliary files (:data:`AUX_FILES`) m2export wrote into OUTDIR: name -> sha256 (hex) of the content it
+    #: wrote, so that ``export --force`` never deletes a user's file of the same name (:func:`foreign_reason`)
+    files: dict[str, str] = field(default_factory=dict)
 
     def model_config(self):
         """The model description: a :class:`Mamba2Config` (mamba_ssm / HF Mamba-2 exports) or, for a hybrid
@@ -207,7 +214,51 @@ class Manifest:
         for i, e in enumerate(d["engines"]):
             for name in (e.file, e.onnx_file):
                 _file_name(name, f"engine {i}")
+        _check_files_record(d.get("files", {}))
         return cls(**d)
+
+
+def _check_files_record(files) -> None:
+    """``files`` is {name in :data:`AUX_FILES`: 64 hex digits} (ValueError otherwise)."""
+    if not isinstance(files, dict):
+        raise ValueError(f"'files' {files!r} is not an object of file name -> sha256")
+    for name, digest in files.items():
+        if name not in AUX_FILES:
+            raise ValueError(f"'files': {name!r} is not an auxiliary file m2export writes ({', '.join(AUX_FILES)})")
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise ValueError(f"'files': {name!r}: {digest!r} is not a sha256 (64 lowercase hex digits)")
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 (hex) of the file ``path``. Raises OSError."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def aux_record(outdir: str | Path, names) -> dict[str, str]:
+    """{name: sha256} of each ``names`` file in OUTDIR (the ``files`` entries for what m2export just wrote)."""
+    return {n: file_sha256(Path(outdir) / n) for n in names}
+
+
+def record_files(outdir: str | Path, names) -> None:
+    """Record OUTDIR's ``names`` (auxiliary files m2export has just written there) with their sha256 in the
+    manifest's ``files``; the manifest is otherwise kept as it is (read as JSON, rewritten atomically). A folder
+    without a readable manifest is left alone (nothing to record in). Raises OSError."""
+    from m2export._paths import atomic_write_text
+
+    f = Path(outdir) / MANIFEST_FILE
+    try:
+        raw = loads_json(f.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(raw, dict):
+        return
+    files = raw.get("files") if isinstance(raw.get("files"), dict) else {}
+    raw["files"] = {**files, **aux_record(outdir, names)}
+    atomic_write_text(f, json.dumps(raw, indent=2, default=str) + "\n")
 
 
 def _file_name(name, what: str) -> None:
@@ -321,7 +372,9 @@ def foreign_reason(folder: str | Path) -> str | None:
     """None if ``folder`` is an m2export output folder holding only what m2export writes, else why not.
 
     m2export's: a readable manifest (``manifest_version`` and ``graphs``), and every entry is one of the
-    manifest's graph/data/engine files or a name m2export writes (:data:`_OUTDIR_PATTERNS`).
+    manifest's graph/data/engine files, a graph/weight/engine name m2export writes, or an auxiliary file
+    (:data:`AUX_FILES`) whose content is the one the manifest's ``files`` records (a user's own
+    ``check_report.md`` or ``tokenizer.json`` with one of those names is not m2export's, nor is one edited since).
     """
     d = Path(folder)
     try:
@@ -331,12 +384,32 @@ def foreign_reason(folder: str | Path) -> str | None:
         ok = False
     if not ok:
         return f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
-    listed = _graph_and_engine_names()
+    listed = _graph_and_engine_names() | {MANIFEST_FILE}
     for g in raw["graphs"] + list(raw.get("engines") or []):
         if isinstance(g, dict):
             listed |= {str(g.get("file"))} | {str(x) for x in g.get("external_data") or []}
-    other = sorted(p.name for p in d.iterdir() if p.name not in listed and not p.name.startswith(".m2export")
-                   and not any(fnmatch.fnmatchcase(p.name, pat) for pat in _OUTDIR_PATTERNS))
+    recorded = raw.get("files") if isinstance(raw.get("files"), dict) else {}
+    other, changed = [], []
+    for p in sorted(d.iterdir()):
+        if p.name in listed or p.name.startswith(".m2export"):
+            continue
+        if p.name in AUX_FILES and p.name in recorded:
+            try:
+                same = p.is_file() and not p.is_symlink() and file_sha256(p) == recorded[p.name]
+            except OSError:
+                same = False
+            if not same:
+                changed.append(p.name)
+        else:
+            other.append(p.name)
+
+    def names(xs):
+        return ", ".join(xs[:5]) + (" ..." if len(xs) > 5 else "")
+    why = []
     if other:
-        return f"holds file(s) m2export did not write ({', '.join(other[:5])}{' ...' if len(other) > 5 else ''})"
-    return None
+        why.append(f"holds file(s) m2export did not write ({names(other)})"
+                   + (f" (its {MANIFEST_FILE}, from an older m2export, records none of the auxiliary files it wrote)"
+                      if "files" not in raw and set(other) & set(AUX_FILES) else ""))
+    if changed:
+        why.append(f"holds file(s) changed since m2export wrote them ({names(changed)})")
+    return "; ".join(why) or None

@@ -36,15 +36,15 @@ from typing import Any, Sequence
 from m2export import backends
 from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError,
                              RuntimeLoadError, UsageError)
-from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ
-from m2export.exporter.manifest import REEXPORT_HINT, EngineEntry, Manifest, read_manifest, write_manifest
+from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ, TIMING_CACHE_FILE
+from m2export.exporter.manifest import (REEXPORT_HINT, EngineEntry, Manifest, aux_record, read_manifest,
+                                       write_manifest)
 from m2export.exporter.packed import NSEQ, PACKED_ROLE, TOKENS
 from m2export.names import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
 
 BATCH_SYMBOL, SEQ_SYMBOL, PAST_SYMBOL = BATCH, SEQ, PAST_SEQ
-TIMING_CACHE_FILE = ".timing.cache"
 _ONNX_FLOAT = {1: "fp32", 10: "fp16", 16: "bf16"}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
 
 
@@ -416,6 +416,8 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     if manifest is not None:
         files_built = {e.file for e in result.engines}
         manifest.engines = [e for e in manifest.engines if e.file not in files_built] + result.engines
+        if cache is not None and cache.is_file() and cache.resolve() == (outdir / TIMING_CACHE_FILE).resolve():
+            manifest.files = {**manifest.files, **aux_record(outdir, [TIMING_CACHE_FILE])}  # --force may replace it
         write_manifest(outdir, manifest)
         result.manifest_updated = True
     return result

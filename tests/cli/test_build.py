@@ -457,6 +457,30 @@ def test_packed_prefill_graph_gets_its_own_engine(tmp_path, caplog):
     assert "not built" not in caplog.text
 
 
+def test_build_records_the_timing_cache_it_writes_into_outdir(tmp_path, monkeypatch):
+    """OUTDIR/.timing.cache, written by build, is recorded with its sha256 in the manifest's ``files`` (so that
+    ``export --force`` may replace it, and only while its content is what build wrote). TensorRT and the GPU are
+    stood in for: the builder writes the cache and returns engine bytes."""
+    import m2export.trt.loader as L
+    from m2export.exporter.manifest import file_sha256, foreign_reason
+
+    out = make_outdir(tmp_path)
+    monkeypatch.setattr(B, "require_tensorrt", lambda: SimpleNamespace(__version__="10.0"))
+    monkeypatch.setattr(B, "require_gpu", lambda: ("H200", "9.0"))
+    monkeypatch.setattr(L, "count_ssm_scan_nodes", lambda path: 0)
+
+    def fake_build(t, *, timing_cache, **k):
+        Path(timing_cache).write_bytes(b"cache of " + t.onnx.name.encode())
+        return b"engine"
+    monkeypatch.setattr(B, "build_engine_bytes", fake_build)
+    B.build_engines(out, roles=("prefill", "decode"))
+    m = read_manifest(out, consistent=False)
+    assert m.files == {B.TIMING_CACHE_FILE: file_sha256(out / B.TIMING_CACHE_FILE)}
+    assert foreign_reason(out) is None
+    (out / B.TIMING_CACHE_FILE).write_bytes(b"changed")
+    assert foreign_reason(out) == f"holds file(s) changed since m2export wrote them ({B.TIMING_CACHE_FILE})"
+
+
 @pytest.mark.parametrize("args,first", [
     (["--min-batch", "4", "--max-batch", "2"],
      "error: --min-batch 4, --opt-batch 1, --max-batch 2: expected 1 <= --min-batch <= --opt-batch <= --max-batch"),

@@ -129,6 +129,72 @@ def test_force_replaces_an_export_holding_unlisted_files_m2export_writes(tmp_pat
     assert not (out / name).exists() or (out / name).read_text() != "stale"
 
 
+@pytest.mark.parametrize("name", ["check_report.md", "check_inputs.json", "tokenizer.json", ".timing.cache"])
+def test_force_refuses_a_users_file_named_like_one_m2export_writes(tmp_path, capsys, ck, previous, name):
+    """A user's own check_report.md (tokenizer.json, ...) in an export folder, not written by m2export: --force
+    deleted it (every name m2export may write counted as m2export's, whatever the content). Now only a file the
+    manifest records (its sha256) is: one line naming the file, exit 1, the file kept."""
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    (out / name).write_text("my notes")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first == f"error: {out}: holds file(s) m2export did not write ({name}); --force replaces only folders " \
+                    "m2export wrote", err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert (out / name).read_text() == "my notes"
+
+
+def test_force_refuses_an_auxiliary_file_changed_since_m2export_wrote_it(tmp_path, capsys, ck, previous):
+    """genai_config.json as the previous export wrote it is replaced (the other --force tests); edited by the user
+    (its content no longer the recorded sha256), it is theirs: refused, naming it, and kept."""
+    from m2export.exporter.genai import GENAI_CONFIG_FILE
+
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    mine = (out / GENAI_CONFIG_FILE).read_text().replace('"num_beams": 1', '"num_beams": 4')
+    assert mine != (previous / GENAI_CONFIG_FILE).read_text()
+    (out / GENAI_CONFIG_FILE).write_text(mine)
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}: holds file(s) changed since m2export wrote them ({GENAI_CONFIG_FILE}); "), err
+    assert (out / GENAI_CONFIG_FILE).read_text() == mine
+
+
+def test_force_refuses_auxiliary_files_a_manifest_without_the_record_lists(tmp_path, capsys, ck, previous):
+    """A folder from an m2export that recorded no ``files``: its genai_config.json cannot be told from a user's, so
+    --force refuses and says why (--force-foreign replaces it)."""
+    import json
+
+    from m2export.exporter.configs import MANIFEST_FILE
+
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    raw = json.loads((out / MANIFEST_FILE).read_text())
+    del raw["files"]
+    (out / MANIFEST_FILE).write_text(json.dumps(raw))
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "did not write (genai_config.json) (its m2export.json, from an older m2export, records none" in err, err
+    assert main(["export", str(ck), "-o", str(out), "--force", "--force-foreign", "-q"]) == 0
+
+
+def test_check_reports_written_into_the_export_are_recorded_and_replaced(tmp_path, ck, previous):
+    """`m2export check OUTDIR` records the reports it writes there: a later --force replaces them."""
+    from m2export.exporter.manifest import CHECK_REPORT_FILES, file_sha256, read_manifest
+
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    assert main(["check", str(out), "--shapes", "1x4", "--decode-steps", "1", "-q"]) == 0
+    files = read_manifest(out).files
+    written = [n for n in CHECK_REPORT_FILES if (out / n).exists()]
+    assert "check_report.md" in written and sorted(n for n in files if n in CHECK_REPORT_FILES) == sorted(written)
+    assert all(files[n] == file_sha256(out / n) for n in written)
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 0
+    assert is_complete_export(out, "ssmscan")
+
+
 def test_force_foreign_replaces_on_request(tmp_path, ck):
     out = tmp_path / "thesis"
     out.mkdir()
