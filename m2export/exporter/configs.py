@@ -52,6 +52,8 @@ WEIGHTS_FILE = "model.onnx.data"
 #: role of the one graph per flavour: prefill, and decode at sequence_length 1
 GRAPH_ROLE = "prefill+decode"
 MANIFEST_FILE = "m2export.json"
+#: the lowest default-domain ONNX opset m2export exports (and reads back from a manifest)
+MIN_OPSET = 18
 #: TensorRT timing cache ``m2export build`` reuses and updates in OUTDIR (by default)
 TIMING_CACHE_FILE = ".timing.cache"
 SSM_IMPLS = tuple(FLAVOURS)  # graph flavours ("ssmscan", "std", "native"): m2export/names.py

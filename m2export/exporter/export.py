@@ -634,8 +634,10 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     opset = GraphIO.DEFAULT_OPSET if opset is None else int(opset)
     import onnx
 
-    if not 18 <= opset <= onnx.defs.onnx_opset_version():
-        raise UsageError(f"`opset` {opset}: m2export needs 18 <= opset <= {onnx.defs.onnx_opset_version()} "
+    from m2export.exporter.configs import MIN_OPSET
+
+    if not MIN_OPSET <= opset <= onnx.defs.onnx_opset_version():
+        raise UsageError(f"`opset` {opset}: m2export needs {MIN_OPSET} <= opset <= {onnx.defs.onnx_opset_version()} "
                          f"(the newest this onnx {onnx.__version__} knows)", hint="omit `opset` for the default")
     impls = list(GROUPS.get(ssm_impl, [ssm_impl]))
     if "native" in impls and dtype == "bf16":

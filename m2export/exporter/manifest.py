@@ -194,13 +194,33 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, default=str) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
-        """Raises ExportFolderError for a version-1 folder (two graphs, weights twice): it must be re-exported."""
+    def from_dict(cls, d: dict[str, Any], source: str | Path = MANIFEST_FILE) -> "Manifest":
+        """The manifest of the JSON object ``d`` (read from ``source``, named in errors).
+
+        Raises:
+            ExportFolderError: ``manifest_version`` is not an integer, is 1 (two graphs, weights twice: it must be
+                re-exported) or newer than :data:`MANIFEST_VERSION`; ``opset`` is not an integer >= MIN_OPSET.
+            ValueError, TypeError, KeyError: another malformed field (:func:`read_manifest` names the file).
+        """
+        from m2export.exporter.configs import MIN_OPSET
+
         d = dict(d)
-        if int(d.get("manifest_version", 1)) < MANIFEST_VERSION:
-            raise ExportFolderError(f"{MANIFEST_FILE}: written by an older m2export (manifest version "
-                                    f"{d.get('manifest_version', 1)}: separate prefill/decode graphs, weights stored "
+        version = d.get("manifest_version", 1)
+        if not _is_int(version):
+            raise ExportFolderError(f"{source}: 'manifest_version': expected the integer {MANIFEST_VERSION}, got "
+                                    f"{version!r}", hint=REEXPORT_HINT)
+        if version < MANIFEST_VERSION:
+            raise ExportFolderError(f"{source}: written by an older m2export (manifest version "
+                                    f"{version}: separate prefill/decode graphs, weights stored "
                                     "in each); this version runs one graph with the weights stored once",
+                                    hint=REEXPORT_HINT)
+        if version > MANIFEST_VERSION:
+            raise ExportFolderError(f"{source}: 'manifest_version': {version} is newer than this m2export reads "
+                                    f"(expected {MANIFEST_VERSION})",
+                                    hint="use the m2export that wrote it (upgrade), or " + REEXPORT_HINT)
+        opset = d.get("opset")
+        if not _is_int(opset) or opset < MIN_OPSET:
+            raise ExportFolderError(f"{source}: 'opset': expected an integer >= {MIN_OPSET}, got {opset!r}",
                                     hint=REEXPORT_HINT)
         d["graphs"] = [GraphEntry(**g) for g in d.get("graphs", [])]
         for g in d["graphs"]:  # manifests from before the names of m2export/names.py
@@ -216,6 +236,10 @@ class Manifest:
                 _file_name(name, f"engine {i}")
         _check_files_record(d.get("files", {}))
         return cls(**d)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_files_record(files) -> None:
@@ -291,7 +315,10 @@ def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
         raise ExportFolderError(f"{f}: missing; {d} is not an m2export output folder",
                                 hint="create one with 'm2export export CHECKPOINT -o OUTDIR'")
     try:
-        m = Manifest.from_dict(loads_json(f.read_text()))
+        raw = loads_json(f.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        m = Manifest.from_dict(raw, source=f)
     except (ValueError, TypeError, KeyError) as e:
         raise ExportFolderError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
                                 hint=REEXPORT_HINT) from None

@@ -72,8 +72,15 @@ def _set_config(key, value):
     (lambda m: m["graphs"][0].update(file="../elsewhere/model.onnx"), "graph 0: file '../elsewhere/model.onnx' is "
                                                                        "not the name of a file in the output folder"),
     (lambda m: m["graphs"][0].update(external_data=["/etc/passwd"]), "graph 0: file '/etc/passwd' is not the name"),
+    # accepted before (exit 0): a manifest from a future m2export, an opset that is no integer
+    (lambda m: m.update(manifest_version=999), "out/m2export.json: 'manifest_version': 999 is newer than this "
+                                                "m2export reads (expected 2)"),
+    (lambda m: m.update(manifest_version="2"), "out/m2export.json: 'manifest_version': expected the integer 2, "
+                                                "got '2'"),
+    (lambda m: m.update(opset="18"), "out/m2export.json: 'opset': expected an integer >= 18, got '18'"),
+    (lambda m: m.update(opset=7), "out/m2export.json: 'opset': expected an integer >= 18, got 7"),
 ], ids=["config-null", "no-d_model", "dt_limit-abc", "n_layer", "dtype-label", "dtype-unknown", "state-layout",
-        "file-null", "file-outside", "data-outside"])
+        "file-null", "file-outside", "data-outside", "version-999", "version-str", "opset-str", "opset-7"])
 @pytest.mark.parametrize("verb", ["inspect", "generate", "check"])
 def test_tampered_manifest(tiny_out, tmp_path, capsys, edit, expected, verb):
     """Each was a traceback (exit 70: TypeError, ValueError, Polygraphy's "Extra inputs") or, for inspect, a
