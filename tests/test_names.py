@@ -88,3 +88,20 @@ def test_one_tensorrt_install_hint_everywhere():
     root = Path(__file__).resolve().parents[1] / "m2export"
     hits = [p for p in root.rglob("*.py") if "pypi.nvidia.com" in p.read_text()]
     assert [p.name for p in hits] == ["backends.py"]
+
+
+def test_readme_vocabulary_names_every_flavour_and_its_graph_files():
+    """README's "One vocabulary" paragraph names every --ssm-impl choice (it omitted native and all) and, for each,
+    the graph files an export writes (graph_file: the first flavour is model.onnx, the others get their infix)."""
+    from pathlib import Path
+
+    from m2export.exporter.export import SSM_IMPL_CHOICES, graph_file
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    para = " ".join(readme.split("One vocabulary", 1)[1].split("\n\n", 1)[0].split())
+    for choice in SSM_IMPL_CHOICES:
+        assert f"`{choice}`" in para, choice
+        impls = names.GROUPS.get(choice, (choice,))
+        files = " + ".join(f"`{graph_file(i, i == impls[0])}`" + (f" ({i})" if len(impls) > 1 and k == 0 else "")
+                           for k, i in enumerate(impls))
+        assert files in para, (choice, files)

@@ -7,8 +7,10 @@ The manifest is the one source of truth about an output folder; ``check``, ``gen
     m2export.json            this manifest
     model.onnx               primary flavour (``ssm_impl`` of the export; ssmscan by default): one graph for
                              prefill and decode (sequence_length 1 is a decode step)
-    model.std.onnx           the std (standard-op) flavour, when exported (--ssm-impl std/both/all)
-    model.native.onnx        the native flavour (ONNX Runtime's own kernels), with --ssm-impl native/all
+    model.std.onnx           the std (standard-op) flavour beside the primary one (--ssm-impl both/all; a std-only
+                             export names its graph model.onnx)
+    model.native.onnx        the native flavour (ONNX Runtime's own kernels) beside the primary one (--ssm-impl
+                             all; a native-only export names its graph model.onnx)
     model.onnx.data          the weights, once, referenced by every graph of the folder (external data)
     genai_config.json        onnxruntime-genai's config (+ the checkpoint's tokenizer files, when it has them)
     model.plan               TensorRT engine written by ``m2export build``: one engine, one optimization
