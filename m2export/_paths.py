@@ -65,7 +65,8 @@ def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Ite
         return f"holds the checkpoint {checkpoint}"
     for p in protect:
         if inside(p):
-            return f"holds the checkpoint's file {Path(p).resolve()}"
+            r = Path(p).resolve()
+            return f"holds the checkpoint's {'folder' if r.is_dir() else 'file'} {r}"
     if inside(Path.cwd()):
         return "is (or contains) the current directory"
     return None

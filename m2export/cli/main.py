@@ -17,6 +17,8 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -137,6 +139,53 @@ class _GuardedStdout:
         return getattr(self._stream, name)
 
 
+#: -q: what the third-party libraries m2export drives read at import (transformers, for ``check --reference
+#: transformers``: its weight-loading progress bar and its warnings); set only for the verb's run
+_QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+@contextlib.contextmanager
+def _third_party_quiet(quiet: bool):
+    """With -q ("only errors"), libraries m2export calls print errors only too: environment variables for one
+    not imported yet (read at its import), its own switches for one that is. The environment is restored after."""
+    if not quiet:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
+    os.environ.update(_QUIET_ENV)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def finish_quietly() -> None:
+    """Once a verb has returned (its output complete and reported), SIGINT/SIGTERM no longer change the exit status.
+
+    The interpreter's teardown after ``main`` (torch's and onnxruntime's, up to a second) ran with Python's default
+    handlers: a Ctrl-C there killed an export that had already written its folder and printed "wrote ...", and
+    the shell saw 130 without a word. Called by :func:`console_main` only (never by ``main``, which tests and
+    libraries call in-process).
+    """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def console_main() -> None:
+    """The ``m2export`` command (pyproject's entry point): :func:`main`, then exit with the status it chose."""
+    rc = main()
+    finish_quietly()
+    sys.exit(rc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -157,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _GuardedStdout(stdout)
     try:
-        rc = int(args._run(args) or 0)
+        with _third_party_quiet(args.quiet):
+            rc = int(args._run(args) or 0)
         sys.stdout.flush()  # a failed final flush is this verb's error, not the interpreter's at exit
         return rc
     except M2ExportError as e:
@@ -194,4 +244,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

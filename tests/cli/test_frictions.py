@@ -258,3 +258,31 @@ def test_export_refusing_its_input_prints_the_error_alone(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err.splitlines()[0], err
         assert all(line.startswith(("error: ", "hint: ")) for line in err.splitlines()), err
+
+
+def test_quiet_check_against_transformers_prints_nothing_but_the_verdict(tmp_path):
+    """-q is "only errors": transformers' "Loading weights" progress bar and its warnings (a kernel it falls back
+    from) were printed by ``check -q --reference transformers`` (found by a new-user tryout). In a fresh process,
+    so that transformers is imported by the verb itself, as for a user."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.models.hf_checkpoints import make
+
+    ck, _ = make("granitemoehybrid", tmp_path / "ck")
+    out = tmp_path / "out"
+    assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    args = ["check", str(out), "--reference", "transformers", "--shapes", "1x4", "--decode-steps", "1",
+            "--report-dir", str(tmp_path / "rep")]
+    loud = subprocess.run([sys.executable, "-m", "m2export.cli.main", *args], capture_output=True, text=True,
+                          env=dict(env, PYTHONPATH=str(repo)), timeout=300)
+    assert loud.returncode == 0, loud.stderr[-2000:]
+    assert "Loading weights" in loud.stderr, "transformers printed no progress bar without -q: this test shows nothing"
+    r = subprocess.run([sys.executable, "-m", "m2export.cli.main", *args, "-q"], capture_output=True, text=True,
+                       env=dict(env, PYTHONPATH=str(repo)), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr == "", r.stderr[-2000:]

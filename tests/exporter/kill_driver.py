@@ -11,6 +11,8 @@ POINT (each hooks a name that exists in every version of the exporter, so the sa
   manifest      before the manifest is written (m2export.exporter.export.write_manifest)
   swap          before the first rename that moves the output folder (OUT as source or destination)
   swap_after    right after that rename (with SIGKILL: the swap is cut half-way)
+  exit          after the verb returned, when the ``m2export`` command (m2export.cli.main.console_main) is about to
+                exit: the interpreter's teardown (the command runs through console_main here, not main)
 SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process. Or TRUNCATE: another
 process truncates the checkpoint's *.safetensors files to 0 bytes (os.truncate), once, and this one waits for it
 to finish before going on. Or WAIT_OTHER: no signal; this process waits (up to 120 s, then exits 3) until another
@@ -109,6 +111,17 @@ def main() -> int:
                 fire()
             return r
         os.rename = rename
+    elif point == "exit":
+        import m2export.cli.main as cm
+        orig_finish = cm.finish_quietly
+
+        def finish():
+            orig_finish()
+            fire()
+        cm.finish_quietly = finish
+        print("fired=pending", file=sys.stderr)  # console_main exits: the report line comes before
+        sys.argv = ["m2export", *args]
+        cm.console_main()
     else:
         raise SystemExit(f"unknown point {point!r}")
     from m2export.cli.main import main as m2main

@@ -369,6 +369,18 @@ def test_interrupt_leaves_previous_or_new_export(tmp_path, ck, previous, point, 
 
 
 @posix
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_after_the_export_finished_keeps_exit_0(tmp_path, ck, sig):
+    """A Ctrl-C in the interpreter's teardown, after "wrote ..." was printed (found by a new-user tryout: exit 130
+    and no message, the folder complete), leaves the exit status the verb returned."""
+    out = tmp_path / "out"
+    r = run_cli("export", str(ck), "-o", str(out), "-q", point="exit", sig=sig)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "interrupted" not in r.stderr, r.stderr[-2000:]
+    assert is_complete_export(out, "ssmscan")
+
+
+@posix
 def test_sigkill_leftovers_are_cleaned_by_the_next_export(tmp_path, ck, previous):
     out = tmp_path / "out"
     r = run_cli("export", str(ck), "-o", str(out), "-q", point="save", sig="SIGKILL")
@@ -468,3 +480,15 @@ def test_opset_out_of_range_is_a_usage_error(tmp_path, capsys, ck):
         assert main(["export", str(ck), "-o", str(tmp_path / "out"), "--opset", opset, "-q"]) == 2
         assert f"opset {opset}: m2export needs 18 <= opset <=" in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+
+
+def test_output_folder_holding_the_checkpoint_folder_is_named_a_folder(tmp_path, capsys, ck):
+    """-o the folder that holds the checkpoint's folder: refused even with --force-foreign, and the message calls
+    the checkpoint a folder (it said "the checkpoint's file" for a directory)."""
+    par = tmp_path / "par"
+    shutil.copytree(ck, par / "ck")
+    before = fingerprint(par)
+    assert main(["export", str(par / "ck"), "-o", str(par), "--force", "--force-foreign", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"holds the checkpoint's folder {(par / 'ck').resolve()}" in err, err
+    assert fingerprint(par) == before
