@@ -274,13 +274,16 @@ def tileiras_skip_reason() -> str | None:
 
 
 def assert_usage_error(argv: list[str], msg: str, capsys) -> None:
-    """``m2export *argv`` is an argparse usage error: exit 2, ``msg`` in the last stderr line, no traceback."""
+    """``m2export *argv`` is an argparse usage error: exit 2, stderr one ``error:`` line holding ``msg`` and a
+    ``hint:`` line, no traceback."""
     from m2export.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 2 and msg in lines[0] and lines[0].startswith("error: "), err
+    assert lines[1].startswith("hint: ") and "Traceback" not in err, err
 
 
 def kernel_entry_points() -> tuple:

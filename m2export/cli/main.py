@@ -51,6 +51,24 @@ class Parser(argparse.ArgumentParser):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str, hint: str | None = None):
+        """A refused command line in the CLI's error style: one ``error:`` line and a ``hint:`` line on stderr (not
+        argparse's usage block), exit :attr:`ExitCode.USAGE`."""
+        print(f"error: {message}", file=sys.stderr)
+        hint = hint or f"'{self.prog} --help' shows the usage"
+        print(f"hint: {hint}", file=sys.stderr)
+        sys.exit(ExitCode.USAGE)
+
+    def unrecognized(self, extra: list[str]):
+        """Refuse ``extra`` (unknown arguments), suggesting the closest option of this parser for each flag."""
+        import difflib
+
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        near = [m[0] for x in extra if x.startswith("--")
+                for m in [difflib.get_close_matches(x.split("=", 1)[0], options, n=1)] if m]
+        self.error(f"unrecognized arguments: {' '.join(extra)}",
+                   hint=(f"did you mean {', '.join(near)}? " if near else "") + f"'{self.prog} --help' lists the options")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
@@ -189,12 +207,12 @@ def console_main() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # the verb's own usage line, not the top-level one
-        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        (subs.choices[args.verb] if args.verb else parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.verb is None:
-        parser.print_help()
-        return ExitCode.USAGE
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if extra:  # the verb's own options, not the top-level ones
+        (subs.choices[args.verb] if args.verb else parser).unrecognized(extra)
+    if args.verb is None:  # as argparse does for a missing required argument: stderr, exit 2
+        parser.error(f"no VERB given; expected one of {', '.join(subs.choices)}",
+                     hint="'m2export --help' says what each does, 'm2export VERB --help' its options and examples")
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
         return ExitCode.BACKEND_UNAVAILABLE

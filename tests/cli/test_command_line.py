@@ -42,8 +42,30 @@ def test_an_abbreviated_option_is_an_unknown_one(verb, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([verb, *(str(tmp_path / a) if a in ("CK", "OUT") else a for a in required), *abbreviated])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"usage: m2export {verb} "), err
-    assert err.strip().splitlines()[-1].endswith(f"error: unrecognized arguments: {' '.join(abbreviated)}"), err
+    assert e.value.code == 2 and err.strip().splitlines()[0] == f"error: unrecognized arguments: {' '.join(abbreviated)}", err
+
+
+def test_a_refused_command_line_is_one_error_line_and_a_hint(capsys):
+    """A typo'd flag printed the verb's 6-line usage block and "m2export export: error: ..."; now one error line and a
+    hint naming the closest option (exit 2). Bare 'm2export' printed the whole help to stdout with exit 2; now, as
+    argparse does for a missing required argument, stderr only (exit 2 kept: ExitCode.USAGE, a bad command line)."""
+    with pytest.raises(SystemExit) as e:
+        main(["export", "CK", "-o", "OUT", "--forc"])
+    out, err = capsys.readouterr()
+    assert e.value.code == ExitCode.USAGE and out == ""
+    assert err.splitlines() == ["error: unrecognized arguments: --forc",
+                                "hint: did you mean --force? 'm2export export --help' lists the options"], err
+    with pytest.raises(SystemExit) as e:
+        main([])
+    out, err = capsys.readouterr()
+    assert e.value.code == ExitCode.USAGE and out == "", out
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0] == f"error: no VERB given; expected one of {', '.join(VERBS)}", err
+    assert lines[1].startswith("hint: 'm2export --help'"), err
+    with pytest.raises(SystemExit) as e:
+        main(["expor"])
+    lines = capsys.readouterr().err.splitlines()
+    assert e.value.code == ExitCode.USAGE and len(lines) == 2 and "invalid choice: 'expor'" in lines[0], lines
 
 
 def test_top_level_abbreviation_refused(capsys):

@@ -22,12 +22,12 @@ def test_tolerance_before_outdir(tiny_out, tmp_path, capsys):
     assert rep["atol"][""] == 1e-3 and rep["atol"]["logits"] == 2e-3 and rep["atol"]["present_ssm_state.0"] == 1e-3
 
 
-def test_unknown_flag_shows_the_verbs_usage(tiny_out, capsys):
+def test_unknown_flag_names_the_verbs_help(tiny_out, capsys):
     with pytest.raises(SystemExit) as e:
         main(["check", str(tiny_out), "--no-such-flag"])
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert err.startswith("usage: m2export check ") and "unrecognized arguments: --no-such-flag" in err
+    assert err.startswith("error: unrecognized arguments: --no-such-flag\nhint: ") and "'m2export check --help'" in err
 
 
 def test_export_results_on_stdout_steps_with_v(tiny_ck, tmp_path, capsys, caplog):
