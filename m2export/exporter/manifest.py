@@ -207,7 +207,9 @@ class Manifest:
         from m2export.exporter.configs import MIN_OPSET
 
         d = dict(d)
-        version = d.get("manifest_version", 1)
+        if "manifest_version" not in d:  # every m2export manifest, version 1 included, records it
+            raise ValueError("no 'manifest_version' field")
+        version = d["manifest_version"]
         if not _is_int(version):
             raise ExportFolderError(f"{source}: 'manifest_version': expected the integer {MANIFEST_VERSION}, got "
                                     f"{version!r}", hint=REEXPORT_HINT)
@@ -296,6 +298,10 @@ def _file_name(name, what: str) -> None:
 
 #: the remedy for a damaged or incomplete export folder
 REEXPORT_HINT = "re-export with 'm2export export CHECKPOINT -o OUTDIR --force'"
+#: the remedy when the manifest itself is unreadable: nothing then shows m2export wrote the folder, so --force
+#: alone refuses it (:func:`foreign_reason`)
+DAMAGED_MANIFEST_HINT = ("look at what OUTDIR holds, then re-export with 'm2export export CHECKPOINT -o OUTDIR --force "
+                         "--force-foreign' (a damaged manifest no longer shows that m2export wrote the folder)")
 
 
 def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
@@ -323,7 +329,7 @@ def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
         m = Manifest.from_dict(raw, source=f)
     except (ValueError, TypeError, KeyError) as e:
         raise ExportFolderError(f"{f}: malformed manifest ({type(e).__name__}: {e})",
-                                hint=REEXPORT_HINT) from None
+                                hint=DAMAGED_MANIFEST_HINT) from None
     if consistent:
         _check_consistent(m, f)
     return m
@@ -406,13 +412,18 @@ def foreign_reason(folder: str | Path) -> str | None:
     ``check_report.md`` or ``tokenizer.json`` with one of those names is not m2export's, nor is one edited since).
     """
     d = Path(folder)
+    if (d / MANIFEST_FILE).is_file() and not (d / MANIFEST_FILE).is_symlink():
+        damaged = (f"its {MANIFEST_FILE} is damaged (unreadable, or without 'manifest_version' and 'graphs'): "
+                   "nothing shows m2export wrote it")
+    else:
+        damaged = f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
     try:
         raw = loads_json((d / MANIFEST_FILE).read_text())
         ok = isinstance(raw, dict) and "manifest_version" in raw and isinstance(raw.get("graphs"), list)
     except (OSError, ValueError):
         ok = False
     if not ok:
-        return f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
+        return damaged
     listed = _graph_and_engine_names() | {MANIFEST_FILE}
     for g in raw["graphs"] + list(raw.get("engines") or []):
         if isinstance(g, dict):

@@ -161,3 +161,26 @@ def test_check_with_an_empty_weights_file(tiny_out, tmp_path, capsys):
     rc = main(["check", str(out), "--report-dir", str(tmp_path)])
     _one_error(capsys, "model.onnx: ONNX Runtime cannot load the graph")
     assert rc == ExitCode.USER_ERROR
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty-object"])
+def test_damaged_manifest_says_so_and_its_hint_works(tiny_ck, tiny_out, tmp_path, capsys, damage):
+    """A truncated m2export.json (or '{}') named the re-export with --force, which then refused the folder ("has no
+    m2export manifest"); '{}' read as a version-1 manifest ("written by an older m2export"). Found by a new-user
+    tryout. Now: malformed, a hint naming --force --force-foreign, export --force says the manifest is damaged, and
+    following the hint re-exports."""
+    out = copy_export(tiny_out, tmp_path / "out")
+    f = out / "m2export.json"
+    f.write_text(f.read_text()[:20] if damage == "truncated" else "{}")
+    assert main(["check", str(out), "--report-dir", str(tmp_path)]) == ExitCode.USER_ERROR
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if ln.startswith("error:"))
+    assert "malformed manifest" in line and "older m2export" not in line, err
+    if damage == "empty-object":
+        assert "no 'manifest_version' field" in line, err
+    hint = next(ln for ln in err.splitlines() if ln.startswith("hint:"))
+    assert "--force --force-foreign" in hint, err
+    assert main(["export", str(tiny_ck), "-o", str(out), "--force", "-q"]) == ExitCode.USER_ERROR
+    assert "m2export.json is damaged" in capsys.readouterr().err
+    assert main(["export", str(tiny_ck), "-o", str(out), "--force", "--force-foreign", "-q"]) == 0
+    assert main(["check", str(out), "--report-dir", str(tmp_path), "-q"]) == 0
