@@ -117,6 +117,11 @@ class ConfigError(M2ExportError, ValueError):
     """A model configuration field is missing, malformed or unsupported."""
 
 
+#: the hint of a ConfigError for a required config.json field that is absent
+MISSING_FIELD_HINT = ("config.json must give it, as the model's own config does (mamba_ssm's, or transformers' "
+                      "save_pretrained); was the file edited or cut short?")
+
+
 class ParameterError(M2ExportError, ValueError):
     """A library argument (a CLI option) does not fit what it is applied to (a prompt id outside the model's
     vocabulary, a tolerance for an output the export lacks, a missing ``text`` file: exit 1); the message names

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,8 @@ def read_manifest(outdir: str | Path, *, consistent: bool = True) -> Manifest:
     """
     d = Path(outdir)
     if not d.is_dir():
-        raise ExportFolderError(f"{d}: not a directory", hint="pass the OUTDIR written by 'm2export export'")
+        raise ExportFolderError(f"{d}: {'not a directory' if os.path.lexists(d) else 'does not exist'}",
+                                hint="pass the OUTDIR written by 'm2export export'")
     f = d / MANIFEST_FILE
     if not f.is_file():
         raise ExportFolderError(f"{f}: missing; {d} is not an m2export output folder",

@@ -99,7 +99,9 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
         f = p / name
         if f.is_file():
             return (p, _index_files(f), f) if name.endswith(".index.json") else (p, [f], None)
-    raise CheckpointError(f"{p}: no weights found; expected one of {list(WEIGHT_FILES)}")
+    raise CheckpointError(f"{p}: no weights found (expected {', '.join(WEIGHT_FILES[:-1])} or {WEIGHT_FILES[-1]} "
+                          "beside config.json)", hint="pass the checkpoint folder that holds the weights, or a "
+                                                     "weight file")
 
 
 def _index_files(index: Path) -> list[Path]:
@@ -135,7 +137,9 @@ def _read_json(f: Path) -> dict:
     except _paths.DuplicateKeyError as e:
         raise ConfigError(f"{f}: {e}") from None
     except ValueError as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{f}: malformed JSON: {e}") from None
+        raise CheckpointError(f"{f}: malformed JSON: {e}",
+                              hint="fix the file: it must be one JSON object (as transformers' save_pretrained or "
+                                   "mamba_ssm writes it)") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
     return cfg

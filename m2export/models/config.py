@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from m2export.errors import ConfigError
+from m2export.errors import MISSING_FIELD_HINT, ConfigError
 from m2export.models.spec import LayerSpec, MambaSpec, ModelSpec
 
 
@@ -147,7 +147,7 @@ class Mamba2Config:
         _reject_unknown(cfg, top_known, source)
         for req in ("d_model", "n_layer", "vocab_size"):
             if req not in cfg:
-                raise ConfigError(f"{source}: missing required field {req!r}")
+                raise ConfigError(f"{source}: missing required field {req!r}", hint=MISSING_FIELD_HINT)
         if cfg.get("d_intermediate", 0) != 0:
             raise ConfigError(f"{source}: field 'd_intermediate'={cfg['d_intermediate']!r} (MLP blocks) is not "
                               "supported; expected 0")
@@ -219,7 +219,7 @@ class Mamba2Config:
         """
         for req in ("hidden_size", "num_hidden_layers", "vocab_size"):
             if req not in cfg:
-                raise ConfigError(f"{source}: missing required field {req!r}")
+                raise ConfigError(f"{source}: missing required field {req!r}", hint=MISSING_FIELD_HINT)
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported; expected 'silu'")
         if cfg.get("rms_norm", True) is not True:

@@ -37,7 +37,7 @@ import logging
 import math
 from typing import Any, Callable
 
-from m2export.errors import ConfigError
+from m2export.errors import MISSING_FIELD_HINT, ConfigError
 import dataclasses
 
 from m2export.models.spec import (AttentionSpec, LayerSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, ParallelSpec,
@@ -129,8 +129,8 @@ class FieldReader:
                 self.raw.setdefault(new, self.raw[old])
                 self.used.add(old)
 
-    def error(self, msg: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {msg}")
+    def error(self, msg: str, hint: str | None = None) -> ConfigError:
+        return ConfigError(f"{self.source}: {msg}", hint=hint)
 
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
@@ -151,7 +151,7 @@ class FieldReader:
     def int(self, key: str, default: Any = None) -> int:
         v = self.get(key, default, int)
         if v is None:
-            raise self.error(f"missing required field {key!r}")
+            raise self.error(f"missing required field {key!r}", hint=MISSING_FIELD_HINT)
         if v < 0:
             raise self.error(f"field {key!r}: expected a non-negative integer, got {v!r}")
         return v
@@ -166,7 +166,7 @@ class FieldReader:
     def float(self, key: str, default: float | None = None) -> float:
         v = self.get(key, default, (int, float))
         if v is None:
-            raise self.error(f"missing required field {key!r}")
+            raise self.error(f"missing required field {key!r}", hint=MISSING_FIELD_HINT)
         if not math.isfinite(v):
             raise self.error(f"field {key!r}: expected a finite number, got {v!r}")
         return float(v)

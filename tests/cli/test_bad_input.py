@@ -184,3 +184,35 @@ def test_damaged_manifest_says_so_and_its_hint_works(tiny_ck, tiny_out, tmp_path
     assert "m2export.json is damaged" in capsys.readouterr().err
     assert main(["export", str(tiny_ck), "-o", str(out), "--force", "--force-foreign", "-q"]) == 0
     assert main(["check", str(out), "--report-dir", str(tmp_path), "-q"]) == 0
+
+
+@pytest.mark.parametrize("case", ["malformed-json", "missing-field", "no-weights", "check-nonexistent"])
+def test_input_errors_are_one_line_and_a_hint(tmp_path, capsys, case):
+    """Each printed its error line alone (no hint); no weights listed WEIGHT_FILES as a Python list
+    (['model.safetensors', ...]); 'm2export check nope' said "not a directory" of a path that does not exist."""
+    import json
+
+    from m2export.models.checkpoint import random_checkpoint
+
+    ck = random_checkpoint(tmp_path / "ck", d_model=32, n_layer=1, vocab_size=64, d_state=16, headdim=16)
+    cfg = ck / "config.json"
+    if case == "malformed-json":
+        cfg.write_text('{"d_model": 32,\n')
+        want = f"error: {cfg}: malformed JSON: "
+    elif case == "missing-field":
+        c = json.loads(cfg.read_text())
+        del c["n_layer"]
+        cfg.write_text(json.dumps(c))
+        want = f"error: {cfg}: missing required field 'n_layer'"
+    elif case == "no-weights":
+        (ck / "model.safetensors").unlink()
+        want = (f"error: {ck}: no weights found (expected model.safetensors, model.safetensors.index.json or "
+                "pytorch_model.bin beside config.json)")
+    else:
+        want = f"error: {tmp_path / 'nope'}: does not exist"
+    args = ["check", str(tmp_path / "nope")] if case == "check-nonexistent" else \
+        ["export", str(ck), "-o", str(tmp_path / "out"), "-q"]
+    assert main(args) == ExitCode.USER_ERROR
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(want) and lines[1].startswith("hint: "), lines
+    assert "[" not in lines[0] and "Traceback" not in lines[0], lines

@@ -72,7 +72,7 @@ def test_check_errors(case, tiny_out, tmp_path, capsys):
     code, msg = 1, None
     if case == "missing_dir":
         args.append(str(tmp_path / "nope"))
-        msg = "nope: not a directory"
+        msg = "nope: does not exist"  # was "not a directory"
     elif case == "file_not_dir":
         args.append(str(tiny_out / "model.onnx"))
         msg = "model.onnx: not a directory"
