@@ -102,22 +102,49 @@ def packed_feed(sequences, pasts, io: GraphIO) -> dict:
     return feed
 
 
+def _unpackable_parts(model, i: int) -> list[str]:
+    """What keeps layer ``i`` out of the packed graph, in words ([] if it is a plain Mamba-2 layer)."""
+    from m2export.models.spec import MambaSpec
+
+    spec = model.spec.layers[i]
+    m = spec.mixer
+    parts = []
+    if not isinstance(m, MambaSpec):
+        parts.append(type(m).__name__.removesuffix("Spec").lower() + " mixer")
+    if spec.ffn is not None:
+        parts.append("an MLP" if type(spec.ffn).__name__ == "MLPSpec" else "an MoE")
+    if spec.shared is not None:
+        parts.append("a shared block")
+    if spec.residual_multiplier != 1.0 or (isinstance(m, MambaSpec) and (
+            m.in_multiplier != 1.0 or m.out_multiplier != 1.0 or m.zxbcdt_multipliers is not None)):
+        parts.append("multipliers")
+    return parts
+
+
 def check_packable(model) -> None:
-    """Raise ParameterError unless every piece of ``model`` has a builder and every layer is a Mamba-2 layer."""
+    """Raise ParameterError unless every piece of ``model`` has a builder and every layer is a Mamba-2 layer.
+
+    The message names what is in the way, grouped: "layers 0, 2: attention mixer; layers 1, 3: an MLP"."""
     from m2export.exporter import build
 
     why = []
-    if not build.can_build_embed(model) or not build.can_build_head(model):
-        why.append("its embedding or head (a multiplier, or bf16)")
-    bad = [i for i in range(len(model.backbone.layers)) if not build.can_build_layer(model, i)]
-    if bad:
-        why.append(f"layers {bad[:6]}{' ...' if len(bad) > 6 else ''} (attention, MLP, MoE, shared blocks or "
-                   "multipliers: varlen attention is not built)")
     if model.dtype not in build.BUILT_DTYPES:
         why.append(f"dtype {str(model.dtype).removeprefix('torch.')}")
+    if model.spec.embedding_multiplier != 1.0:
+        why.append(f"an embedding multiplier ({model.spec.embedding_multiplier:g})")
+    if model.spec.logits_multiplier != 1.0:
+        why.append(f"a logits multiplier ({model.spec.logits_multiplier:g})")
+    groups: dict[str, list[int]] = {}
+    for i in range(len(model.backbone.layers)):
+        for part in _unpackable_parts(model, i):
+            groups.setdefault(part, []).append(i)
+    for part, layers in groups.items():
+        shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+        why.append(f"layer{'s' if len(layers) > 1 else ''} {shown}: {part}")
     if why:
-        raise ParameterError("packed prefill: supported for pure Mamba-2 models in fp32/fp16 only; this model has "
-                             + "; ".join(why), hint="export without the packed prefill graph")
+        raise ParameterError("packed prefill: supported for pure Mamba-2 models in fp32/fp16 only (varlen attention, "
+                             "MLPs and shared blocks are not built); this model has " + "; ".join(why),
+                             hint="export without the packed prefill graph")
 
 
 class Packing:
