@@ -295,7 +295,7 @@ def output_shapes(x_shape: Sequence[Any], B_shape: Sequence[Any]) -> tuple[tuple
     Works on any indexable dims (ints, or TensorRT ``ShapeExpr`` items), so the plugin's
     ``@register`` function calls it unchanged.
     """
-    batch, _seqlen, nheads, headdim = x_shape[0], x_shape[1], x_shape[2], x_shape[3]
+    batch, nheads, headdim = x_shape[0], x_shape[2], x_shape[3]  # x_shape[1] is seqlen
     d_state = B_shape[3]
     return tuple(x_shape[i] for i in range(4)), (batch, nheads, headdim, d_state)
 

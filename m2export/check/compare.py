@@ -52,7 +52,7 @@ from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, ModelLayoutStates,
                                     OnnxReferenceRunner, SharedInitializers, onnxrt_runner, reference_runner,
                                     trt_runners)
-from m2export.check.tolerances import DEFAULT_RTOL, default_tolerances  # noqa: F401 (DEFAULT_RTOL re-exported)
+from m2export.check.tolerances import default_tolerances
 from m2export.check.weights import ExportWeights
 from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from m2export.check.data import chunk_size_of, default_past_len, token_windows
-from m2export.exporter.packed import PACKED_ROLE, packed_feed, packed_io
+from m2export.exporter.packed import PACKED_ROLE, packed_feed
 from m2export.exporter.runtime import feed_dtype_of
 
 SECTION = "packed"

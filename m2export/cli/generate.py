@@ -102,7 +102,6 @@ def run(args) -> int:
         tok = choose_tokenizer(session.cfg.vocab_size, tok_file)
         ids = tok.encode(args.prompt)
     check_prompt_ids(ids, session.cfg.vocab_size, param="prompt_ids" if args.prompt_ids is not None else None)
-    on_token = None
     if isinstance(tok, ByteTokenizer):  # stream bytes as they come, decoding UTF-8 incrementally
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # the prompt is echoed once the prefill has run: a graph that fails to load or run leaves stdout empty
@@ -117,6 +116,8 @@ def run(args) -> int:
             echo_prompt()
             sys.stdout.write(dec.decode(bytes([t])))
             sys.stdout.flush()
+    else:
+        on_token = None
     res = generate(src, ids, runtime=runtime, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, session=session, on_token=on_token)
     if on_token is not None:

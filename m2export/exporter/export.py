@@ -800,7 +800,9 @@ def _quiet_third_party_logs():
     if log.getEffectiveLevel() <= logging.DEBUG:
         yield
         return
-    import torch  # noqa: F401  (torch sets its loggers' levels when first imported: import it before changing them)
+    import importlib
+
+    importlib.import_module("torch")  # torch sets its loggers' levels when first imported: import it first
 
     saved = {n: logging.getLogger(n).level for n in _NOISY_LOGGERS}
     for n in _NOISY_LOGGERS:

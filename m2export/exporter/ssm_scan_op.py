@@ -675,7 +675,6 @@ def _packed_chunk_len(b: _Body, Q: str, lens: str, L: str) -> str:
     least ``min(Q, PACKED_MIN_CHUNK)``) whose sequence-local chunks pad the pack to at most ``(1 + PACKED_MAX_PAD)``
     times its ``L`` tokens, else the last one. A pack of sequences shorter than Q pads each to a whole chunk (16 of
     32 tokens with Q = 64: twice the work); halving Q removes that padding without making every chunk small."""
-    I64 = TensorProto.INT64
     k = np.arange(PACKED_CHUNK_HALVINGS + 1, dtype=np.int64)
     cands = b.op("Max", b.op("Div", Q, b.const(2 ** k)), b.op("Min", Q, b.const([PACKED_MIN_CHUNK])))  # (K,)
     cand_col = b.op("Unsqueeze", cands, b.const([1]))  # (K, 1)

@@ -7,6 +7,7 @@ cache of re-hinted kernel objects and the cache of launch plans. Imports neither
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from typing import Any, Callable
 
@@ -110,7 +111,7 @@ def require_cuda_tile(tensors: dict) -> None:
     if not torch.cuda.is_available():
         raise BackendUnavailable('backend="cutile": no CUDA device is available', hint=INSTALL_HINT)
     try:
-        import cuda.tile  # noqa: F401  (availability check)
+        importlib.import_module("cuda.tile")  # availability check
     except ImportError as e:
         raise BackendUnavailable(f'backend="cutile": cuda.tile cannot be imported ({e})', hint=INSTALL_HINT) from e
     for name, t in tensors.items():

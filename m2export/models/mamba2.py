@@ -171,7 +171,6 @@ class Mamba2Mixer(nn.Module):
         of ``conv_state`` (the caller's state is not modified), longer inputs the prefill kernels."""
         from m2export.kernels.conv1d import causal_conv1d, conv_update
 
-        s = self.spec
         w = self.conv1d.weight[:, 0, :]
         b = self.conv1d.bias
         if conv_state is not None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from m2export import backends
-from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError,
+from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError,
                              RuntimeLoadError, UsageError)
 from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ, TIMING_CACHE_FILE
 from m2export.exporter.manifest import (REEXPORT_HINT, EngineEntry, Manifest, aux_record, read_manifest,
