@@ -1,10 +1,57 @@
-"""Console helpers shared by the check / generate / inspect verbs: rich progress bars and tables."""
+"""Console helpers shared by the verbs: rich progress bars and tables, and what keeps the third-party libraries
+m2export drives quiet (:func:`quiet_third_party`, :func:`quiet_polygraphy`)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
+import os
 import sys
 from typing import Callable, Iterator
+
+#: -q: what the third-party libraries m2export drives read at import (transformers, for ``check --reference
+#: transformers``: its weight-loading progress bar and its warnings)
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+#: the loggers an export raises to ERROR (torch.onnx's exporter and the libraries under it: per-op INFO/WARNING)
+NOISY_LOGGERS = ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export", "torch.fx")
+
+
+@contextlib.contextmanager
+def quiet_third_party(*, only_errors: bool = False, loggers: bool = False) -> Iterator[None]:
+    """For the block, the third-party libraries m2export drives say less; everything is restored after.
+
+    Args:
+        only_errors: the CLI's -q ("only errors"): those libraries print errors only too: the environment variables
+            of :data:`QUIET_ENV` for one not imported yet (read at its import), its own switches for one that is
+            (transformers).
+        loggers: the Python loggers of :data:`NOISY_LOGGERS` at ERROR (an export's); left as they are when
+            m2export's own log is at DEBUG (-v). Imports torch first: it sets its loggers' levels when imported.
+    """
+    saved_env: dict[str, str | None] = {}
+    saved_levels: dict[str, int] = {}
+    if only_errors:
+        saved_env = {k: os.environ.get(k) for k in QUIET_ENV}
+        os.environ.update(QUIET_ENV)
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+    if loggers and logging.getLogger("m2export").getEffectiveLevel() > logging.DEBUG:
+        importlib.import_module("torch")
+        saved_levels = {n: logging.getLogger(n).level for n in NOISY_LOGGERS}
+        for n in NOISY_LOGGERS:
+            logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, lvl in saved_levels.items():
+            logging.getLogger(n).setLevel(lvl)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import importlib
 import logging
-import os
 import signal
 import sys
 import time
@@ -157,34 +156,6 @@ class _GuardedStdout:
         return getattr(self._stream, name)
 
 
-#: -q: what the third-party libraries m2export drives read at import (transformers, for ``check --reference
-#: transformers``: its weight-loading progress bar and its warnings); set only for the verb's run
-_QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-
-
-@contextlib.contextmanager
-def _third_party_quiet(quiet: bool):
-    """With -q ("only errors"), libraries m2export calls print errors only too: environment variables for one
-    not imported yet (read at its import), its own switches for one that is. The environment is restored after."""
-    if not quiet:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
-    os.environ.update(_QUIET_ENV)
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def finish_quietly() -> None:
     """Once a verb has returned (its output complete and reported), SIGINT/SIGTERM no longer change the exit status.
 
@@ -224,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _GuardedStdout(stdout)
     try:
-        with _third_party_quiet(args.quiet):
+        from m2export.check import console
+
+        with console.quiet_third_party(only_errors=args.quiet):  # -q: the libraries m2export drives too
             rc = int(args._run(args) or 0)
         sys.stdout.flush()  # a failed final flush is this verb's error, not the interpreter's at exit
         return rc

@@ -32,6 +32,7 @@ from typing import Any
 
 from m2export import contract
 from m2export import _paths
+from m2export.check import console
 from m2export.errors import ExportError, Interrupted, InternalError, M2ExportError, ParameterError, UsageError
 from m2export.exporter.configs import (BATCH, DTYPES, GRAPH_ROLE, PAST_SEQ, PREFILL_FILE, SEQ,
                                        WEIGHTS_FILE, GraphIO)
@@ -658,7 +659,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
     sources = checkpoint_files(checkpoint)
     stamps = file_stamps(sources)  # before the load: the weights are read from their mappings until the end
     with _paths.staged_output(outdir, force=force, force_foreign=force_foreign, owned=foreign_reason,
-                              protect=sources) as tmp, bar, _quiet_third_party_logs(), contextlib.ExitStack() as held:
+                              protect=sources) as tmp, bar, console.quiet_third_party(loggers=True), \
+            contextlib.ExitStack() as held:
         from m2export.models.checkpoint import load_checkpoint
 
         bar.step(f"loading {checkpoint}")
@@ -791,29 +793,6 @@ def _manifest_config(ck) -> dict[str, Any]:
 
 
 #: third-party loggers that narrate every pass at INFO (and torch.onnx warns about torchvision) during export
-_NOISY_LOGGERS = ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export", "torch.fx")
-
-
-@contextlib.contextmanager
-def _quiet_third_party_logs():
-    """Raise the noisy loggers to ERROR for the export (left as they are when m2export logs at DEBUG, -vv)."""
-    if log.getEffectiveLevel() <= logging.DEBUG:
-        yield
-        return
-    import importlib
-
-    importlib.import_module("torch")  # torch sets its loggers' levels when first imported: import it first
-
-    saved = {n: logging.getLogger(n).level for n in _NOISY_LOGGERS}
-    for n in _NOISY_LOGGERS:
-        logging.getLogger(n).setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for n, lvl in saved.items():
-            logging.getLogger(n).setLevel(lvl)
-
-
 def _export_step(model, io, opset):
     """One torch.onnx export, its failures turned into ExportError (kept as a seam for failure tests)."""
     try:
