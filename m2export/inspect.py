@@ -150,12 +150,15 @@ def truncated(size: int | None, needed: int | None) -> bool:
 def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
     """:func:`describe_onnx` of ``path``, checked against its manifest entry (a
     :class:`~m2export.exporter.manifest.GraphEntry`): the same input and output names and dtypes, and
-    SSMScan nodes exactly when the entry's flavour is ssmscan. None for a file that cannot be read at all:
-    the runtime that loads it names the cause (ORT's or protobuf's error, as before).
+    SSMScan nodes exactly when the entry's flavour is ssmscan, and every external-data file it reads there in full
+    (:func:`damaged_files`). None for a file that cannot be read at all: the runtime that loads it names the cause
+    (ORT's or protobuf's error, as before).
 
     Raises:
         ExportFolderError: the file is not the graph m2export.json lists under that name (two flavours'
-            files swapped, or another export's graph copied in), naming the file and the difference.
+            files swapped, or another export's graph copied in), naming the file and the difference; or its
+            weights file (model.onnx.data) is missing or shorter than the graph's external-data references read
+            (a copy cut short, a full disk), naming its size and the bytes expected.
         ContractError: an SSMScan node breaks the contract (from :func:`describe_onnx`).
     """
     from m2export.errors import ContractError, M2ExportError
@@ -180,6 +183,10 @@ def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
         raise ExportFolderError(f"{p}: {MANIFEST_FILE} lists it as the {entry.ssm_impl} flavour, but it has "
                                 f"{n_scan} SSMScan node(s): a graph file of another flavour under this name?",
                                 hint=REEXPORT_HINT)
+    damaged = damaged_files(info)
+    if damaged:  # ONNX Runtime's own refusal was one ~600-character line of C++ signature and initializer offsets
+        raise ExportFolderError(f"{p}: {'; '.join(damaged)}",
+                                hint=f"its weights file was cut short or removed (a copy, a full disk): {REEXPORT_HINT}")
     return info
 
 

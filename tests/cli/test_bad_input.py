@@ -155,11 +155,11 @@ def test_export_of_a_config_nested_too_deeply(tmp_path, capsys):
 
 def test_check_with_an_empty_weights_file(tiny_out, tmp_path, capsys):
     """model.onnx.data emptied (0 bytes) was numpy's 'cannot mmap an empty file' (exit 70) in the check's
-    shared weights, before ONNX Runtime could say what is wrong."""
+    shared weights, before ONNX Runtime could say what is wrong; now the graph's check says it first."""
     out = copy_export(tiny_out, tmp_path / "out")
     (out / "model.onnx.data").write_bytes(b"")
     rc = main(["check", str(out), "--report-dir", str(tmp_path)])
-    _one_error(capsys, "model.onnx: ONNX Runtime cannot load the graph")
+    _one_error(capsys, "model.onnx: model.onnx.data is truncated (0 bytes; the graph reads ")
     assert rc == ExitCode.USER_ERROR
 
 

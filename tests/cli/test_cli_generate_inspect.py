@@ -286,3 +286,29 @@ def test_inspect_names_the_packed_scan_op():
     packed = [{"name": f"n{i}", "op": PACKED_OP_NAME, "attributes": {"chunk_size": 64}} for i in range(2)]
     assert _scan_lines(packed, "")[0] == f"{PACKED_OP_NAME} nodes ({OP_DOMAIN}::{PACKED_OP_NAME}): 2"
     assert _scan_lines([dict(packed[0], op="SSMScan")], "")[0] == f"SSMScan nodes ({OP_DOMAIN}::SSMScan): 1"
+
+
+@pytest.mark.parametrize("verb", ["generate", "check"])
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_truncated_or_missing_weights_file_is_one_line(tiny_out, tmp_path, capsys, verb, damage):
+    """A model.onnx.data cut short (or gone): one error line naming the graph, the weights file, its size and the
+    bytes the graph's external-data references read, then a re-export hint; exit 1. It was ONNX Runtime's first
+    line, ~600 characters of C++ signature and initializer offsets."""
+    d = copy_export(tiny_out, tmp_path / "o")
+    data = d / "model.onnx.data"
+    size = data.stat().st_size
+    if damage == "truncated":
+        with open(data, "r+b") as f:
+            f.truncate(size // 3)
+    else:
+        data.unlink()
+    args = (["generate", str(d), "--prompt", "ab", "--max-new-tokens", "2"] if verb == "generate"
+            else ["check", str(d), "--report-dir", str(tmp_path / "rep"), "--shapes", "1x3", "--decode-steps", "0"])
+    assert main([*args, "-q"]) == 1
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in cap.err and cap.out == "", cap.err
+    what = (f"model.onnx.data is truncated ({size // 3:,} bytes; the graph reads {size:,})" if damage == "truncated"
+            else "model.onnx.data is missing")
+    assert lines[0] == f"error: {d / 'model.onnx'}: {what}", lines[0]
+    assert lines[1].startswith("hint: ") and "re-export" in lines[1] and "--force" in lines[1]
