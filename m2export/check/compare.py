@@ -58,7 +58,8 @@ from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,
                              ParameterError, UsageError)
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
-from m2export.exporter.manifest import CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest, record_files
+from m2export.exporter.manifest import (CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest, record_files,
+                                        refuse_unowned)
 from m2export.exporter.runtime import Decoder, feed_dtype_of
 
 log = logging.getLogger(__name__)
@@ -470,7 +471,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     Raises:
         ParameterError: a bad argument; ExportFolderError, CheckpointError, RuntimeLoadError: the folder, the
-            reference or a graph is unusable (exit 1); OutputFolderError: `report_dir` is not writable.
+            reference or a graph is unusable (exit 1); OutputFolderError: `report_dir` is not writable, or (the reports
+            going to OUTDIR) a report file there is not the one m2export wrote (a user's, or edited since).
         BackendUnavailable: ``require_trt`` where TensorRT is not usable (exit 4).
     """
     from polygraphy.comparator import Comparator
@@ -498,6 +500,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     cfg = manifest.model_config()
     dtype = manifest.dtype
     report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
+    in_outdir = report_dir.resolve() == outdir.resolve()
+    if in_outdir:  # before the long run; again right before the reports are written
+        _refuse_unowned_reports(outdir)
 
     ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
     if not ck_path.exists():
@@ -601,6 +606,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
         vocab_coverage=loader.coverage, reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
     written = [REPORT_JSON, REPORT_MD]
+    if in_outdir:
+        _refuse_unowned_reports(outdir)
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             written += [DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE]
@@ -613,12 +620,19 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         written += [REPORT_PNG] if report.histogram else []
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
-        if report_dir.resolve() == outdir.resolve():  # ours now: `export --force` may replace them
+        if in_outdir:  # ours now: `export --force` and the next check may replace them
             record_files(outdir, written)
     except OSError as e:
         raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
                                 hint="pass a writable folder as `report_dir`") from None
     return report
+
+
+def _refuse_unowned_reports(outdir: Path) -> None:
+    """A report file of OUTDIR that m2export did not write, or one edited since it did, is never replaced
+    (:func:`~m2export.exporter.manifest.refuse_unowned`, the rule of ``export --force``): OutputFolderError."""
+    refuse_unowned(outdir, CHECK_REPORT_FILES, writer="check",
+                   hint="move those files away, or write the reports elsewhere with `report_dir`")
 
 
 def _writable_report_dir(path: Path, *, explicit: bool) -> Path:

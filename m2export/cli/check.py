@@ -29,7 +29,9 @@ Override with --atol/--rtol VALUE (the default) or NAME:VALUE (one output; NAME 
 
 Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
 (error histogram, when matplotlib is installed: pip install 'm2export[plot]') and check_data_loader.py (the same inputs for
-'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed).
+'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed). In OUTDIR it replaces
+only the reports it wrote there (m2export.json records them): a file of one of those names that it did not write,
+or one edited since, is refused (exit 1) before anything runs, as 'export --force' refuses it.
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from m2export._paths import loads_json
-from m2export.errors import ExportFolderError
+from m2export.errors import ExportFolderError, OutputFolderError
 from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS, TIMING_CACHE_FILE
 from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
 from m2export.models.config import Mamba2Config
@@ -430,28 +430,58 @@ def foreign_reason(folder: str | Path) -> str | None:
     for g in raw["graphs"] + list(raw.get("engines") or []):
         if isinstance(g, dict):
             listed |= {str(g.get("file"))} | {str(x) for x in g.get("external_data") or []}
+    return _unowned_reason(d, raw, [p.name for p in d.iterdir()
+                                    if p.name not in listed and not p.name.startswith(".m2export")])
+
+
+def _unowned_reason(d: Path, raw: dict, names) -> str | None:
+    """Why the entries ``names`` of folder ``d`` are not all m2export's by the manifest ``raw`` (None if they are):
+    an auxiliary file (:data:`AUX_FILES`) is m2export's only while its content has the sha256 ``raw['files']``
+    records for it; any other name is not (the caller leaves out the graph, weight and engine files it owns)."""
     recorded = raw.get("files") if isinstance(raw.get("files"), dict) else {}
     other, changed = [], []
-    for p in sorted(d.iterdir()):
-        if p.name in listed or p.name.startswith(".m2export"):
-            continue
-        if p.name in AUX_FILES and p.name in recorded:
+    for name in sorted(names):
+        p = d / name
+        if name in AUX_FILES and name in recorded:
             try:
-                same = p.is_file() and not p.is_symlink() and file_sha256(p) == recorded[p.name]
+                same = p.is_file() and not p.is_symlink() and file_sha256(p) == recorded[name]
             except OSError:
                 same = False
             if not same:
-                changed.append(p.name)
+                changed.append(name)
         else:
-            other.append(p.name)
+            other.append(name)
 
-    def names(xs):
+    def listing(xs):
         return ", ".join(xs[:5]) + (" ..." if len(xs) > 5 else "")
     why = []
     if other:
-        why.append(f"holds file(s) m2export did not write ({names(other)})"
+        why.append(f"holds file(s) m2export did not write ({listing(other)})"
                    + (f" (its {MANIFEST_FILE}, from an older m2export, records none of the auxiliary files it wrote)"
                       if "files" not in raw and set(other) & set(AUX_FILES) else ""))
     if changed:
-        why.append(f"holds file(s) changed since m2export wrote them ({names(changed)})")
+        why.append(f"holds file(s) changed since m2export wrote them ({listing(changed)})")
     return "; ".join(why) or None
+
+
+def refuse_unowned(outdir: str | Path, names, *, writer: str, hint: str) -> None:
+    """Before m2export replaces any of the files ``names`` in OUTDIR (``check``'s reports): each one there must be
+    m2export's by the rule of ``export --force`` (:func:`foreign_reason`: an auxiliary file whose content is the one
+    the manifest's ``files`` records), so that a user's file of that name, or one edited since m2export wrote it, is
+    never destroyed.
+
+    Raises:
+        OutputFolderError: one is not (exit 1): ``OUTDIR: holds file(s) m2export did not write (...); WRITER replaces
+            only the reports it wrote``, with ``hint``.
+    """
+    d = Path(outdir)
+    present = [n for n in names if os.path.lexists(d / n)]
+    if not present:
+        return
+    try:
+        raw = loads_json((d / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        raw = {}
+    why = _unowned_reason(d, raw if isinstance(raw, dict) else {}, present)
+    if why:
+        raise OutputFolderError(f"{d}: {why}; {writer} replaces only the reports it wrote", hint=hint)

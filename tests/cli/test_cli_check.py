@@ -155,3 +155,55 @@ def test_cli_parser_does_not_import_the_tolerance_table():
     code = ("import sys; from m2export.cli.main import build_parser; build_parser(); "
             "assert 'm2export.check.tolerances' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _check_into_outdir(d) -> int:
+    return main(["check", str(d), "-q", "--shapes", "1x3", "--decode-steps", "0"])
+
+
+@pytest.mark.parametrize("whose", ["user", "edited"])
+def test_check_never_replaces_a_report_it_did_not_write(tiny_out, tmp_path, capsys, whose):
+    """check_report.md in the export folder that m2export did not write (a user's own), or one it wrote and the user
+    edited since: check refuses before the run, in export --force's terms (one line + hint, exit 1), and writes
+    nothing; its own reports, unchanged since, it replaces (m2export.json's 'files' sha256 says which are which)."""
+    from m2export.errors import ExitCode
+
+    d = copy_export(tiny_out, tmp_path / "o")
+    md = d / "check_report.md"
+    if whose == "edited":
+        assert _check_into_outdir(d) == 0  # its own reports, recorded
+        capsys.readouterr()
+        assert _check_into_outdir(d) == 0  # replaced: they are m2export's
+        capsys.readouterr()
+        md.write_text(md.read_text() + "\nmy notes\n")
+    else:
+        md.write_text("my notes\n")
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    assert _check_into_outdir(d) == ExitCode.USER_ERROR
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    why = ("holds file(s) m2export did not write (check_report.md)" if whose == "user"
+           else "holds file(s) changed since m2export wrote them (check_report.md)")
+    assert len(lines) == 2 and "Traceback" not in cap.err, cap.err
+    assert lines[0] == f"error: {d}: {why}; check replaces only the reports it wrote", lines[0]
+    assert lines[1].startswith("hint: ") and "--report-dir" in lines[1]
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # nothing written, nothing replaced
+
+
+def test_check_refuses_a_report_that_appears_while_it_runs(tiny_out, tmp_path, capsys, monkeypatch):
+    """A check_report.md written into the folder while the comparison runs is not replaced either (checked again
+    right before the reports are written): nothing is written."""
+    from m2export.check import compare
+
+    d = copy_export(tiny_out, tmp_path / "o")
+    real = compare.build_runtimes
+
+    def meanwhile(*a, **k):
+        (d / "check_report.md").write_text("mine\n")
+        return real(*a, **k)
+
+    monkeypatch.setattr(compare, "build_runtimes", meanwhile)
+    assert _check_into_outdir(d) == 1
+    assert "holds file(s) m2export did not write (check_report.md)" in capsys.readouterr().err
+    assert (d / "check_report.md").read_text() == "mine\n"
+    assert not any(p.name.startswith("check_") and p.name != "check_report.md" for p in d.iterdir())
