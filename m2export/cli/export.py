@@ -65,8 +65,9 @@ def add_arguments(p):
     g.add_argument("--opset", type=int, default=None, help="default-domain ONNX opset (default: 18)")
     g.add_argument("--force", action="store_true",
                    help="replace a non-empty OUTDIR that m2export wrote (its m2export.json says so, and it holds only "
-                        "m2export's files: genai_config.json, check reports etc. only with the content m2export.json "
-                        "records for them); anything else is refused")
+                        "m2export's files: the graphs, weights and engines m2export.json lists, genai_config.json, "
+                        "check reports etc. only with the content it records for them); anything else is refused "
+                        "(a model.plan it does not list too)")
     g.add_argument("--force-foreign", action="store_true",
                    help="with --force, replace OUTDIR even if m2export did not write it (its contents are deleted)")
     g.add_argument("--allow-non-finite-weights", action="store_true", dest="allow_nonfinite",

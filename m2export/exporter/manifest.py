@@ -48,26 +48,11 @@ ROLES = ("prefill", "decode")
 #: saved inputs and reference outputs (m2export/check/repro.py)
 CHECK_REPORT_FILES = ("check_report.json", "check_report.md", "check_errors.png", "check_data_loader.py",
                       "check_inputs.json", "check_reference_outputs.json")
-#: the auxiliary files m2export writes into OUTDIR (besides its manifest, the manifest's graphs and engines, and the
-#: fixed graph, weight and engine names of :func:`_graph_and_engine_names`): export's genai_config.json and
+#: the auxiliary files m2export writes into OUTDIR (besides its manifest and the graph, weight and engine files the
+#: manifest lists): export's genai_config.json and
 #: tokenizer copies, check's reports, build's timing cache. Each is recorded with its sha256 in the manifest's
 #: ``files`` when written (:func:`record_files`); ``export --force`` replaces one only while its content is that.
 AUX_FILES = (TIMING_CACHE_FILE, *CHECK_REPORT_FILES, GENAI_CONFIG_FILE, *TOKENIZER_FILES)
-
-
-def _graph_and_engine_names() -> set[str]:
-    """The graph files of every flavour and the packed graph, the weights file and each graph's engines
-    (prefill+decode and decode-only): what an export or a build may leave in OUTDIR unlisted (a build stopped
-    before its manifest update). Not ``*.onnx``: a user's own ``mine.onnx`` in an export folder is not m2export's."""
-    from m2export.exporter.configs import PREFILL_FILE, WEIGHTS_FILE
-    from m2export.exporter.export import graph_file
-    from m2export.exporter.packed import PACKED_FILE
-    from m2export.names import FLAVOUR_SUFFIX
-    from m2export.trt.build import plan_name
-
-    graphs = {PREFILL_FILE, PACKED_FILE} | {graph_file(impl, False) for impl in FLAVOUR_SUFFIX}  # suffixed ones
-    return graphs | {WEIGHTS_FILE} | {plan_name(g, roles) for g in graphs for roles in (("prefill", "decode"),
-                                                                                       ("decode",))}
 
 
 def _has_role(entry_role: str, role: str) -> bool:
@@ -408,10 +393,12 @@ def write_manifest(outdir: str | Path, manifest: Manifest) -> Path:
 def foreign_reason(folder: str | Path) -> str | None:
     """None if ``folder`` is an m2export output folder holding only what m2export writes, else why not.
 
-    m2export's: a readable manifest (``manifest_version`` and ``graphs``), and every entry is one of the
-    manifest's graph/data/engine files, a graph/weight/engine name m2export writes, or an auxiliary file
-    (:data:`AUX_FILES`) whose content is the one the manifest's ``files`` records (a user's own
-    ``check_report.md`` or ``tokenizer.json`` with one of those names is not m2export's, nor is one edited since).
+    m2export's: a readable manifest (``manifest_version`` and ``graphs``), and every entry is one of the graph,
+    external-data and engine files its ``graphs`` and ``engines`` list, or an auxiliary file (:data:`AUX_FILES`)
+    whose content is the one the manifest's ``files`` records. A name alone makes nothing m2export's: a user's own
+    ``check_report.md``, ``tokenizer.json``, ``model.plan`` or ``model.std.onnx`` that the manifest does not list (or
+    records with other content) is not. The listed graphs, weights and engines are taken by name (not hashed: that
+    would read gigabytes of weights on every ``--force``).
     """
     d = Path(folder)
     if (d / MANIFEST_FILE).is_file() and not (d / MANIFEST_FILE).is_symlink():
@@ -426,7 +413,7 @@ def foreign_reason(folder: str | Path) -> str | None:
         ok = False
     if not ok:
         return damaged
-    listed = _graph_and_engine_names() | {MANIFEST_FILE}
+    listed = {MANIFEST_FILE}  # and what its graph and engine entries name; nothing by its name alone
     for g in raw["graphs"] + list(raw.get("engines") or []):
         if isinstance(g, dict):
             listed |= {str(g.get("file"))} | {str(x) for x in g.get("external_data") or []}

@@ -117,16 +117,32 @@ def test_force_refuses_an_export_holding_a_users_file(tmp_path, capsys, ck, prev
     assert (out / name).read_text() == "mine"
 
 
-@pytest.mark.parametrize("name", ["model.std.onnx", "model.packed.onnx", "model.plan", "model.decode.plan",
-                                  "model.std.plan"])
-def test_force_replaces_an_export_holding_unlisted_files_m2export_writes(tmp_path, ck, previous, name):
-    """A graph or engine m2export names but the manifest does not list (a build stopped before its manifest
-    update) is m2export's: replaced."""
+@pytest.mark.parametrize("name", ["model.std.onnx", "model.native.onnx", "model.packed.onnx", "model.plan",
+                                  "model.decode.plan", "model.std.plan"])
+def test_force_refuses_unlisted_files_named_like_m2exports_graphs_and_engines(tmp_path, capsys, ck, previous, name):
+    """A graph or engine of a name m2export writes that the manifest does not list (a user's own model.plan, a
+    model.std.onnx copied in from elsewhere) was taken for m2export's and deleted by --force: only what the
+    manifest lists is m2export's now. One line naming the file, exit 1, the file kept; the listed ones (the
+    previous export's model.onnx, model.onnx.data) are still replaced (test_force_replaces_... below)."""
     out = tmp_path / "out"
     shutil.copytree(previous, out)
-    (out / name).write_text("stale")
-    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 0
-    assert not (out / name).exists() or (out / name).read_text() != "stale"
+    (out / name).write_text("mine")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (f"error: {out}: holds file(s) m2export did not write ({name}); --force replaces "
+                                   "only folders m2export wrote"), err
+    assert (out / name).read_text() == "mine"
+
+
+def test_force_replaces_the_graphs_and_engines_the_manifest_lists(tmp_path, ck, previous):
+    """The previous export's graph and weights, and an engine its manifest lists, are m2export's: replaced."""
+    from tests.check.exports import record_engine
+
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    record_engine(out, [], file="model.plan")
+    assert main(["export", str(ck), "-o", str(out), "--force", "-q", "--ssm-impl", "both"]) == 0
+    assert is_complete_export(out, "both")
 
 
 @pytest.mark.parametrize("name", ["check_report.md", "check_inputs.json", "tokenizer.json", ".timing.cache"])
