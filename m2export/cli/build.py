@@ -52,7 +52,9 @@ def add_arguments(p):
     g.add_argument("--opt-level", type=int, choices=range(6), metavar="0-5",
                    help="builder optimization level (default: TensorRT's, 3)")
     g.add_argument("--timing-cache", metavar="FILE",
-                   help="timing cache to reuse and update (default: OUTDIR/.timing.cache)")
+                   help="timing cache to reuse and update, recorded in m2export.json (default: the one it records "
+                        "from the last build, else OUTDIR/.timing.cache); a file outside OUTDIR is never deleted by "
+                        "'export --force', one inside it under another name is refused by it")
     g.add_argument("--no-timing-cache", action="store_true", help="build without a timing cache")
     g.add_argument("--aot-ptx-isa", metavar="MAJOR.MINOR",
                    help="rewrite the AOT kernel's PTX ISA header (for a driver older than cuda-tile's toolkit; "

@@ -133,6 +133,15 @@ class Manifest:
     #: the auxiliary files (:data:`AUX_FILES`) m2export wrote into OUTDIR: name -> sha256 (hex) of the content it
     #: wrote, so that ``export --force`` never deletes a user's file of the same name (:func:`foreign_reason`)
     files: dict[str, str] = field(default_factory=dict)
+    #: the TensorRT timing cache the last ``m2export build`` reused and updated, which the next build reuses by
+    #: default: a file name in OUTDIR (``.timing.cache``, recorded in ``files`` too; or a ``--timing-cache`` given
+    #: there under another name, the user's) or the absolute path of a ``--timing-cache`` outside OUTDIR (never
+    #: touched by ``export --force``, which replaces OUTDIR only); "" before any build with one
+    timing_cache: str = ""
+
+    def timing_cache_path(self, outdir: str | Path) -> Path | None:
+        """The recorded :attr:`timing_cache` as a path (None when none is recorded)."""
+        return (Path(outdir) / self.timing_cache) if self.timing_cache else None
 
     def model_config(self):
         """The model description: a :class:`Mamba2Config` (mamba_ssm / HF Mamba-2 exports) or, for a hybrid
@@ -225,6 +234,11 @@ class Manifest:
             for name in (e.file, e.onnx_file):
                 _file_name(name, f"engine {i}")
         _check_files_record(d.get("files", {}))
+        cache = d.get("timing_cache", "")
+        if not isinstance(cache, str):
+            raise ValueError(f"'timing_cache' {cache!r} is not a path")
+        if cache and not Path(cache).is_absolute():
+            _file_name(cache, "'timing_cache'")
         return cls(**d)
 
 

@@ -24,6 +24,7 @@ without TensorRT fails early with the install hint and writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from m2export import backends
+from m2export._paths import atomic_file
 from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, M2ExportError,
                              RuntimeLoadError, UsageError)
 from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ, TIMING_CACHE_FILE
@@ -357,7 +359,9 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
         roles: which graphs of an OUTDIR to build.
         workspace: builder workspace limit in bytes (None: TensorRT's default, the device memory).
         opt_level: builder optimization level 0..5 (None: TensorRT's default, 3).
-        timing_cache: True (OUTDIR/.timing.cache, reused and updated), a path, or None/False (none).
+        timing_cache: True (the cache m2export.json records from the last build while it exists, else
+            OUTDIR/.timing.cache; reused and updated), a path (created if need be; recorded in m2export.json, so that
+            the next build reuses it), or None/False (none). Replaced whole once every engine has built.
         aot_ptx_isa: explicit PTX ISA for the AOT kernel's header (see ``m2export build --aot-ptx-isa``).
 
     Returns:
@@ -383,8 +387,7 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
     from m2export.trt.loader import count_ssm_scan_nodes
 
     uses_plugin = {t.onnx: count_ssm_scan_nodes(t.onnx) > 0 for t in targets}
-    cache = (outdir / TIMING_CACHE_FILE if timing_cache is True
-             else Path(timing_cache) if timing_cache else None)
+    cache = _timing_cache(timing_cache, outdir, manifest)
 
     trt = require_tensorrt()
     gpu, cc = require_gpu()
@@ -396,31 +399,77 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
         ssm_scan_trt.configure_aot(ptx_isa=aot_ptx_isa)
 
     built: list[tuple[BuildTarget, bytes, EngineEntry]] = []
-    for t in targets:
-        mode = plugin if uses_plugin[t.onnx] else None
-        engine = build_engine_bytes(t, plugin_mode=mode, profiles=profiles[t.onnx], workspace=workspace,
-                                    opt_level=opt_level, timing_cache=cache)
-        precision = manifest.dtype if manifest is not None else onnx_precision(t.onnx)
-        built.append((t, engine, EngineEntry(
-            role=t.role, file=t.plan.name, onnx_file=t.onnx.name, tensorrt_version=str(trt.__version__), gpu=gpu,
-            compute_capability=cc, plugin_mode=mode or "none", profiles=profiles[t.onnx], precision=precision,
-            profile_roles=list(t.roles))))
+    with _private_copy(cache) as work_cache:  # the cache is replaced whole once every engine has built
+        for t in targets:
+            mode = plugin if uses_plugin[t.onnx] else None
+            engine = build_engine_bytes(t, plugin_mode=mode, profiles=profiles[t.onnx], workspace=workspace,
+                                        opt_level=opt_level, timing_cache=work_cache)
+            precision = manifest.dtype if manifest is not None else onnx_precision(t.onnx)
+            built.append((t, engine, EngineEntry(
+                role=t.role, file=t.plan.name, onnx_file=t.onnx.name, tensorrt_version=str(trt.__version__), gpu=gpu,
+                compute_capability=cc, plugin_mode=mode or "none", profiles=profiles[t.onnx], precision=precision,
+                profile_roles=list(t.roles))))
 
-    result = BuildResult(outdir)
-    for t, engine, entry in built:
-        tmp = t.plan.with_name(t.plan.name + ".tmp")
-        tmp.write_bytes(engine)
-        os.replace(tmp, t.plan)
-        result.engines.append(entry)
-        log.info("wrote %s", t.plan)
+        result = BuildResult(outdir)
+        for t, engine, entry in built:
+            with atomic_file(t.plan) as tmp:
+                tmp.write_bytes(engine)
+            result.engines.append(entry)
+            log.info("wrote %s", t.plan)
+        if work_cache is not None and work_cache.is_file():
+            os.replace(work_cache, cache)
     if manifest is not None:
         files_built = {e.file for e in result.engines}
         manifest.engines = [e for e in manifest.engines if e.file not in files_built] + result.engines
-        if cache is not None and cache.is_file() and cache.resolve() == (outdir / TIMING_CACHE_FILE).resolve():
-            manifest.files = {**manifest.files, **aux_record(outdir, [TIMING_CACHE_FILE])}  # --force may replace it
+        if cache is not None and cache.is_file():
+            inside = cache.resolve().parent == outdir.resolve()
+            manifest.timing_cache = cache.name if inside else str(cache.resolve())  # the next build reuses it
+            if inside and cache.name == TIMING_CACHE_FILE:  # ours: `export --force` may replace it
+                manifest.files = {**manifest.files, **aux_record(outdir, [TIMING_CACHE_FILE])}
         write_manifest(outdir, manifest)
         result.manifest_updated = True
     return result
+
+
+def _timing_cache(timing_cache: str | Path | None | bool, outdir: Path, manifest: Manifest | None) -> Path | None:
+    """The timing cache of a build: ``timing_cache`` True is the one the manifest records from the last build (a
+    ``--timing-cache`` elsewhere) while it exists, else OUTDIR/.timing.cache; a path is that file; None/False none."""
+    if timing_cache is True:
+        recorded = manifest.timing_cache_path(outdir) if manifest is not None else None
+        return recorded if recorded is not None and recorded.is_file() else outdir / TIMING_CACHE_FILE
+    return Path(timing_cache) if timing_cache else None
+
+
+@contextlib.contextmanager
+def _private_copy(cache: Path | None):
+    """A copy of ``cache`` (if it exists) in a new private folder beside it, for the builder to read and update:
+    Polygraphy rewrites the file it saves to in place and leaves ``<file>.lock`` beside it, so the real cache is
+    replaced whole (``os.replace``, by the caller) only once every engine has built, and no lock file lands in OUTDIR
+    or the user's folder. The private folder is removed on the way out. Yields None for no cache.
+
+    Raises:
+        OutputFolderError: the cache's folder cannot be created or written (the OS's reason named).
+    """
+    import shutil
+    import tempfile
+
+    from m2export.errors import OutputFolderError
+
+    if cache is None:
+        yield None
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".m2export-timing-", dir=cache.parent))
+        if cache.is_file():
+            shutil.copy2(cache, work / cache.name)
+    except OSError as e:
+        raise OutputFolderError(f"`timing_cache` {cache}: cannot write there ({e.strerror or e})",
+                                hint="pass a writable path as `timing_cache`") from None
+    try:
+        yield work / cache.name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def trtexec_command(outdir: str | Path, role: str = "prefill", *, batch: int = 1, seq: int = 128) -> str:

@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from m2export.cli.main import main
-from m2export.errors import BackendUnavailable, BuildError, ExportFolderError, M2ExportError, ParameterError
+from m2export.errors import BackendUnavailable, BuildError, ExportFolderError, ParameterError
 from m2export.exporter.manifest import EngineEntry, GraphEntry, Manifest, read_manifest, write_manifest
 from m2export.trt import build as B
 from m2export.trt.loader import count_ssm_scan_nodes, format_parser_errors, network_flags
@@ -494,3 +494,78 @@ def test_bad_profile_flags_are_named(args, first, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and lines[0] == first, lines  # a usage error (ExitCode.USAGE), as argparse's
     assert lines[1].startswith("hint: the defaults are ") and len(lines) == 2
+
+
+def _stand_in_builder(monkeypatch, seen: list | None = None):
+    """TensorRT and the GPU stood in for: the builder reads and extends the timing cache it is given (as Polygraphy
+    does: it combines the file's previous content with the new timings) and returns engine bytes."""
+    import m2export.trt.loader as L
+
+    monkeypatch.setattr(B, "require_tensorrt", lambda: SimpleNamespace(__version__="10.0"))
+    monkeypatch.setattr(B, "require_gpu", lambda: ("H200", "9.0"))
+    monkeypatch.setattr(L, "count_ssm_scan_nodes", lambda path: 0)
+
+    def fake_build(t, *, timing_cache, **k):
+        old = Path(timing_cache).read_bytes() if Path(timing_cache).is_file() else b""
+        if seen is not None:
+            seen.append(old)
+        Path(timing_cache).write_bytes(old + b"+" + t.onnx.name.encode())
+        return b"engine"
+    monkeypatch.setattr(B, "build_engine_bytes", fake_build)
+
+
+def test_custom_timing_cache_is_recorded_reused_and_never_deleted_by_force(tmp_path, monkeypatch):
+    """build --timing-cache PATH outside OUTDIR: m2export.json records its absolute path, so a later plain build
+    reuses (and updates) it; build wrote it atomically (nothing else beside it, no Polygraphy lock file in either
+    folder); export --force over the folder leaves it alone (it is outside: only OUTDIR is replaced)."""
+    out = make_outdir(tmp_path)
+    seen: list[bytes] = []
+    _stand_in_builder(monkeypatch, seen)
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    cache = caches / "h200.cache"
+    cache.write_bytes(b"earlier")
+    assert main(["build", str(out), "--timing-cache", str(cache), "-q"]) == 0
+    assert seen == [b"earlier"] and cache.read_bytes() == b"earlier+model.onnx"
+    m = read_manifest(out, consistent=False)
+    assert m.timing_cache == str(cache.resolve()) and m.files == {}
+    assert sorted(p.name for p in caches.iterdir()) == ["h200.cache"]
+    assert not (out / B.TIMING_CACHE_FILE).exists() and not any(p.name.endswith(".lock") for p in out.iterdir())
+    assert main(["build", str(out), "-q"]) == 0  # the recorded cache, not OUTDIR/.timing.cache
+    assert seen[-1] == b"earlier+model.onnx" and not (out / B.TIMING_CACHE_FILE).exists()
+    from m2export.exporter.manifest import foreign_reason
+
+    assert foreign_reason(out) is None  # the cache outside is no file of OUTDIR's: --force may replace OUTDIR
+    ck = tmp_path / "ck"
+    assert main(["random-checkpoint", "-o", str(ck), "--d-model", "32", "--n-layer", "1", "--vocab-size", "256",
+                 "--d-state", "16", "--headdim", "16", "--chunk-size", "16", "-q"]) == 0
+    assert main(["export", str(ck), "-o", str(out), "--force", "--no-check", "-q"]) == 0
+    assert cache.read_bytes() == b"earlier+model.onnx+model.onnx"
+
+
+def test_custom_timing_cache_inside_outdir_is_the_users(tmp_path, monkeypatch, capsys):
+    """--timing-cache OUTDIR/mine.cache is recorded by its name, reused by the next build, and, not being a file
+    m2export records a sha256 for, never deleted by export --force (refused, naming it)."""
+    out = make_outdir(tmp_path)
+    _stand_in_builder(monkeypatch)
+    assert main(["build", str(out), "--timing-cache", str(out / "mine.cache"), "-q"]) == 0
+    assert read_manifest(out, consistent=False).timing_cache == "mine.cache"
+    assert main(["build", str(out), "-q"]) == 0
+    assert (out / "mine.cache").read_bytes() == b"+model.onnx+model.onnx" and not (out / B.TIMING_CACHE_FILE).exists()
+    from m2export.exporter.manifest import foreign_reason
+
+    assert foreign_reason(out) == "holds file(s) m2export did not write (mine.cache)"
+
+
+def test_recorded_timing_cache_gone_falls_back_to_outdir(tmp_path, monkeypatch):
+    """A recorded cache that no longer exists (the folder copied to another machine): the build uses
+    OUTDIR/.timing.cache rather than create a file at the old path, and records that one."""
+    out = make_outdir(tmp_path)
+    _stand_in_builder(monkeypatch)
+    gone = tmp_path / "elsewhere" / "x.cache"
+    assert main(["build", str(out), "--timing-cache", str(gone), "-q"]) == 0
+    gone.unlink()
+    assert main(["build", str(out), "-q"]) == 0
+    assert not gone.exists() and (out / B.TIMING_CACHE_FILE).read_bytes() == b"+model.onnx"
+    m = read_manifest(out, consistent=False)
+    assert m.timing_cache == B.TIMING_CACHE_FILE and B.TIMING_CACHE_FILE in m.files
