@@ -631,7 +631,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 def _refuse_unowned_reports(outdir: Path) -> None:
     """A report file of OUTDIR that m2export did not write, or one edited since it did, is never replaced
     (:func:`~m2export.exporter.manifest.refuse_unowned`, the rule of ``export --force``): OutputFolderError."""
-    refuse_unowned(outdir, CHECK_REPORT_FILES, writer="check",
+    refuse_unowned(outdir, CHECK_REPORT_FILES, writer="check", what="reports",
                    hint="move those files away, or write the reports elsewhere with `report_dir`")
 
 

@@ -16,7 +16,8 @@ plugin modes:
   aot  the cuTile kernel is compiled to PTX for this GPU and embedded in the engine: any TensorRT runtime
        (trtexec, C++) runs it, no Python and no plugin library needed
 
-exit codes: 0 engines written; 1 a bad path or graph (a missing or unreadable .onnx), or a failed build;
+exit codes: 0 engines written; 1 a bad path or graph (a missing or unreadable .onnx), a failed build, or an
+engine file in OUTDIR that m2export.json does not list (never replaced: a user's own model.plan);
 2 a flag's value malformed or out of range (--min-batch 0, --min-seq > --max-seq, --workspace lots); 4 TensorRT is not installed (checked before any graph is read), no CUDA GPU, or the
 SSMScan plugin cannot be registered.
 

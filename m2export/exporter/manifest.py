@@ -465,15 +465,16 @@ def _unowned_reason(d: Path, raw: dict, names) -> str | None:
     return "; ".join(why) or None
 
 
-def refuse_unowned(outdir: str | Path, names, *, writer: str, hint: str) -> None:
-    """Before m2export replaces any of the files ``names`` in OUTDIR (``check``'s reports): each one there must be
-    m2export's by the rule of ``export --force`` (:func:`foreign_reason`: an auxiliary file whose content is the one
-    the manifest's ``files`` records), so that a user's file of that name, or one edited since m2export wrote it, is
+def refuse_unowned(outdir: str | Path, names, *, writer: str, what: str, hint: str) -> None:
+    """Before m2export replaces any of the files ``names`` in OUTDIR (``check``'s reports, ``build``'s engines not
+    listed in the manifest): each one there must be m2export's by the rule of ``export --force``
+    (:func:`foreign_reason`: an auxiliary file whose content is the one the manifest's ``files`` records; any other
+    name the caller passes is not), so that a user's file of that name, or one edited since m2export wrote it, is
     never destroyed.
 
     Raises:
         OutputFolderError: one is not (exit 1): ``OUTDIR: holds file(s) m2export did not write (...); WRITER replaces
-            only the reports it wrote``, with ``hint``.
+            only the WHAT it wrote``, with ``hint``.
     """
     d = Path(outdir)
     present = [n for n in names if os.path.lexists(d / n)]
@@ -485,4 +486,4 @@ def refuse_unowned(outdir: str | Path, names, *, writer: str, hint: str) -> None
         raw = {}
     why = _unowned_reason(d, raw if isinstance(raw, dict) else {}, present)
     if why:
-        raise OutputFolderError(f"{d}: {why}; {writer} replaces only the reports it wrote", hint=hint)
+        raise OutputFolderError(f"{d}: {why}; {writer} replaces only the {what} it wrote", hint=hint)

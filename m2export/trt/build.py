@@ -40,7 +40,7 @@ from m2export.errors import (BackendUnavailable, BuildError, ExportFolderError, 
                              RuntimeLoadError, UsageError)
 from m2export.exporter.configs import BATCH, MANIFEST_FILE, PAST_SEQ, PREFILL_FILE, SEQ, TIMING_CACHE_FILE
 from m2export.exporter.manifest import (REEXPORT_HINT, EngineEntry, Manifest, aux_record, read_manifest,
-                                       write_manifest)
+                                       refuse_unowned, write_manifest)
 from m2export.exporter.packed import NSEQ, PACKED_ROLE, TOKENS
 from m2export.names import DEFAULT_PROFILE
 
@@ -383,6 +383,7 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
         log.warning("build: %s not built: the SSMScanPacked plugin has no AOT implementation; build it with "
                     "`--plugin jit`", ", ".join(t.onnx.name for t in targets if t.roles == (PACKED_ROLE,)))
         targets = [t for t in targets if t.roles != (PACKED_ROLE,)]
+    _refuse_unlisted_engines(outdir, manifest, targets)  # before the build; again before the engines are written
     profiles = {t.onnx: [graph_profile(onnx_inputs(t.onnx), r, batch, seq) for r in t.roles] for t in targets}
     from m2export.trt.loader import count_ssm_scan_nodes
 
@@ -411,6 +412,7 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
                 profile_roles=list(t.roles))))
 
         result = BuildResult(outdir)
+        _refuse_unlisted_engines(outdir, manifest, targets)
         for t, engine, entry in built:
             with atomic_file(t.plan) as tmp:
                 tmp.write_bytes(engine)
@@ -429,6 +431,17 @@ def build_engines(path: str | Path, *, plugin: str = "jit", batch: ShapeRange = 
         write_manifest(outdir, manifest)
         result.manifest_updated = True
     return result
+
+
+def _refuse_unlisted_engines(outdir: Path, manifest: Manifest | None, targets: Sequence[BuildTarget]) -> None:
+    """An engine file of OUTDIR that m2export.json does not list (a user's own model.plan, one copied in from
+    elsewhere) is never replaced: OutputFolderError, in export --force's words (a lone .onnx without a manifest has
+    no record to tell: its engine is replaced as before)."""
+    if manifest is None:
+        return
+    listed = {e.file for e in manifest.engines}
+    refuse_unowned(outdir, [t.plan.name for t in targets if t.plan.name not in listed], writer="build",
+                   what="engines", hint="move it away (m2export.json does not list it), or build in a copy of the folder")
 
 
 def _timing_cache(timing_cache: str | Path | None | bool, outdir: Path, manifest: Manifest | None) -> Path | None:

@@ -569,3 +569,27 @@ def test_recorded_timing_cache_gone_falls_back_to_outdir(tmp_path, monkeypatch):
     assert not gone.exists() and (out / B.TIMING_CACHE_FILE).read_bytes() == b"+model.onnx"
     m = read_manifest(out, consistent=False)
     assert m.timing_cache == B.TIMING_CACHE_FILE and B.TIMING_CACHE_FILE in m.files
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_build_never_replaces_an_engine_file_it_did_not_write(tmp_path, monkeypatch, capsys, when):
+    """A model.plan in OUTDIR that m2export.json does not list (a user's own engine; one built elsewhere and copied
+    in) is not replaced by build, by export --force's rule: one line naming it, exit 1, the file kept and nothing
+    recorded; checked before the (long) build and again right before the engine is written."""
+    out = make_outdir(tmp_path)
+    _stand_in_builder(monkeypatch)
+    if when == "before":
+        (out / "model.plan").write_bytes(b"mine")
+    else:
+        real = B.build_engine_bytes
+
+        def meanwhile(*a, **k):
+            (out / "model.plan").write_bytes(b"mine")
+            return real(*a, **k)
+        monkeypatch.setattr(B, "build_engine_bytes", meanwhile)
+    assert main(["build", str(out), "-q"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == f"error: {out}: holds file(s) m2export did not write (model.plan); build replaces only the " \
+                       "engines it wrote", lines
+    assert len(lines) == 2 and lines[1].startswith("hint: ")
+    assert (out / "model.plan").read_bytes() == b"mine" and read_manifest(out, consistent=False).engines == []
