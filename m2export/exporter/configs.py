@@ -21,7 +21,7 @@ Each state's axis order in a graph is its ``layout`` (:data:`STATE_AXES` names t
 reference, the SSMScan contract and the ssmscan/std flavours (and TensorRT) use; :data:`STATE_LAYOUTS` the
 flavours that differ): the native flavour keeps ``ssm_state`` as (batch_size, nheads, d_state, headdim), the
 state layout of ONNX Runtime's LinearAttention, so its one-token step yields y without another pass over the
-state, and ``conv_state`` channels-last, (batch_size, d_conv - 1, conv_dim), as CausalConvWithState keeps it. Runtimes pass states through by name; anything comparing a graph's states with the model's goes through
+state (its ``conv_state`` is the model's, as the channels-first CausalConvWithState keeps it). Runtimes pass states through by name; anything comparing a graph's states with the model's goes through
 :meth:`StateIO.to_model_layout` / :meth:`StateIO.to_graph_layout`.
 
 Attention names and axes follow optimum (``OnnxConfigWithPast.add_past_key_values``): the key/value caches
@@ -107,11 +107,11 @@ STATE_AXES: dict[str, tuple[str, ...]] = {
 #: flavour -> state kind -> that state's axes in the flavour's graph I/O, where they differ from
 #: :data:`STATE_AXES`: the native flavour keeps its states as ONNX Runtime's kernels do
 #: (m2export/exporter/native_ort.py): ssm_state as LinearAttention's (b, h, d_k, d_v) state with d_k = d_state,
-#: d_v = headdim, conv_state channels-last as CausalConvWithState(channels_last=1) reads and writes it (a decode
-#: token transposes neither); every other flavour (ssmscan, std, and TensorRT's engines, built from ssmscan)
-#: keeps the model's layout
+#: d_v = headdim (a decode token transposes no state; conv_state stays the model's (b, conv_dim, d_conv - 1), as
+#: the channels-first CausalConvWithState reads and writes it); every other flavour (ssmscan, std, and TensorRT's
+#: engines, built from ssmscan) keeps the model's layout
 STATE_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "native": {"ssm_state": (BATCH, "nheads", "d_state", "headdim"), "conv_state": (BATCH, "d_conv - 1", "conv_dim")},
+    "native": {"ssm_state": (BATCH, "nheads", "d_state", "headdim")},
 }
 
 

@@ -13,11 +13,10 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
   every state per call;
 * every causal depthwise conv (``Concat(past_conv_state, x)`` → ``Conv(group=C)`` → ``x * Sigmoid(x)``, and
   the ``Slice`` of the concatenation that is ``present_conv_state``) becomes one
-  ``com.microsoft::CausalConvWithState(activation="silu", channels_last=1)`` for any number of tokens (its SiLU
-  is accurate where ORT's fusion of the traced one is not: :func:`fuse_causal_conv`), which reads and writes
-  the activations in the (batch, seqlen, channels) layout the in-projection produces (the traced graph's
-  Transposes of the activations around the conv go) and the conv states channels-last, the native graph
-  I/O's (batch, d_conv - 1, conv_dim); the graph has no ``If``;
+  ``com.microsoft::CausalConvWithState(activation="silu")`` for any number of tokens (its SiLU is accurate
+  where ORT's fusion of the traced one is not: :func:`fuse_causal_conv`), channels-first between the traced
+  Transposes of the activations (ORT's CPU kernel is several times slower channels-last at prefill lengths),
+  on the conv states in the model's (batch, conv_dim, d_conv - 1) layout; the graph has no ``If``;
 * every RMSNorm as traced (``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps))``, then the weight) becomes
   one ``RMSNormalization`` (opset 23), or ``com.microsoft::SkipSimplifiedLayerNormalization`` where its input
   is a residual ``Add`` (the sum is that node's fourth output);
@@ -87,10 +86,6 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
     return out
 
 
-#: the native flavour's conv state layout as positions of the model's (batch, conv_dim, d_conv - 1) axes
-CONV_CHANNELS_LAST = (0, 2, 1)
-
-
 def _is_native_scan(node) -> bool:
     from m2export.exporter.ssm_scan_op import native_function_name
 
@@ -130,10 +125,9 @@ def relayout_states(model, io) -> int:
     g = model.graph
     relaid = [s for s in io.states if s.perm is not None]
     for s in relaid:
-        if (s.kind, s.perm) not in (("ssm_state", NATIVE_STATE_PERM), ("conv_state", CONV_CHANNELS_LAST)):
+        if (s.kind, s.perm) != ("ssm_state", NATIVE_STATE_PERM):
             raise ExportError(f"internal: the native flavour keeps {s.kind} in {s.layout}; it handles ssm_state as "
-                              f"{NATIVE_STATE_PERM} (the scans) and conv_state as {CONV_CHANNELS_LAST} "
-                              "(fuse_causal_conv) only")
+                              f"{NATIVE_STATE_PERM} (the scans) only")
     if not relaid:
         return 0
     inv = tuple(int(i) for i in np.argsort(NATIVE_STATE_PERM))
@@ -390,25 +384,26 @@ def _single_consumer(value, op_type: str):
 
 def fuse_causal_conv(model) -> int:
     """Replace each traced causal depthwise conv + SiLU (+ its state Slice) by ORT's ``CausalConvWithState``
-    (``activation="silu"``, channels-last), for any number of tokens.
+    (``activation="silu"``, channels-first), for any number of tokens.
 
-    Pattern (as torch.onnx traces ``Mamba2Mixer``): ``cat = Concat(past, x, axis=2)``; ``present =
-    Slice(cat, ...)`` (a graph output); ``c = Conv(cat, W[, bias], group=channels, no padding, stride 1,
-    dilation 1)``; ``y = Mul(c, Sigmoid(c))``; usually ``x = Transpose(t, perm=[0, 2, 1])`` and a
-    ``Transpose(y, perm=[0, 2, 1])`` after it (the in-projection's channels-last layout). ``past`` is a graph
-    input, or a ``Transpose(perm=[0, 2, 1])`` of one (a channels-last conv state, :func:`relayout_states`), and
-    ``present`` a graph output or a ``Transpose(perm=[0, 2, 1])`` of the Slice that is one. The node runs
-    channels-last on ``t`` (no transpose of the activations) and on the states as the graph I/O has them: a
-    channels-last state (the native flavour's I/O) goes in and out untransposed, a (batch, channels,
-    d_conv - 1) one is transposed. Anything else is left as it is. Returns the number fused.
+    Pattern (as torch.onnx traces ``Mamba2Mixer``): ``cat = Concat(past, x, axis=2)`` with ``past`` a graph input
+    (batch, channels, d_conv - 1); ``present = Slice(cat, ...)`` a graph output; ``c = Conv(cat, W[, bias],
+    group=channels, no padding, stride 1, dilation 1)``; ``y = Mul(c, Sigmoid(c))``. The node reads ``x`` and
+    ``past`` and its outputs replace ``y`` and ``present``: the traced Transposes of the activations around the
+    conv (the in-projection's (batch, seqlen, channels) to the conv's (batch, channels, seqlen) and back) stay,
+    the states go in and out as the graph I/O has them (the model's layout). Anything else is left as it is.
+    Returns the number fused.
 
     Why at every length, where ORT 1.32's CPU ``Conv`` is faster from ~128 tokens on: ONNX Runtime fuses the
     traced ``x * Sigmoid(x)`` into ``QuickGelu``, whose logistic has an absolute error of ~1e-7 (relative
-    2e-3 at x < -3), while this node's SiLU is accurate to ~1e-7 relative. On the 130m-shaped checkpoint of
-    benchmarks/bench_ort.py the traced prefill conv put the logits 1.5% further from a float64 forward
-    (3.36e-5 vs 3.31e-5 rel-L2) and the prefill at 512 tokens was within the machine's noise of this node's
-    (benchmarks/RESULTS.md, "Issue 16 accuracy: the native conv at every length"). It also removes the
-    per-layer ``If(sequence_length == 1)`` the two-way choice needed.
+    2e-3 at x < -3), while this node's SiLU, ``x / (1 + exp(-x))``, is accurate to ~1e-7 relative. On the
+    130m-shaped checkpoint of benchmarks/bench_ort.py the traced prefill conv put the logits 1.5% further from a
+    float64 forward (3.36e-5 vs 3.31e-5 rel-L2; benchmarks/RESULTS.md, "Issue 16 accuracy: the native conv at
+    every length"); this node needs no ``If(sequence_length == 1)``. Why channels-first: ORT 1.32's CPU kernel
+    walks each channel's positions, contiguous channels-first and ``channels`` apart channels-last (a strided
+    gather and scatter per channel), and its decode fast path (a fixed kernel width) is channels-first only; at
+    512 tokens of a 130m layer (1792 channels) channels-last cost more than channels-first plus both Transposes
+    (benchmarks/RESULTS.md, "Issue 16: the native graph does less work than mobius's").
     """
     import onnx_ir as ir
     import onnx_ir.passes.common as common
@@ -422,10 +417,7 @@ def fuse_causal_conv(model) -> int:
         past, x = cat.inputs
         w = conv.inputs[1]
         attrs = {k: v.value for k, v in conv.attributes.items()}
-        past_t = _producer(past, "Transpose")
-        past_cl = past_t.inputs[0] if _perm(past_t) == [0, 2, 1] and past_t.inputs[0].is_graph_input() else None
-        if not ((past.is_graph_input() or past_cl is not None) and w.shape is not None and len(w.shape) == 3
-                and w.shape[1] == 1
+        if not (past.is_graph_input() and w.shape is not None and len(w.shape) == 3 and w.shape[1] == 1
                 and attrs.get("group") == w.shape[0] and all(p == 0 for p in attrs.get("pads", [0, 0]))
                 and all(s == 1 for s in attrs.get("strides", [1])) and all(d == 1 for d in attrs.get("dilations", [1]))
                 and attrs.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")):
@@ -436,53 +428,18 @@ def fuse_causal_conv(model) -> int:
         if len(uses) != 2 or sig is None or mul is None or _single_consumer(sig.outputs[0], "Mul") is not mul:
             continue
         slices = [u.node for u in cat.outputs[0].uses() if u.node is not conv]
-        if len(slices) != 1 or slices[0].op_type != "Slice":
+        if len(slices) != 1 or slices[0].op_type != "Slice" or not slices[0].outputs[0].is_graph_output():
             continue
-        present, present_t = slices[0].outputs[0], None
-        if not present.is_graph_output():
-            su = [u.node for u in present.uses()]
-            present_t = su[0] if len(su) == 1 and su[0].op_type == "Transpose" and _perm(su[0]) == [0, 2, 1] \
-                and su[0].outputs[0].is_graph_output() else None
-            if present_t is None:
-                continue
-            present = present_t.outputs[0]  # the channels-last present state
-        if (past_cl is None) != (present_t is None):  # one layout for both states
-            continue
+        present = slices[0].outputs[0]
         name = conv.name or "conv"
-        pre = _producer(x, "Transpose")
-        if not (_perm(pre) == [0, 2, 1] and len(x.uses()) == 1):
-            pre = None
         y = mul.outputs[0]
-        post = [u.node for u in y.uses()]
-        post = post[0] if len(post) == 1 and post[0].op_type == "Transpose" and _perm(post[0]) == [0, 2, 1] \
-            and not y.is_graph_output() else None
-        y_out = post.outputs[0] if post is not None else y  # the pattern's output, channels-last when post
-
-        new = []
-
-        def t(v, nm):
-            new.append(ir.node("Transpose", [v], {"perm": [0, 2, 1]}, name=f"{name}.{nm}"))
-            new[-1].outputs[0].name = f"{name}.{nm}"
-            new[-1].outputs[0].type = v.type
-            return new[-1].outputs[0]
-
-        x_cl = pre.inputs[0] if pre is not None else t(x, "x_channels_last")
-        ccws = ir.node("CausalConvWithState", [x_cl, w, conv.inputs[2] if len(conv.inputs) > 2 else None,
-                                               past_cl if past_cl is not None else t(past, "past_channels_last")],
-                       {"activation": "silu", "channels_last": 1}, domain=ORT_DOMAIN, num_outputs=2,
-                       name=f"{name}.causal_conv_with_state")
-        new.append(ccws)
-        ccws.outputs[0].name, ccws.outputs[1].name = f"{name}.y_channels_last", f"{name}.state_channels_last"
-        ccws.outputs[0].type, ccws.outputs[1].type = y_out.type, present.type
-        y_new = ccws.outputs[0] if post is not None else t(ccws.outputs[0], "y_channels_first")
-        s_new = ccws.outputs[1] if present_t is not None else t(ccws.outputs[1], "present_channels_first")
-        y_new.shape, s_new.shape = y_out.shape, present.shape
-        g.insert_before(pre if pre is not None else cat, new)
-        y_name, present_name = y_out.name, present.name
-        y_out.replace_all_uses_with(y_new, replace_graph_outputs=True)
-        present.replace_all_uses_with(s_new, replace_graph_outputs=True)  # present_conv_state.{i}
-        y_out.name, present.name = f"{name}.y_traced", f"{name}.present_traced"
-        y_new.name, s_new.name = y_name, present_name
+        ccws = ir.node("CausalConvWithState", [x, w, conv.inputs[2] if len(conv.inputs) > 2 else None, past],
+                       {"activation": "silu"}, domain=ORT_DOMAIN, num_outputs=2, name=f"{name}.causal_conv_with_state")
+        g.insert_before(cat, ccws)
+        for new_v, old_v, tag in zip(ccws.outputs, (y, present), ("y", "state")):
+            new_v.type, new_v.shape, old_name = old_v.type, old_v.shape, old_v.name
+            old_v.replace_all_uses_with(new_v, replace_graph_outputs=True)  # present: present_conv_state.{i}
+            old_v.name, new_v.name = f"{name}.{tag}_traced", old_name
         fused += 1
     if fused:
         common.RemoveUnusedNodesPass()(model)  # the traced nodes and the Slice bounds only they read

@@ -429,7 +429,7 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
 
     ``delta = clip(Softplus(dt + dt_bias), dt_min, dt_max)`` (ORT's fp32 Softplus is accurate to 7e-8 relative
     over the whole range, large inputs included; the clip only where the limits bind), then one
-    ``com.microsoft::LinearAttention`` (``update_rule="gated"``: q = C, k = B expanded from groups to heads,
+    ``com.microsoft::LinearAttention`` (``update_rule="gated"``: q = C per group (inverse GQA, q_num_heads = ngroups), k = B copied from groups to heads,
     v = delta ∘ x, decay = delta · A per head, scale 1) on the state in its own (b, h, d_k = d_state,
     d_v = headdim) layout: no transpose, and its output q·S is y itself, for one token (decode: a token of the
     recurrence, no chunk machinery) as for a prefill. ORT 1.32's CPU LinearAttention is a token-by-token
@@ -461,13 +461,18 @@ def _build_native_body(attrs: SSMScanAttrs, shape: NativeScanShape, x_dtype: int
     d_rep = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", D, b.const([1])), shp(h, p)), shp(h * p))  # (h*p,)
     skip = b.op("Mul", f32(b.op("Reshape", x, shp(0, 0, h * p))), d_rep)  # D x  (b, L, h*p)
 
-    def heads_flat(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg
-        if hpg > 1:
-            t = b.op("Expand", b.op("Unsqueeze", t, shp(3)), shp(1, 1, 1, hpg, 1))
-        return b.op("Reshape", t, shp(0, 0, h * n))
+    def heads_flat(t):  # (b, L, g, n) -> (b, L, h*n), head h reading group h // hpg: copies of each group's row
+        if hpg == 1:
+            return b.op("Reshape", t, shp(0, 0, h * n))
+        if g == 1:  # (b, L, n) tiled h times (the caller's reshape to (b, L, 1, n) and this one cancel)
+            return b.op("Tile", b.op("Reshape", t, shp(0, 0, n)), shp(1, 1, h))
+        return b.op("Reshape", b.op("Tile", t, shp(1, 1, 1, hpg)), shp(0, 0, h * n))  # (b, L, g, hpg*n)
 
-    o, final = b.op("LinearAttention", heads_flat(Cf), heads_flat(Bf), b.op("Reshape", xd, shp(0, 0, h * p)), h0, dA,
-                    outputs=2, domain=ORT_DOMAIN, update_rule="gated", q_num_heads=h, kv_num_heads=h, scale=1.0)
+    # q = C per group (inverse GQA: LinearAttention's kv head j reads query head j // (h / g), which is Mamba-2's
+    # head -> group map, so C is never expanded to heads); k = B per head (the state's heads), v = delta ∘ x
+    o, final = b.op("LinearAttention", b.op("Reshape", Cf, shp(0, 0, g * n)), heads_flat(Bf),
+                    b.op("Reshape", xd, shp(0, 0, h * p)), h0, dA,
+                    outputs=2, domain=ORT_DOMAIN, update_rule="gated", q_num_heads=g, kv_num_heads=h, scale=1.0)
     y = b.op("Add", o, skip)  # (b, L, h*p)
     if x_dtype == F:
         b.nodes.append(helper.make_node("Identity", [y], [contract.OUTPUT_NAMES[0]]))

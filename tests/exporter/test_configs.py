@@ -69,8 +69,8 @@ def test_pure_mamba2_config():
 
 
 def test_state_layout_per_flavour():
-    """The native flavour's ssm_state is (batch, nheads, d_state, headdim) (ORT LinearAttention's) and its conv_state
-    channels-last; ssmscan and std keep the model's (batch, nheads, headdim, d_state), as does no flavour; the manifest records the layout per
+    """The native flavour's ssm_state is (batch, nheads, d_state, headdim) (ORT LinearAttention's), its conv_state
+    the model's; ssmscan and std keep the model's (batch, nheads, headdim, d_state), as does no flavour; the manifest records the layout per
     state and reads it back; an entry without one (written before the field) has the model's."""
     cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8)
     model = ("batch_size", cfg.nheads, cfg.headdim, cfg.d_state)
@@ -83,9 +83,9 @@ def test_state_layout_per_flavour():
     assert ssm is io.state("past_ssm_state.1") and ssm.kind == "ssm_state"
     assert ssm.layout == ("batch_size", "nheads", "d_state", "headdim") and ssm.perm == (0, 1, 3, 2)
     assert ssm.past.shape == ssm.present.shape == ("batch_size", cfg.nheads, cfg.d_state, cfg.headdim)
-    conv = io.state("past_conv_state.0")  # channels-last, as CausalConvWithState keeps it
-    assert conv.layout == ("batch_size", "d_conv - 1", "conv_dim") and conv.perm == (0, 2, 1)
-    assert conv.past.shape == conv.present.shape == ("batch_size", cfg.d_conv - 1, cfg.conv_dim)
+    conv = io.state("past_conv_state.0")  # the model's, as the channels-first CausalConvWithState keeps it
+    assert conv.layout == ("batch_size", "conv_dim", "d_conv - 1") and conv.perm is None
+    assert conv.past.shape == conv.present.shape == ("batch_size", cfg.conv_dim, cfg.d_conv - 1)
     assert io.zero_feeds(3, numpy_dtype)["past_ssm_state.0"].shape == (3, cfg.nheads, cfg.d_state, cfg.headdim)
     a = np.random.default_rng(0).standard_normal((3, *model[1:])).astype(np.float32)
     g = ssm.to_graph_layout(a)
@@ -99,7 +99,7 @@ def test_state_layout_per_flavour():
     j = io.to_manifest()
     rec = {s["past"]: s["layout"] for s in j["states"]}
     assert rec["past_ssm_state.0"] == ["batch_size", "nheads", "d_state", "headdim"]
-    assert rec["past_conv_state.0"] == ["batch_size", "d_conv - 1", "conv_dim"]
+    assert rec["past_conv_state.0"] == ["batch_size", "conv_dim", "d_conv - 1"]
     assert GraphIO.from_manifest(j["inputs"], j["outputs"], j["states"]) == io
     old = GraphIO.for_model(cfg, "fp32").to_manifest()
     for st in old["states"]:

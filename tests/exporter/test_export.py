@@ -104,8 +104,9 @@ def test_onnx_graph_structure(export_fp32_both):
 
 def test_native_graph_structure(export_fp32_both):
     """native flavour: ORT's contrib kernels; per layer one CausalConvWithState for any number of tokens
-    (channels-last: no transpose of the activations, nor of the channels-last conv state I/O; its own SiLU, not
-    the traced x * Sigmoid(x) ORT would fuse into the less accurate QuickGelu) and one LinearAttention,
+    (channels-first between the two Transposes of the activations, on the conv states in the model's layout:
+    no Transpose of a state; its own SiLU, not the traced x * Sigmoid(x) ORT would fuse into the less accurate
+    QuickGelu) and one LinearAttention (q = C per group, inverse GQA; k = B tiled to heads: no Expand),
     each reading past_*_state.{i} and writing present_*_state.{i} themselves (the graph's ssm states are its
     (batch, nheads, d_state, headdim) state: no Transpose); no If, no Conv; the norms as
     RMSNormalization / SkipSimplifiedLayerNormalization (nothing of the traced RMSNorm left); constant reshapes,
@@ -137,22 +138,24 @@ def test_native_graph_structure(export_fp32_both):
             for v in list(model.graph.input) + list(model.graph.output)}
     assert dims["past_ssm_state.0"] == dims["present_ssm_state.1"] == ["batch_size", cfg.nheads, cfg.d_state,
                                                                         cfg.headdim]
-    # the conv states are channels-last, as CausalConvWithState keeps them: no Transpose of a state
-    assert dims["past_conv_state.1"] == dims["present_conv_state.0"] == ["batch_size", cfg.d_conv - 1, cfg.conv_dim]
+    # the conv states in the model's layout, as the channels-first CausalConvWithState keeps them
+    assert dims["past_conv_state.1"] == dims["present_conv_state.0"] == ["batch_size", cfg.conv_dim, cfg.d_conv - 1]
     assert {n.domain for n in nodes if n.op_type in ("LinearAttention", "CausalConvWithState")} == {ORT_DOMAIN}
     # pre-norms and gated norms (ngroups 2: the core on (b, L, g, d/g), weight after) and norm_f
     assert top.count("RMSNormalization") + top.count("SkipSimplifiedLayerNormalization") == 2 * cfg.n_layer + 1
     assert top.count("SkipSimplifiedLayerNormalization") == cfg.n_layer  # layers 1.. and norm_f on residual sums
     assert not {"SSMScan", "Loop", "Scan", "CastLike", "Pow", "ReduceMean", "Sqrt", "Reciprocal"} & set(ops)
     assert not {"Concat", "Squeeze", "Slice", "Shape"} & set(top)
-    assert top.count("Transpose") == (1 if cfg.tie_embeddings else 0)  # lm_head's W^T only
+    # the conv's input and output per layer, and lm_head's W^T when tied
+    assert top.count("Transpose") == 2 * cfg.n_layer + (1 if cfg.tie_embeddings else 0)
+    assert "Expand" not in top and top.count("Tile") == cfg.n_layer  # B to heads; C read per group
     for n in nodes:
         if n.op_type == "LinearAttention":
             attrs = {k: a.value for k, a in n.attributes.items()}
             assert attrs["update_rule"] == "gated" and attrs["scale"] == 1.0
-            assert attrs["q_num_heads"] == attrs["kv_num_heads"] == cfg.nheads
+            assert (attrs["q_num_heads"], attrs["kv_num_heads"]) == (cfg.ngroups, cfg.nheads)
         if n.op_type == "CausalConvWithState":
-            assert n.attributes["channels_last"].value == 1 and n.attributes["activation"].value == "silu"
+            assert "channels_last" not in n.attributes and n.attributes["activation"].value == "silu"
 
 
 def test_native_flavour_rejects_bf16(tiny_g2, tmp_path):
@@ -179,8 +182,7 @@ def test_io_names_shapes_and_manifest(export_fp32_both, tiny_g2):
         layouts = {st["kind"]: st["layout"] for st in g.states}
         assert layouts["ssm_state"] == (["batch_size", "nheads", "d_state", "headdim"] if g.ssm_impl == "native"
                                         else ["batch_size", "nheads", "headdim", "d_state"])
-        assert layouts["conv_state"] == (["batch_size", "d_conv - 1", "conv_dim"] if g.ssm_impl == "native"
-                                         else ["batch_size", "conv_dim", "d_conv - 1"])
+        assert layouts["conv_state"] == ["batch_size", "conv_dim", "d_conv - 1"]  # every flavour: the model's
         model = onnx.load(export_fp32_both / g.file)
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                 for v in list(model.graph.input) + list(model.graph.output)}
@@ -279,13 +281,13 @@ def test_native_state_layout_rect(native_rect):
     text = format_text(describe(out))
     for impl, layout, conv in (("ssmscan", "headdim, d_state", "conv_dim, d_conv - 1"),
                                ("std", "headdim, d_state", "conv_dim, d_conv - 1"),
-                               ("native", "d_state, headdim", "d_conv - 1, conv_dim")):
+                               ("native", "d_state, headdim", "conv_dim, d_conv - 1")):
         line = text.splitlines().index(next(x for x in text.splitlines() if f"ssm_impl={impl} " in x))
         near = "\n".join(text.splitlines()[line:line + 3])
         assert f"ssm_state  layout [batch_size, nheads, {layout}]" in near
         assert f"conv_state layout [batch_size, {conv}]" in near
     conv_dim = 128 + 2 * 2 * 16  # d_inner + 2 ngroups d_state
-    want = {"native": (["batch_size", 16, 16, 8], ["batch_size", 3, conv_dim]),
+    want = {"native": (["batch_size", 16, 16, 8], ["batch_size", conv_dim, 3]),
             "ssmscan": (["batch_size", 16, 8, 16], ["batch_size", conv_dim, 3])}
     for impl, (shape, conv) in want.items():
         g = m.graph("prefill", impl)

@@ -71,8 +71,8 @@ def traced(export_fp32_both):
 
 
 def test_fuse_causal_conv_vs_traced(traced):
-    """One CausalConvWithState per layer for any number of tokens (channels-last, the activations' transposes
-    absorbed; its SiLU), the traced conv, its SiLU and its state Slice gone."""
+    """One CausalConvWithState per layer for any number of tokens (channels-first on the traced conv's input, the
+    states as the graph I/O has them; its SiLU), the traced conv, its SiLU and its state Slice gone."""
     m, model = traced
     new = _native_copy(model)
     assert native_ort.fuse_causal_conv(new) == m.model_config().n_layer
