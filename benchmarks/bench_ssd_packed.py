@@ -8,15 +8,17 @@ and 16 sequences of mixed lengths, drawn once from a fixed seed, boundaries insi
 
 * ``one seq``: ``ssm_scan`` of the T tokens as one sequence (batch 1, seqlen T, initial_state[0:1]);
 * ``packed``: the packed launch group over all sequences (``cutile_packed.ssm_scan_packed_cutile``: one block per
-  sequence segment, the y store masked on every chunk, what ``ssm_scan(..., cu_seqlens=...)`` runs);
-* ``packed branch``: the same with the scan's other y-store build (TMA store inside a sequence, masked only on
-  chunks that straddle a boundary: ``cutile_packed.MASKED_ALL`` False);
+  sequence segment over the sequence's sliced views, what ``ssm_scan(..., cu_seqlens=...)`` runs for two or more
+  non-empty sequences);
 * ``per-seq loop``: ``ssm_scan`` on each sequence's slice (what ``ssm_scan(..., cu_seqlens=...)`` ran before);
 
 all as CUDA-graph replays, plus ``packed eager``: ``ssm_scan(..., cu_seqlens=...)`` called eagerly with the offsets
 on the host (checked there, work table from the cache, plan lookup, launches). ``ratio`` = packed / one seq (graph).
 ``rel-L2``: the packed y and final_state against the per-sequence loop (each sequence scanned alone by the
 unpacked kernels). Rows are appended as they are measured (a run cut short keeps its rows).
+
+Then the breakdown: each launch of the packed group and of the one-sequence plan timed alone (a CUDA graph of
+that one launch, on the buffers the whole group left; us, medians), where the packed overhead goes.
 
 Run on the device:
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd_packed.py --results $OUT/results.md
@@ -60,16 +62,68 @@ def header(gpu: str, torch_v: str, triton_v: str, tile_v: str) -> str:
         f"{triton_v}, cuda.tile {tile_v})", "",
         "bf16, D/dt_bias/per-sequence initial states, softplus; ms medians (graph replay unless named eager); ratio = "
         "packed / one seq; goal (issue 14): ratio <= 1.1.", "",
-        "| shape | T | H, P, G, N | nseq | lengths | one seq ms | packed ms | ratio | packed branch ms | "
-        "per-seq loop ms | packed eager ms | rel-L2 y, state vs loop |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"])
+        "| shape | T | H, P, G, N | nseq | lengths | one seq ms | packed ms | ratio | per-seq loop ms | "
+        "packed eager ms | rel-L2 y, state vs loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"])
 
 
 def row_line(row) -> str:
-    name, T, H, P, G, N, nseq, lengths, t_one, t_pk, t_br, t_loop, t_eager, ey, es = row
+    name, T, H, P, G, N, nseq, lengths, t_one, t_pk, t_loop, t_eager, ey, es = row
     ls = ",".join(map(str, lengths)) if len(lengths) <= 4 else f"{min(lengths)}..{max(lengths)}"
     return (f"| {name} | {T} | {H}, {P}, {G}, {N} | {nseq} | {ls} | {t_one:.4f} | {t_pk:.4f} | {t_pk / t_one:.3f} | "
-            f"{t_br:.4f} | {t_loop:.4f} | {t_eager:.4f} | {ey:.1e}, {es:.1e} |")
+            f"{t_loop:.4f} | {t_eager:.4f} | {ey:.1e}, {es:.1e} |")
+
+
+BREAKDOWN_HEADER = "\n".join([
+    "", "Breakdown: each launch alone (a CUDA graph of that one launch; us, medians; pass 1 absent: '-').", "",
+    "| shape | nseq | items / pass-1 items / sequence chunks | packed pre-pass | packed pass 1 | packed pass 2 | "
+    "packed sum | one-seq pre-pass | one-seq pass 1 | one-seq pass 2 | one-seq sum |",
+    "|---|---|---|---|---|---|---|---|---|---|---|"])
+
+
+def launch_times(launches, tensors, rep: int) -> dict[str, float]:
+    """Median us of each (name, launch, grid) alone, as a CUDA graph of that one launch."""
+    import cuda.tile as ct
+
+    out = {}
+    for name, launch, grid in launches:
+        def one(kernel=launch.kernel, grid=grid, args=launch.bind(tensors)):
+            ct.launch(torch.cuda.current_stream().cuda_stream, grid, kernel, args)
+
+        out[name] = 1e3 * time_fn(one, graph=True, rep=rep)
+    return out
+
+
+def breakdown_line(name, nseq, work, pk: dict, one: dict) -> str:
+    def cells(d):
+        return [f"{d[k]:.1f}" if k in d else "-" for k in ("pre-pass", "pass 1", "pass 2")] + [f"{sum(d.values()):.1f}"]
+
+    return " | ".join([f"| {name}", str(nseq), f"{work.nitems} / {work.npass1} / {work.nchunks}", *cells(pk),
+                       *cells(one)]) + " |"
+
+
+def breakdown(p, inp, cu_list, h0, rep: int):
+    """(work, packed us per launch, one-sequence us per launch) of one pack (see the module docstring)."""
+    import m2export.kernels.ssd.cutile as cu
+    import m2export.kernels.ssd.cutile_packed as cp
+
+    dev = inp["x"].device
+    flags = dict(dt_softplus=True, dt_limit=(0.0, math.inf), has_D=True, has_dt_bias=True, has_init=True)
+    plan = cp.packed_plan(p, device=dev, **flags)
+    work = cp.device_work(cu_list, plan.config.chunk, cp.segment_chunks(plan.config, p.seqlen), dev)
+    tensors = dict(inp, y=torch.empty_like(inp["x"]), final_state=torch.empty_like(h0), chunks=work.chunks,
+                   work_pass2=work.table[:work.nitems], work_pass1=work.table[work.nitems:],
+                   **cp.packed_scratch(p, plan.config, work, dev))
+    kinds = {"ssd_packed_dt_kernel": "pre-pass", "ssd_packed_segment_kernel": "pass 1",
+             "ssd_packed_scan_kernel": "pass 2", "ssd_dt_kernel": "pre-pass", "ssd_segment_state_kernel": "pass 1",
+             "ssd_scan_kernel": "pass 2"}
+    pk = launch_times([(kinds[l.name], l, g) for l, g in cp.packed_launches(plan, work, p.nheads)], tensors, rep)
+    one = cu.scan_plan(p, device=dev, **flags)
+    tensors = dict(inp, initial_state=h0[:1], y=torch.empty_like(inp["x"]), final_state=torch.empty_like(h0[:1]))
+    for name, shape, dtype in one.scratch:
+        tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+    ones = launch_times([(kinds[l.name], l, l.grid) for l in one.launches], tensors, rep)
+    return work, pk, ones
 
 
 def main(argv=None) -> int:
@@ -78,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--packs", default=",".join(map(str, PACKS)))
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"), help="markdown file to append to")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the per-launch times")
     args = ap.parse_args(argv)
 
     import cuda.tile as ct
@@ -90,7 +145,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     append_results(header(torch.cuda.get_device_name(), torch.__version__, triton.__version__, ct.__version__),
                    args.results)
-    rows = []
+    rows, lines = [], []
     for name in args.shapes.split(","):
         T, H, P, G, N = SHAPES[name]
         base = make_inputs((1, T, H, P, G, N), seed=1)
@@ -104,8 +159,6 @@ def main(argv=None) -> int:
             p, _ = validate_packed(*(inp[k] for k in names), cu_seqlens=cu_cpu)
             y_pk = torch.empty_like(inp["x"])
             fs_pk = torch.empty(nseq, H, P, N, device=dev)
-            y_br = torch.empty_like(inp["x"])
-            fs_br = torch.empty(nseq, H, P, N, device=dev)
             y_one = torch.empty_like(inp["x"])
             fs_one = torch.empty(1, H, P, N, device=dev)
             y_loop = torch.empty_like(inp["x"])
@@ -114,14 +167,6 @@ def main(argv=None) -> int:
             def packed():
                 cp.ssm_scan_packed_cutile(*(inp[k] for k in names), cu_list, problem=p, dt_softplus=True,
                                           dt_limit=(0.0, math.inf), out=y_pk, final_state_out=fs_pk)
-
-            def packed_branch():  # the other y-store build (read when the plan is looked up: at capture)
-                cp.MASKED_ALL = False
-                try:
-                    cp.ssm_scan_packed_cutile(*(inp[k] for k in names), cu_list, problem=p, dt_softplus=True,
-                                              dt_limit=(0.0, math.inf), out=y_br, final_state_out=fs_br)
-                finally:
-                    cp.MASKED_ALL = True
 
             def packed_eager():  # the routed entry point, offsets on the host
                 ssm_scan(**inp, cu_seqlens=cu_cpu, out=y_pk, final_state_out=fs_pk)
@@ -138,17 +183,18 @@ def main(argv=None) -> int:
 
             loop()
             packed()
-            packed_branch()
             torch.cuda.synchronize()
-            err_y = max(rel_err(y_loop, y_pk), rel_err(y_loop, y_br))
-            err_s = max(rel_err(fs_loop, fs_pk), rel_err(fs_loop, fs_br))
+            err_y, err_s = rel_err(y_loop, y_pk), rel_err(fs_loop, fs_pk)
             t_one = time_fn(one_seq, graph=True, rep=args.rep)
             t_pk = time_fn(packed, graph=True, rep=args.rep)
-            t_br = time_fn(packed_branch, graph=True, rep=args.rep)
             t_loop = time_fn(loop, graph=True, rep=args.rep)
             t_eager = time_fn(packed_eager, graph=False, rep=args.rep)
-            rows.append((name, T, H, P, G, N, nseq, lengths, t_one, t_pk, t_br, t_loop, t_eager, err_y, err_s))
+            rows.append((name, T, H, P, G, N, nseq, lengths, t_one, t_pk, t_loop, t_eager, err_y, err_s))
             append_results(row_line(rows[-1]), args.results)  # row by row: a run cut short keeps its rows
+            if args.breakdown:
+                lines.append(breakdown_line(name, nseq, *breakdown(p, inp, cu_list, h0, args.rep)))
+    if lines:
+        append_results("\n".join([BREAKDOWN_HEADER] + lines), args.results)
     worst = max(r[9] / r[8] for r in rows)  # packed / one seq
     append_results(f"\nWorst ratio {worst:.3f}: the 1.1x goal is {'met' if worst <= 1.1 else 'NOT met'} on these "
                    "shapes.\n", args.results)

@@ -333,43 +333,56 @@ def test_every_tile_family_compiles(headdim, d_state, dt):
 @pytest.mark.parametrize("dt,chunk,block_p,d_state", CASES, ids=[f"{c[0]}_Q{c[1]}_N{c[3]}" for c in CASES])
 @pytest.mark.parametrize("has_init", [True, False], ids=["init", "no_init"])
 def test_packed_work_item_kernels_compile(dt, chunk, block_p, d_state, has_init):
-    """The packed form as routed (m2export.kernels.ssd.cutile_packed: one block per sequence segment, driven by
-    the work table): pre-pass, pass 1 and pass 2 for sm_90, both y-store variants."""
+    """The packed form as routed (m2export.kernels.ssd.cutile_packed: one block per sequence segment over the
+    sequence's sliced views, driven by the work table): pre-pass, pass 1 and pass 2 for sm_90."""
     from m2export.contract import SSMScanProblem
     from m2export.kernels.ssd.cutile_packed import make_packed_plan
     from m2export.kernels.ssd.plan import choose_config
 
     p = SSMScanProblem(1, 700, 8, 64, 2, d_state, dtype=dt)
     cfg = choose_config(p, chunk=chunk, block_p=block_p, nseg=3, dt_pre=True, merge_tail=False)
-    for masked_all in (True, False):
-        plan = make_packed_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
-                                has_dt_bias=True, has_init=has_init, masked_all=masked_all)
-        launches = [plan.dt] + [l for seg, scan, _ in plan.pieces for l in (seg, scan)]
-        assert [l.name for l in launches] == ["ssd_packed_dt_kernel", "ssd_packed_segment_kernel",
-                                              "ssd_packed_scan_kernel"]
-        for launch in launches if masked_all else launches[2:]:
-            assert _export_launch(launch)[:4] == b"\x7fELF"
+    plan = make_packed_plan(p, cfg, dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
+                            has_dt_bias=True, has_init=has_init)
+    launches = [plan.dt] + [l for seg, scan, _ in plan.pieces for l in (seg, scan)]
+    assert [l.name for l in launches] == ["ssd_packed_dt_kernel", "ssd_packed_segment_kernel",
+                                          "ssd_packed_scan_kernel"]
+    for launch in launches:
+        assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
 def test_packed_work_table():
-    """packed_work: one item per sequence segment of at most seg_chunks chunks (near-equal, none empty), chunk
-    ranges covering each sequence's tokens, folds pointing at the sequence's first item, pass-1 rows for every
-    item but a sequence's last, empty sequences listed and owning no item."""
-    from m2export.kernels.ssd.cutile_packed import WORK_COLUMNS, packed_work
+    """packed_work: a sequence of L tokens is ceil(L / chunk) chunks of its own (chunk table rows a, e, k, sequence
+    by sequence), cut into items of at most seg_chunks chunks (near-equal, none empty) covering them, numbered in
+    sequence order, folds pointing at the sequence's first item, each item's coef_chunk0 the chunk-table row of
+    its sequence's chunk 0; rows of each pass longest first; pass-1 rows for every item but a sequence's last;
+    empty sequences listed and owning no item and no chunk."""
+    from m2export.kernels.ssd.cutile_packed import CHUNK_COLUMNS, WORK_COLUMNS, packed_work
 
     cu = [0, 63, 63, 128, 1000, 1001]  # boundary inside chunk 0, an empty sequence, one on a chunk edge, L=1
-    rows, npass1, empties = packed_work(cu, 64, 5)
-    items = [dict(zip(WORK_COLUMNS, r)) for r in rows]
-    main, p1 = items[:len(rows) - npass1], items[len(rows) - npass1:]
-    assert empties == [1]
+    w = packed_work(cu, 64, 5)
+    items = [dict(zip(WORK_COLUMNS, r)) for r in w.rows]
+    main, p1 = items[:len(w.rows) - w.npass1], items[len(w.rows) - w.npass1:]
+    chunks = [dict(zip(CHUNK_COLUMNS, r)) for r in w.chunks]
+    assert w.empties == [1]
+    assert [(c["a"], c["e"], c["k"]) for c in chunks] == (
+        [(0, 63, 0), (63, 128, 0), (63, 128, 1)] + [(128, 1000, k) for k in range(14)] + [(1000, 1001, 0)])
+    by_item = sorted(main, key=lambda it: it["item"])
+    assert [it["item"] for it in by_item] == list(range(len(main)))
+    sizes = [it["k_end"] - it["k_begin"] for it in main]
+    assert sizes == sorted(sizes, reverse=True)  # longest first
     for s in (0, 2, 3, 4):
-        mine = [it for it in main if it["seq"] == s]
+        mine = [it for it in by_item if it["seq"] == s]
+        n = -(-(cu[s + 1] - cu[s]) // 64)
         assert mine and all(it["a"] == cu[s] and it["e"] == cu[s + 1] for it in mine)
-        assert mine[0]["c_begin"] == cu[s] // 64 and mine[-1]["c_end"] == (cu[s + 1] - 1) // 64 + 1
-        assert all(x["c_end"] == y["c_begin"] for x, y in zip(mine, mine[1:]))
-        assert all(0 < it["c_end"] - it["c_begin"] <= 5 for it in mine)
+        assert mine[0]["k_begin"] == 0 and mine[-1]["k_end"] == n
+        assert all(x["k_end"] == y["k_begin"] for x, y in zip(mine, mine[1:]))
+        assert all(0 < it["k_end"] - it["k_begin"] <= 5 for it in mine)
         assert [it["last"] for it in mine] == [0] * (len(mine) - 1) + [1]
-        assert all(it["first_item"] == main.index(mine[0]) for it in mine)
-    assert [it["item"] for it in main] == list(range(len(main)))
-    assert p1 == [it for it in main if not it["last"]] and npass1 == 2  # sequence 3: 14 chunks -> 5 + 5 + 4
-    assert [(it["c_begin"], it["c_end"]) for it in main if it["seq"] == 3] == [(2, 7), (7, 12), (12, 16)]
+        assert all(it["first_item"] == mine[0]["item"] for it in mine)
+        c0 = mine[0]["coef_chunk0"]
+        assert all(it["coef_chunk0"] == c0 for it in mine)
+        assert [(chunks[c0 + k]["a"], chunks[c0 + k]["k"]) for k in range(n)] == [(cu[s], k) for k in range(n)]
+    assert sorted(map(tuple, (r.values() for r in p1))) == sorted(tuple(it.values()) for it in main
+                                                                      if not it["last"])
+    assert w.npass1 == 2  # sequence 3: 14 chunks -> 5 + 5 + 4
+    assert [(it["k_begin"], it["k_end"]) for it in by_item if it["seq"] == 3] == [(0, 5), (5, 10), (10, 14)]

@@ -271,18 +271,3 @@ def test_cutile_packed_reads_cu_seqlens_on_the_launch_stream():
         assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
         assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL["float32"])
         assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL["float32"])
-
-
-@pytest.mark.gpu
-@requires_cutile
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cutile_packed_branch_store_variant(monkeypatch, dtype):
-    """The scan's other y-store build (TMA store on chunks inside one sequence, masked scatter only on chunks that
-    straddle a boundary; cutile_packed.MASKED_ALL False, timed by bench_ssd_packed.py) on the seven-sequence pack."""
-    import m2export.kernels.ssd.cutile_packed as cp
-
-    monkeypatch.setattr(cp, "MASKED_ALL", False)
-    lengths = [1, 63, 64, 65, 500, 2048, 7]
-    p, inp, cu = _packed_inputs(lengths, dtype, seed=stable_seed("branch", dtype), H=8, P=64, G=2, N=128)
-    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
-    _run_packed_plans(inp, cu, ref, dtype, [None], rel_y=SSD_Y_REL[dtype], rel_state=SSD_STATE_REL[dtype])

@@ -110,9 +110,9 @@ def _ssm_scan_packed(x, dt, A, B, C, D, dt_bias, initial_state, *, cu_seqlens, a
     :func:`m2export.kernels.ssd.cutile_packed.ssm_scan_packed_cutile`, one launch group over all sequences (one
     block per sequence segment, driven by a work table built from the offsets, which are read on the host on the
     launch stream: a device sync when they live on the GPU); a pack with one non-empty sequence runs the unpacked
-    plan on that sequence's slice (H200, bench_ssd_packed.py, benchmarks/RESULTS.md 2026-12-02 08:11 UTC:
-    mamba2-2.7b T 8192 one sequence 0.178 ms unpacked vs 0.193 packed; 4 / 16 sequences packed 0.196 / 0.194
-    vs 0.228 / 0.464 ms for one launch group per sequence)."""
+    plan on that sequence's slice (H200, bench_ssd_packed.py, benchmarks/RESULTS.md 2026-12-02 17:58 UTC:
+    mamba2-2.7b T 8192 one sequence 0.177 ms unpacked vs 0.183 packed; 4 / 16 sequences packed 0.184 / 0.170
+    vs 0.227 / 0.460 ms for one launch group per sequence)."""
     from m2export.contract import check_cu_seqlens, validate_packed
 
     problem, nseq = validate_packed(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens=cu_seqlens)
