@@ -102,10 +102,16 @@ class ElementwiseStats:
 
     def result(self, err_stat: str = "elemwise") -> OutputCompareResult:
         """The comparison's ``OutputCompareResult`` (medians and quantiles ``None``), verdict stored."""
+        if not self.n:  # an empty output (a d_conv 1 conv state): equal, with no differences to average
+            return self._stored(OutputCompareResult(0.0, 0.0, 0.0, 0.0, None, None, None, None,
+                                                    thresholds=SimpleThreshold(err_stat, self.atol, self.rtol)))
         max_abs = math.nan if self.nan_abs else self.max_abs
         max_rel = math.nan if self.nan_rel else self.max_rel
         res = OutputCompareResult(max_abs, max_rel, self.sum_abs / self.n, self.sum_rel / self.n, None, None, None,
                                   None, thresholds=SimpleThreshold(err_stat, self.atol, self.rtol))
+        return self._stored(res)
+
+    def _stored(self, res: OutputCompareResult) -> OutputCompareResult:
         res._stored_passed = not self.mismatch  # the elemwise verdict, as SimpleCompareFunc stores it
         return res
 
@@ -139,7 +145,7 @@ class SlicedCompareFunc(SimpleCompareFunc):
     def _check_outputs_match(self, out0, out0_name, out1, out1_name, per_out_rtol, per_out_atol, per_out_err_stat,
                              runner0_name, runner1_name, per_out_quantile):
         if (per_out_err_stat != "elemwise" or not isinstance(out0, np.ndarray) or not isinstance(out1, np.ndarray)
-                or out0.dtype == np.bool_ or out1.dtype == np.bool_ or out0.size == 0 or out0.shape != out1.shape):
+                or out0.dtype == np.bool_ or out1.dtype == np.bool_ or out0.shape != out1.shape):
             return super()._check_outputs_match(out0, out0_name, out1, out1_name, per_out_rtol, per_out_atol,
                                                 per_out_err_stat, runner0_name, runner1_name, per_out_quantile)
         st = sliced_elementwise(out0, out1, per_out_atol, per_out_rtol, slice_elements=self.slice_elements,

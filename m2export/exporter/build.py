@@ -11,7 +11,7 @@ multipliers, bfloat16) are traced as before.
 Each builder emits exactly the ops the traced and optimised piece has, in the same dtypes (so the flavour
 passes after it, :func:`~m2export.exporter.export._inline` and :mod:`~m2export.exporter.native_ort`, see the
 same patterns), with two simplifications that compute the same values: reshape targets are constants (``0``
-copies the batch and sequence dims), and the conv state's ``Slice`` starts at ``-(d_conv - 1)``
+copies the batch and sequence dims), and the conv state's ``Slice`` starts at ``-(d_conv - 1)`` (at the end for d_conv 1)
 instead of at the traced ``sequence_length``. Weights are the model's tensors without copies (transposed
 weights are numpy views, written in blocks when saved); derived constants (``A = -exp(A_log)``, float32
 copies of a float16 model's norm weights, ``D`` and ``dt_bias``) are computed with torch, as the model does.
@@ -265,7 +265,9 @@ def _conv(b: Builder, mixer, xBC, past_conv_state, p: str):
     cat = b.op("Concat", [past_conv, xt], {"axis": 2}, name=f"{p}conv_in", dtype=dt,
                shape=[bl[0], s.conv_dim, ir.SymbolicDim(f"{SEQ} + {k}")])
     ends = np.array([np.iinfo(np.int64).max], np.int64)
-    present_conv = b.op("Slice", [cat, b.const(np.array([-k], np.int64)), b.const(ends),
+    # the last k columns; k = 0 (d_conv 1) starts at the end: a start of -0 would be 0, the whole concat
+    start = np.array([-k if k else np.iinfo(np.int64).max], np.int64)
+    present_conv = b.op("Slice", [cat, b.const(start), b.const(ends),
                                   b.const(np.array([2], np.int64)), b.const(np.array([1], np.int64))],
                         name=f"{p}present_conv_state", shape=[bl[0], s.conv_dim, k], dtype=dt)
     conv = mixer.conv1d

@@ -776,7 +776,8 @@ def _native(model, spec, io):
     if len(heads) != 1:
         raise ParameterError(f"`ssm_impl` native: the Mamba layers have different head counts {sorted(heads)}; "
                              "the native flavour needs one", hint="export the ssmscan or std flavour")
-    return to_native_ort(model, heads.pop(), len(spec.mamba_layers), _inline, io)
+    n_conv = sum(1 for i in spec.mamba_layers if spec.layers[i].mamba.d_conv > 1)  # d_conv 1: no conv state
+    return to_native_ort(model, heads.pop(), len(spec.mamba_layers), _inline, io, n_conv)
 
 
 def _manifest_config(ck) -> dict[str, Any]:

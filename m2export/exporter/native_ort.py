@@ -49,7 +49,7 @@ from m2export.exporter.ssm_scan_op import NATIVE_OPSETS, ORT_DOMAIN
 NATIVE_IR_VERSION = 11
 
 
-def to_native_ort(model, nheads: int, n_layer: int, inline, io):
+def to_native_ort(model, nheads: int, n_layer: int, inline, io, n_conv: int | None = None):
     """A native-kernel copy of an onnx_ir ssmscan-flavour ``model`` (weights shared, ``model`` untouched).
 
     Args:
@@ -57,6 +57,9 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
             the nodes' ``x`` and ``B`` inputs must have static head, headdim, group and d_state sizes.
         nheads: heads of every mixer (checked against the graph).
         n_layer: mixers expected (one LinearAttention and one CausalConvWithState each).
+        n_conv: CausalConvWithState nodes expected (default ``n_layer``): a mixer with d_conv 1 has no conv state
+            to carry (its conv is a per-channel scale; the graph's optimiser drops the concat with the empty
+            state), so its standard ``Conv`` stays.
         inline: the exporter's inlining pass (``export._inline``), applied to the copy.
         io: the native flavour's :class:`~m2export.exporter.configs.GraphIO` (``GraphIO.for_model(...,
             flavour="native")``): the state layouts the copy's graph I/O gets (:func:`relayout_states`).
@@ -79,7 +82,7 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io):
     import onnx_ir as ir
 
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
-    if not (n_scan == fused == n_la == n_layer):
+    if not (n_scan == n_la == n_layer and fused == (n_layer if n_conv is None else n_conv)):
         raise ExportError(f"internal: the native flavour expected {n_layer} scans, causal convs and "
                           f"LinearAttention nodes, found {n_scan} SSMScan nodes, {fused} convs and "
                           f"{n_la} LinearAttention nodes")

@@ -191,8 +191,8 @@ def graph_profile(inputs: dict[str, list[int | str]], role: str, batch: ShapeRan
     for name, dims in inputs.items():
         shapes: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
         for d in dims:
-            if isinstance(d, int) and d > 0:
-                rng = ShapeRange(d, d, d)
+            if isinstance(d, int) and d >= 0:  # 0: the conv state of a d_conv 1 mixer (no columns)
+                rng = ShapeRange(d, d, d, allow_zero=True)
             elif d == BATCH_SYMBOL:
                 rng = batch
             elif d == SEQ_SYMBOL:

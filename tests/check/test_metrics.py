@@ -159,3 +159,22 @@ def test_prefill_keeps_at_most_the_reference_and_one_runtime_output():
     assert [bool(m["logits"]) for m in acc[("a", "ref")]] == [True] * 4
     assert [bool(m["logits"]) for m in acc[("b", "ref")]] == [False] * 4
     assert len(seen) == 12 and max(seen) <= 1, seen
+
+
+def test_empty_outputs_compare_equal_without_nan_or_warnings():
+    """A d_conv 1 mixer's conv state has no columns (batch, conv_dim, 0): the check compares it as equal with zero
+    differences (Polygraphy's whole-array rule averaged nothing: NaN means and numpy's 'Mean of empty slice'
+    RuntimeWarning on stderr). A shape mismatch is still Polygraphy's to refuse."""
+    import warnings
+
+    atol, rtol = {"": 1e-4}, {"": 1e-3}
+    empty = np.zeros((2, 96, 0), np.float32)
+    it = IterationResult(OrderedDict(state=empty), runner_name="rt")
+    base = IterationResult(OrderedDict(state=empty.copy()), runner_name="ref")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = SlicedCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise")(it, base)["state"]
+    assert bool(got)
+    assert (got.max_absdiff, got.max_reldiff, got.mean_absdiff, got.mean_reldiff) == (0.0, 0.0, 0.0, 0.0)
+    bad = IterationResult(OrderedDict(state=np.zeros((2, 96, 1), np.float32)), runner_name="rt")
+    assert not bool(SlicedCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise")(bad, base)["state"])

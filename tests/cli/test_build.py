@@ -209,6 +209,9 @@ def test_graph_profiles(tmp_path):
         "past_key_values.1.key"]["opt"] == [2, 2, 100, 16]
     with pytest.raises(BuildError, match="dynamic dimension 'n'"):
         B.graph_profile({"x": ["batch_size", "n"]}, "prefill", batch, seq)
+    # a fixed 0 (the conv state of a d_conv 1 mixer, no columns) is a fixed size, not a dynamic one
+    assert B.graph_profile({"past_conv_state.0": ["batch_size", 96, 0]}, "prefill", batch, seq)[
+        "past_conv_state.0"] == {"min": [1, 96, 0], "opt": [2, 96, 0], "max": [8, 96, 0]}
     with pytest.raises(ParameterError, match="min <= opt <= max"):
         B.ShapeRange(4, 2, 8)
 
