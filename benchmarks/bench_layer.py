@@ -102,8 +102,15 @@ def torch_conv_step(ly: Mamba2Config, x, state, w, b):
     return y
 
 
+PART_KEYS = {"in_proj GEMM": "gemm", "out_proj GEMM": "gemm", "conv1d+SiLU": "conv", "SSM scan": "scan",
+             "gated RMSNorm": "norm", "whole layer": "layer"}
+"""--parts names of the table's parts."""
+
+
 def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list, *, rep: int, conv_tiles, norm_tiles,
-             update_tiles=()):
+             update_tiles=(), only=None):
+    """Time one layer and mode; ``only``: the set of PART_KEYS values to time (None: all). Without "scan" the scan's
+    output buffer, the norm's input, is filled with random values instead of being computed."""
     from m2export.kernels.conv1d import causal_conv1d, conv_update
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile, conv_update_cutile
     from m2export.kernels.gated_norm import gated_rmsnorm
@@ -145,10 +152,15 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         parts.append(("conv1d+SiLU", f"cutile (rel-err vs torch {conv_err:.1e})",
                       lambda: causal_conv1d(xBC, W["conv_w"], W["conv_b"], out=yconv, state_out=cst), conv_fl))
         cprob = conv_validate(xBC, W["conv_w"], W["conv_b"])
-        for impl, tl, occ, lat in conv_tiles:
-            fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat: causal_conv1d_cutile(
+        from m2export.kernels.conv1d.cutile import choose_stream_tiles
+
+        for impl, tl, occ, lat, pf in conv_tiles:
+            if tl[0] == 0:  # "fit": the chooser's wave-fitted token range for these rows, channels and occupancy
+                tl = (choose_stream_tiles(cprob, 2, torch.cuda.get_device_properties(0).multi_processor_count,
+                                          occ or 8, rows=tl[1], fit=True)[0],) + tl[1:]
+            fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat, pf=pf: causal_conv1d_cutile(
                 xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
-                occupancy=occ, impl=impl, latency=lat))
+                occupancy=occ, impl=impl, latency=lat, prefetch=pf))
             yconv.fill_(float("nan"))
             try:
                 fn()
@@ -157,13 +169,16 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
                 continue
             torch.cuda.synchronize()
             parts.append(("conv1d+SiLU", f"cutile {impl} tiles {'x'.join(map(str, tl))}" + (f" occ {occ}" if occ else "")
-                          + (f" lat {lat}" if lat else "") + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
+                          + (f" lat {lat}" if lat else "") + ("" if pf is None else f" pf {int(pf)}")
+                          + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
                       lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
         xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
         xv, Bv, Cv = xs.reshape(batch, seqlen, h, p), Bs.reshape(batch, seqlen, g, n), Cs.reshape(batch, seqlen, g, n)
         xc, dtc, Bc, Cc = xv.contiguous(), dt.contiguous(), Bv.contiguous(), Cv.contiguous()
         yscan = torch.empty(batch, seqlen, h, p, dtype=torch.bfloat16, device="cuda")
+        if only is not None and "scan" not in only:
+            yscan.copy_(torch.randn(yscan.shape, generator=gen, device="cuda"))
         fstate = torch.empty(batch, h, p, n, dtype=torch.float32, device="cuda")
         sfl = scan_floor_s((batch, seqlen, h, p, g, n))
         scan = lambda a, d_, b_, c_: ssm_scan(a, d_, W["A"], b_, c_, W["D"], W["dt_bias"], out=yscan,  # noqa: E731
@@ -203,6 +218,8 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         xv, Bv, Cv = xs.reshape(batch, h, p), Bs.reshape(batch, g, n), Cs.reshape(batch, g, n)
         sstate = torch.randn(batch, h, p, n, generator=gen, device="cuda")
         yscan = torch.empty(batch, h, p, dtype=torch.bfloat16, device="cuda")
+        if only is not None and "scan" not in only:
+            yscan.copy_(torch.randn(yscan.shape, generator=gen, device="cuda"))
         parts.append(("SSM scan", "cutile step, in place (views read in place)",
                       lambda: ssm_step(xv, dt, W["A"], Bv, Cv, W["D"], W["dt_bias"], sstate, out=yscan,
                                        state_out=sstate), step_bytes(batch, h, p, g, n) / HBM))
@@ -256,6 +273,8 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         return torch.matmul(yn.reshape(M, di), W["W_out"].t(), out=out)
 
     for part, impl, fn, fl in parts:
+        if only is not None and PART_KEYS[part] not in only:
+            continue
         try:
             t = time_fn(fn, graph=True, rep=rep, warmup=min(25, rep))
         except Exception as e:  # noqa: BLE001
@@ -266,7 +285,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
               f"x{t * 1e-3 / fl:5.2f}", flush=True)
     non_gemm_floor = sum({pt: fl for pt, _i, _f, fl in parts if pt not in ("in_proj GEMM", "out_proj GEMM")}.values())
     gemm_fl = sum(fl for pt, _i, _f, fl in parts if pt.endswith("GEMM"))
-    for ours in (True, False):
+    for ours in (True, False) if only is None or "layer" in only else ():
         label = "cuTile conv + scan + norm" if ours else "torch conv + norm, cuTile scan"
         try:
             t = time_fn(lambda ours=ours: layer(ours), graph=True, rep=rep, warmup=min(25, rep))
@@ -285,11 +304,14 @@ def main(argv=None):
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    ap.add_argument("--conv-variants", default="v1:16:128:0,stream:256:8:256:0:0,stream:256:8:256:5:10,"
-                    "stream2d:256:32:128:4:10,stream2d:256:8:128:4:10",
-                    help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency] "
-                         "(stream2d: the same for conv1d_stream2d_kernel) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: "
-                         "no hint; latency: the row-load hint 1..10, 0 or absent: none), '' for none")
+    ap.add_argument("--conv-variants", default="stream2d:256:8:128:8:10:0,stream2d:256:8:128:8:10:1,"
+                    "stream2d:256:16:128:8:10:0,stream2d:256:16:128:8:10:1,stream2d:fit:8:128:8:10:1,"
+                    "stream2d:fit:16:128:8:10:0",
+                    help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency"
+                         "[:prefetch]] (stream2d: the same for conv1d_stream2d_kernel; BLOCK_T 'fit': choose_stream_tiles' "
+                         "wave-fitted token range for those rows) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: no hint; "
+                         "latency: the row-load hint 1..10, 0 or absent: none; prefetch 0|1, absent: the default), '' "
+                         "for none")
     ap.add_argument("--update-variants", default="gather:4:256,cols:4:256,cols:8:256,cols:16:128,cols:1:1024",
                     help="extra decode conv-update configs, comma list of cols|gather:BLOCK_B:BLOCK_C "
                          "(conv_update_cutile's kernels), '' for none")
@@ -298,8 +320,11 @@ def main(argv=None):
                     "pieces:8:1:2",
                     help="extra gated-norm configs, comma list of v2:BLOCK_R:occupancy (the v2 chooser's tiling of the "
                          "group: one padded tile, or chunks) or pieces:BLOCK_R:TMA(0|1):occupancy (the group's binary "
-                         "decomposition, choose_pieces; skipped where it does not apply) or grouped:BLOCK_R:G:TMA:occupancy "
-                         "(G groups per block, choose_grouped; skipped where it does not apply); occupancy 0: no hint")
+                         "decomposition, choose_pieces; skipped where it does not apply) or grouped:BLOCK_R:G:TMA:occupancy"
+                         "[:CHECK] (G groups per block, choose_grouped; skipped where it does not apply; CHECK 0: no "
+                         "bounds checks); occupancy 0: no hint")
+    ap.add_argument("--parts", default="", help="comma list of the parts to time (gemm, conv, scan, norm, layer; the "
+                    "norm's input is random without scan); '' for all")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)  # inference: no autograd records (the model's norm weight is a Parameter)
@@ -310,7 +335,8 @@ def main(argv=None):
     for spec in filter(None, args.conv_variants.split(",")):
         impl, *v = spec.split(":")
         nt = 2 if impl == "v1" else 3
-        conv_tiles.append((impl, tuple(int(t) for t in v[:nt]), int(v[nt]), int(v[nt + 1]) if len(v) > nt + 1 else 0))
+        conv_tiles.append((impl, tuple(0 if t == "fit" else int(t) for t in v[:nt]), int(v[nt]),
+                           int(v[nt + 1]) if len(v) > nt + 1 else 0, bool(int(v[nt + 2])) if len(v) > nt + 2 else None))
     update_tiles = [(impl, (int(bb), int(bc))) for impl, bb, bc in
                     (sp.split(":") for sp in args.update_variants.split(",") if sp)]
     norm_specs = [(k, tuple(int(t) for t in v)) for k, *v in (sp.split(":") for sp in args.norm_variants.split(",") if sp)]
@@ -326,8 +352,9 @@ def main(argv=None):
                 out.append((f"v2 tiles {tl[0]}x{tl[1]}x{tl[2]} occ {v[1]}", dict(tiles=tl, occupancy=v[1])))
             elif kind == "grouped":
                 if choose_grouped(p) is not None:
-                    out.append((f"grouped R{v[0]} G{v[1]} tma {v[2]} occ {v[3]}",
-                                dict(grouped=(v[0], v[1]), tma=bool(v[2]), occupancy=v[3] or 0)))
+                    chk = bool(v[4]) if len(v) > 4 else True
+                    out.append((f"grouped R{v[0]} G{v[1]} tma {v[2]} occ {v[3]}" + ("" if chk else " unchecked"),
+                                dict(grouped=(v[0], v[1]), tma=bool(v[2]), occupancy=v[3] or 0, check=chk)))
             elif choose_pieces(p) is not None:
                 w = choose_pieces(p)
                 out.append((f"pieces R{v[0]} {'+'.join(str(x) for x in w if x)} tma {v[1]} occ {v[2]}",
@@ -344,7 +371,7 @@ def main(argv=None):
         for mode in args.modes.split(","):
             print(f"{ln} {mode} ...", file=sys.stderr, flush=True)
             run_mode(ln, LAYERS[ln], mode, mamba_norm, rows, rep=args.rep, conv_tiles=conv_tiles, norm_tiles=norm_tiles,
-                     update_tiles=update_tiles)
+                     update_tiles=update_tiles, only=set(args.parts.split(",")) if args.parts else None)
     lines = [f"### Mamba-2 layer parts (issue 18), {head}", "",
              "| layer | mode | part | implementation | us | floor us | x floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -127,12 +127,18 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 ]
 
 
-#: (impl, latency, occupancy) run through every PREFILL edge besides the default launch: the streaming kernels with
-#: the row-load latency hint (software-pipelined loads), candidates for the default (benchmarks/NOTES_fusion.md)
-PREFILL_CANDIDATES = [pytest.param(None, id="default"), pytest.param(("stream", 10, 4, None), id="stream_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 4, None), id="stream2d_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 4, (256, 32, 128)), id="stream2d_256x32x128_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 4, (256, 16, 128)), id="stream2d_256x16x128_lat10_occ4")]
+#: (impl, latency, occupancy, tiles, prefetch, chooser) run through every PREFILL edge besides the default launch:
+#: the streaming kernels with the row-load latency hint, stream2d with and without the row prefetch, fixed tiles or
+#: choose_stream_tiles' with the keywords ``chooser`` (None: the launcher's); candidates for the default
+#: (benchmarks/NOTES_fusion.md). "fit16_prefetch" is the measured best (STREAM_PREFETCH, STREAM_FIT_WAVES and
+#: STREAM_STEP_BYTES 4096), "fit8_prefetch" the same with 8 rows per step.
+PREFILL_CANDIDATES = [pytest.param(None, id="default"),
+                      pytest.param(("stream", 10, 4, None, None, None), id="stream_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 4, None, None, None), id="stream2d_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096)), id="fit16_prefetch"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, rows=8)), id="fit8_prefetch"),
+                      pytest.param(("stream2d", 10, 4, (256, 32, 128), None, None), id="stream2d_256x32x128_lat10_occ4"),
+                      pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch")]
 
 
 @pytest.mark.gpu
@@ -153,9 +159,13 @@ def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype
     if variant is None:
         res = causal_conv1d(x, w, bs, cs, out=y, state_out=st)
     else:
-        impl, lat, occ, tiles = variant
-        res = causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st,
-                                   impl=impl, latency=lat, occupancy=occ, tiles=tiles)
+        from m2export.kernels.conv1d.cutile import choose_stream_tiles
+
+        impl, lat, occ, tiles, prefetch, chooser = variant
+        p = validate(x, w, bs, cs)
+        tiles = tiles or (choose_stream_tiles(p, x.element_size(), **chooser) if chooser else None)
+        res = causal_conv1d_cutile(x, w, bs, cs, problem=p, silu=True, out=y, state_out=st,
+                                   impl=impl, latency=lat, occupancy=occ, tiles=tiles, prefetch=prefetch)
     torch.cuda.synchronize()
     assert res.y is y and res.final_conv_state is st
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
@@ -178,7 +188,7 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("impl,tiles,occupancy,latency", [
+@pytest.mark.parametrize("impl,tiles,occupancy,latency,prefetch", [(*v, None) for v in [
     ("stream", (16, 4, 1024), None, 0), ("stream", (64, 8, 512), 2, 0), ("stream", (8, 8, 128), None, 0),
     ("stream", (256, 4, 256), None, 0), ("stream", (4, 4, 16), None, 0), ("stream", (32, 4, 512), 4, 0),
     ("stream", (16, 16, 256), None, 0),
@@ -188,9 +198,13 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
     ("stream2d", (8, 8, 128), None, 10), ("stream2d", (4, 4, 16), None, 0),
     ("stream2d", (256, 16, 256), 4, 10), ("stream2d", (256, 16, 256), 4, 0), ("stream2d", (256, 8, 128), 8, 10),
     ("stream2d", (128, 32, 128), 4, 10), ("stream2d", (128, 16, 128), 4, 10), ("stream", (256, 8, 256), 5, 10),
-    ("v1", (16, 128), None, 0), ("v1", (32, 128), 2, 0), ("v1", (4, 16), None, 0)])
+    ("v1", (16, 128), None, 0), ("v1", (32, 128), 2, 0), ("v1", (4, 16), None, 0)]] + [
+    # token ranges that are no power of two (the chooser's wave-fitted ones), with and without the row prefetch
+    ("stream2d", (272, 16, 128), 8, 10, True), ("stream2d", (336, 16, 128), 8, 10, True),
+    ("stream2d", (328, 8, 128), 8, 10, True), ("stream2d", (24, 8, 128), None, 0, True),
+    ("stream2d", (48, 16, 64), 8, 10, False), ("stream2d", (256, 8, 128), 8, 10, False)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, dtype):
+def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, prefetch, dtype):
     from m2export.contract_conv1d import validate
     from m2export.kernels.conv1d.cutile import causal_conv1d_cutile
 
@@ -199,7 +213,7 @@ def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, dtype):
     y = torch.full((2, 300, 5376 // 4), float("nan"), dtype=x.dtype, device="cuda")
     st = torch.full((2, 5376 // 4, 3), float("nan"), dtype=x.dtype, device="cuda")
     causal_conv1d_cutile(x, w, bs, cs, problem=validate(x, w, bs, cs), silu=True, out=y, state_out=st, tiles=tiles,
-                         occupancy=occupancy, impl=impl, latency=latency)
+                         occupancy=occupancy, impl=impl, latency=latency, prefetch=prefetch)
     torch.cuda.synchronize()
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
     assert torch.equal(st.cpu().double(), st_ref)
@@ -229,10 +243,26 @@ def test_stream_tiles():
     from m2export.contract_conv1d import Conv1dProblem
     from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
-    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 128)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2) == (256, 8, 128)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=1000, conv_dim=1000, d_conv=4), 2) == (16, 8, 128)
-    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4) == (8, 8, 64)
+    assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2, fit=False,
+                               step_bytes=None) == (256, 8, 128)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2, fit=False,
+                               step_bytes=None) == (256, 8, 128)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=1000, conv_dim=1000, d_conv=4), 2, fit=False,
+                               step_bytes=None) == (16, 8, 128)
+    assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4, fit=False,
+                               step_bytes=None) == (8, 8, 64)
+
+    def fit(b, l, c, itemsize=2, **kw):
+        return choose_stream_tiles(Conv1dProblem(batch=b, seqlen=l, conv_dim=c, d_conv=4), itemsize, fit=True,
+                                   **{"step_bytes": 4096, **kw})
+
+    # token ranges fitted to whole waves of 8 x 132 blocks: 5,208 blocks (4.93 waves), 1,050 (one), 2,080 (1.97)
+    assert fit(4, 8192, 5376) == (272, 16, 128) and fit(1, 8192, 5376) == (336, 16, 128)
+    assert fit(1, 8192, 10240) == (320, 16, 128) and fit(4, 8192, 10240) == (256, 16, 128)
+    assert fit(1, 8192, 5376, 4) == (328, 8, 128)  # fp32: 8 rows of 4 KB
+    assert fit(1, 8192, 5376, rows=8) == (328, 8, 128)
+    assert fit(1, 8192, 5376, occupancy=4) == (224, 16, 128)  # 1,554 blocks: 2.94 waves of 528
+    assert fit(1, 1000, 1000) == (16, 16, 128) and fit(1, 3, 40, 4) == (16, 16, 64)
 
 
 @pytest.mark.gpu

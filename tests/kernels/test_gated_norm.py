@@ -83,7 +83,8 @@ DTYPES = ["float32", "float16", "bfloat16"]
 CASES = [  # (leading shape, d_inner, group_size, pad of z)
     pytest.param((1,), 5120, 5120, 0, id="rows1_G1_5120"),
     pytest.param((3, 7), 5120, 5120, 40, id="rows21_G1_5120_strided_z"),
-    pytest.param((2, 9), 8192, 1024, 24, id="nemotron_G8_1024"),
+    pytest.param((2, 9), 8192, 1024, 24, id="nemotron_G8_1024"),  # one wave: choose_grouped_small's (GROUPED_SMALL)
+    pytest.param((133,), 8192, 1024, 24, id="nemotron_G8_1024_rows133"),  # 1,064 (row, group) blocks: choose_grouped
     pytest.param((37,), 96, 48, 0, id="group48_not_pow2"),
     pytest.param((5,), 200, 40, 8, id="group40_C200"),
     pytest.param((2, 65), 256, 256, 0, id="rows130"),
@@ -162,11 +163,14 @@ def test_cutile_gated_norm_pieces_variants(pieces, tma, occupancy, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("grouped,tma,occupancy", [((1, 8), True, None), ((2, 4), True, 4), ((1, 2), False, 8),
-                                                   ((4, 8), True, 1)])
+@pytest.mark.parametrize("grouped,tma,occupancy,check", [((1, 8), True, None, None), ((2, 4), True, 4, None),
+                                                         ((1, 2), False, 8, None), ((4, 8), True, 1, None),
+                                                         ((1, 1), False, 0, False), ((1, 4), True, 8, False),
+                                                         ((1, 2), False, 0, False)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, dtype):
-    """Nemotron-H's 8 groups of 1024, G of them per block, rows (21: a partial last block) per block, both gate orders."""
+def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, check, dtype):
+    """Nemotron-H's 8 groups of 1024, G of them per block, rows (21: a partial last block) per block, both gate orders;
+    check False: loads and stores without bounds checks (one row per block)."""
     from m2export.contract_gated_norm import validate
     from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
 
@@ -175,9 +179,20 @@ def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, dtype):
         ref = oracle(x, z, w, 1024, 1e-5, nbg)
         out = torch.full_like(x, float("nan"))
         gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024, norm_before_gate=nbg), out=out,
-                             grouped=grouped, tma=tma, occupancy=occupancy)
+                             grouped=grouped, tma=tma, occupancy=occupancy, check=check)
         torch.cuda.synchronize()
         assert_close("out", ref, out.cpu(), rel=REL[dtype])
+
+
+def test_unchecked_grouped_needs_whole_blocks():
+    """Refused before anything runs (CPU tensors: no launch is reached)."""
+    pytest.importorskip("cuda.tile")
+    from m2export.contract_gated_norm import validate
+    from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
+
+    x, z, w = make((21,), 8192, "float32", seed=3)
+    with pytest.raises(ContractError, match="check=False: 21 rows are not a multiple of BLOCK_R 2"):
+        gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024), grouped=(2, 4), check=False)
 
 
 def test_pieces_decompose_the_group():
@@ -197,6 +212,13 @@ def test_pieces_decompose_the_group():
     assert choose_grouped(GatedNormProblem(rows=10, d_inner=5120, group_size=5120)) is None
     assert choose_grouped(GatedNormProblem(rows=10, d_inner=32768, group_size=4096)) is None  # 4096 per group
     assert choose_pieces_rows(GatedNormProblem(rows=1, d_inner=96, group_size=48)) == 1
+    from m2export.kernels.gated_norm.cutile import choose_grouped_small
+
+    small = dict(grouped=(1, 1), tma=False, check=False, occupancy=0)
+    assert choose_grouped_small(GatedNormProblem(rows=128, d_inner=8192, group_size=1024)) == small  # decode, 1,024
+    assert choose_grouped_small(GatedNormProblem(rows=133, d_inner=8192, group_size=1024)) is None  # 1,064 blocks
+    assert choose_grouped_small(GatedNormProblem(rows=128, d_inner=8192, group_size=1024), sm_count=100) is None
+    assert choose_grouped_small(GatedNormProblem(rows=4, d_inner=5120, group_size=5120)) is None  # one group: pieces
 
 
 @pytest.mark.gpu

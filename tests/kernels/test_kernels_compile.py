@@ -10,6 +10,7 @@ Skipped when cuda.tile or tileiras is missing.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -262,10 +263,10 @@ def test_conv1d_kernels_compile(dt, d_conv):
     w2 = replace(_arr(dt, 2), stride_divisible_by=(1, 1))
     stream = _export(K.stream_kernel(), [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
                                          *K.choose_stream_tiles(p, _SIZE[dt]), d_conv, True, True, True,
-                                         K.STREAM_LATENCY])
+                                         K.STREAM_LATENCY, K.STREAM_PREFETCH])
     assert "ld.global.v4" in ptx_from_cubin(stream)
     s1d = _export(K.conv1d_stream_kernel, [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
-                                           256, 8, 256, d_conv, True, True, True, 0])
+                                           256, 8, 256, d_conv, True, True, True, 0, False])
     assert "ld.global" in ptx_from_cubin(s1d)
     fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), w2, _arr(dt, 1), _arr(dt, 3), bt, bc, d_conv, True, True])
     edge = _export(K.conv1d_edge_kernel, [_arr(dt, 3), _arr(dt, 2), _arr(dt, 1), state, _arr(dt, 3), state,
@@ -294,7 +295,7 @@ def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
     if gr is not None:
         kernel = K.hinted(K.gated_rmsnorm_grouped_kernel, K.choose_occupancy((gr[0], gr[1] * group_size), _SIZE[dt]))
         assert _export(kernel, [a2, a2, _arr(dt, 1), a2, _i32(), _f32(), *gr, group_size, norm_before_gate,
-                                K.PIECES_TMA])[:4] == b"\x7fELF"
+                                K.PIECES_TMA, True])[:4] == b"\x7fELF"
     elif w is not None:
         br = K.choose_pieces_rows(p)
         kernel = K.hinted(K.gated_rmsnorm_pieces_kernel, K.choose_occupancy((br, group_size), _SIZE[dt]))
@@ -306,6 +307,23 @@ def test_gated_norm_kernel_compiles(dt, group_size, ngroups, norm_before_gate):
     kernel = K.hinted(K.gated_rmsnorm_kernel, K.choose_occupancy(tiles, _SIZE[dt]))
     cubin = _export(kernel, [_arr(dt, 2), _arr(dt, 2), _arr(dt, 1), _arr(dt, 2), _i32(), _f32(), *tiles, norm_before_gate])
     assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+def test_gated_norm_decode_kernel_compiles(dt):
+    """The decode regime (choose_grouped_small: Nemotron-H's 8 groups of 1024 at 128 rows): one (row, group) per block,
+    unchecked plain loads and stores, 16-byte wide, and no bulk copy (no tensor map, no producer warps)."""
+    from m2export.contract_gated_norm import GatedNormProblem
+    from m2export.kernels.gated_norm import cutile as K
+    from m2export.plugins.aot import ptx_from_cubin
+
+    kw = K.choose_grouped_small(GatedNormProblem(rows=128, d_inner=8192, group_size=1024))
+    a2 = _shaped(dt, 2)
+    w1 = replace(_arr(dt, 1), shape_divisible_by=(16,))
+    kernel = K.hinted(K.gated_rmsnorm_grouped_kernel, kw["occupancy"] or None)
+    ptx = ptx_from_cubin(_export(kernel, [a2, a2, w1, a2, _i32(), _f32(), *kw["grouped"], 1024, False, kw["tma"],
+                                          kw["check"]]))
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx and "cp.async.bulk" not in ptx
 
 
 # every candidate of the tuning space (kernels/ssd/plan.py tile_families) on a Mamba-2 / Nemotron-H shape

@@ -49,7 +49,7 @@ import cuda.tile as ct
 from m2export.contract_conv1d import Conv1dProblem
 from m2export.errors import ContractError
 from m2export.kernels.conv1d.naive import Conv1dOutput
-from m2export.kernels._host import check_out, hinted, launch_stream
+from m2export.kernels._host import check_out, hinted, launch_stream, sm_count
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -97,6 +97,24 @@ def _n_steps(seqlen, t0, BLOCK_T: ConstInt, ROWS: ConstInt):
     return min(BLOCK_T, seqlen - t0 + ROWS - 1) // ROWS
 
 
+def _ct_rows_conv(cur, win, ws, bs, ROWS: ConstInt, BLOCK_C: ConstInt, D_CONV: ConstInt, SILU: ConstBool):
+    """One step of the 2-D streaming kernel: the (ROWS, BLOCK_C) fp32 outputs of the (1, ROWS, BLOCK_C) row tile
+    ``cur`` and the D_CONV-1 rows ``win`` before it (a tuple of (1, BLOCK_C) fp32 tiles), and the window for the next
+    step (its last D_CONV-1 rows). Rows are taken out with ``ct.extract`` and the outputs put back with ``ct.insert``."""
+    cur = cur.reshape((ROWS, BLOCK_C)).astype(ct.float32)
+    rows = ()
+    for i in ct.static_iter(range(ROWS)):
+        rows += (ct.extract(cur, (i, 0), (1, BLOCK_C)),)
+    full = win + rows
+    out = ct.full((ROWS, BLOCK_C), 0.0, dtype=ct.float32)
+    for i in ct.static_iter(range(ROWS)):
+        acc = bs
+        for k in ct.static_iter(range(D_CONV)):
+            acc = acc + ws[k] * full[i + k]
+        out = ct.insert(out, (i, 0), _ct_act(acc, SILU))
+    return out, full[ROWS:]
+
+
 def _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV: ConstInt, HAS_STATE: ConstBool):
     """state_out[b, cidx, :] = the last D_CONV-1 inputs of batch b (state column j holds token
     seqlen - (D_CONV-1) + j; a token < 0 comes from conv_state, out of bounds of x (0) and in bounds of
@@ -140,7 +158,7 @@ def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, 
 @ct.kernel
 def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
                          BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
-                         SILU: ConstBool, LATENCY: ConstInt):
+                         SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool):
     """Prefill, every token and the final state, one pass over x. Grid: (cdiv(seqlen, BLOCK_T),
     cdiv(conv_dim, BLOCK_C), batch).
 
@@ -156,7 +174,8 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
     d_conv 4, where an old row moves within the carried tuple, the H200 gave wrong outputs).
     conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased. LATENCY: the row loads' DRAM
     latency hint (1..10; 0: the compiler's own), with which tileiras software-pipelines the row loads of
-    the next steps ahead of this step's stores (see :func:`_ct_rows_load`).
+    the next steps ahead of this step's stores (see :func:`_ct_rows_load`). PREFETCH: unused here (the
+    parameter lists of the streaming kernels are one; see :func:`conv1d_stream2d_kernel`).
     """
     tt = ct.bid(0)
     ci = ct.bid(1)
@@ -195,12 +214,18 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
 @ct.kernel
 def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
                            BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
-                           SILU: ConstBool, LATENCY: ConstInt):
+                           SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool):
     """Prefill as :func:`conv1d_stream_kernel` (same grid, block ownership, carried rows, gathers and final
     state), with 2-D tiles: each step loads its ROWS token rows as one (1, ROWS, BLOCK_C) tile (16-byte
     loads), takes the rows out with ``ct.extract`` for the taps, puts the outputs back with ``ct.insert``
     and stores them as one (1, ROWS, BLOCK_C) tile. Weights are gathered (one strided element per channel
-    and tap). ROWS a power of two >= D_CONV-1, BLOCK_T % ROWS == 0; LATENCY as in the streaming kernel.
+    and tap). ROWS a power of two >= D_CONV-1, BLOCK_T % ROWS == 0 (BLOCK_T any such multiple); LATENCY as in
+    the streaming kernel (no effect on this kernel's sm_90 SASS: read on the CPU).
+
+    PREFETCH: the next step's row tile is loaded before this step's outputs are computed (carried in registers;
+    the last step re-loads its own tile, so no load lies past x's end). Without it each step's 16-byte loads are
+    consumed right after they are issued (sm_90 SASS: LDG.E.128 then STS.128 of the same registers): one DRAM
+    latency per step per block, which bounded the kernel at ~2.9 TB/s at 8 blocks per SM (benchmarks/NOTES_fusion.md).
     """
     tt = ct.bid(0)
     ci = ct.bid(1)
@@ -221,20 +246,20 @@ def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: C
         if HAS_STATE:
             r = r + ct.gather(conv_state, (b, cidx, t + (D_CONV - 1))).astype(f32)
         win += (r.reshape((1, BLOCK_C)),)
-    for s in range(_n_steps(seqlen, t0, BLOCK_T, ROWS)):
-        cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY).reshape((ROWS, BLOCK_C)).astype(f32)
-        rows = ()
-        for i in ct.static_iter(range(ROWS)):
-            rows += (ct.extract(cur, (i, 0), (1, BLOCK_C)),)
-        full = win + rows
-        out = ct.full((ROWS, BLOCK_C), 0.0, dtype=f32)
-        for i in ct.static_iter(range(ROWS)):
-            acc = bs
-            for k in ct.static_iter(range(D_CONV)):
-                acc = acc + ws[k] * full[i + k]
-            out = ct.insert(out, (i, 0), _ct_act(acc, SILU))
-        ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
-        win = full[ROWS:]
+    n = _n_steps(seqlen, t0, BLOCK_T, ROWS)
+    if PREFETCH:
+        cur = _ct_rows_load(x, (b, tt * steps, ci), ROWS, BLOCK_C, LATENCY)
+        for s in range(n):
+            # the next step's rows (the last step re-reads its own: no tile past x's end), loaded before this step's
+            nxt = _ct_rows_load(x, (b, tt * steps + min(s + 1, n - 1), ci), ROWS, BLOCK_C, LATENCY)
+            out, win = _ct_rows_conv(cur, win, ws, bs, ROWS, BLOCK_C, D_CONV, SILU)
+            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
+            cur = nxt
+    else:
+        for s in range(n):
+            cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY)
+            out, win = _ct_rows_conv(cur, win, ws, bs, ROWS, BLOCK_C, D_CONV, SILU)
+            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
     if t0 + BLOCK_T >= seqlen:
         _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV, HAS_STATE)
 
@@ -362,6 +387,21 @@ registers, 7 KB of shared memory, no spills: eight blocks of 128 threads per SM)
 STREAM_LATENCY = 10
 """The streaming prefill's row-load latency hint by default (1..10; 0: none, the compiler's own)."""
 
+STREAM_PREFETCH = False
+"""The 2-D streaming kernel loads the next step's rows before computing this step's (:func:`conv1d_stream2d_kernel`).
+Measured best with :data:`STREAM_FIT_WAVES` and :data:`STREAM_STEP_BYTES` 4096 (H200, bf16, 2026-12-02 18:20 UTC,
+benchmarks/NOTES_fusion.md): 204.9 / 58.6 us at mamba2-2.7b 4x8192 / 1x8192, 365.7 / 101.0 at Nemotron-H-8B, against
+283.3 / 92.2 and 478.9 / 137.8 for these defaults; off until its GPU oracle tests have run (the kernel with it
+off is the one tested: its sm_90 SASS is the previous kernel's, instruction for instruction)."""
+
+STREAM_FIT_WAVES = False
+""":func:`choose_stream_tiles` fits the token range to whole waves of blocks (off: 256 tokens, halved down to 16
+while the grid has fewer than 4 blocks per SM). See :data:`STREAM_PREFETCH`."""
+
+STREAM_STEP_BYTES = None
+"""Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
+channels, 8 of fp32); None: 8 rows. See :data:`STREAM_PREFETCH`."""
+
 STREAM_KERNELS = {"stream": conv1d_stream_kernel, "stream2d": conv1d_stream2d_kernel}
 """The prefill's streaming kernels by ``impl`` name (same parameters, grid and tiles)."""
 
@@ -372,18 +412,32 @@ def stream_kernel(impl: str = STREAM_IMPL, occupancy: int = STREAM_OCCUPANCY):
     return hinted(STREAM_KERNELS[impl], occupancy or None)
 
 
-def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_T, ROWS, BLOCK_C) of the streaming kernels: 128 channels (smaller for narrow problems), 8 rows per
-    step, and the longest token range (256 down to 16) that still gives >= 4 blocks per SM. Measured on the H200
-    (benchmarks/NOTES_fusion.md), mamba2-2.7b 4 x 8192 bf16: stream2d 256x8x128 at occupancy 8, latency 10 287 us;
-    stream 256x8x256 320-351, 256x4x512 337, 256x8x512 562; stream2d 256x16x128 / 256x32x128 (occupancy 4) 393 / 387."""
+def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132, occupancy: int = STREAM_OCCUPANCY,
+                        rows: int | None = None, fit: bool | None = None,
+                        step_bytes: int | None = STREAM_STEP_BYTES) -> tuple[int, int, int]:
+    """(BLOCK_T, ROWS, BLOCK_C) of the streaming kernels for ``occupancy`` blocks per SM on ``sm_count`` SMs.
+
+    BLOCK_C: 128 channels (smaller for narrow problems). ROWS (unless given): ``step_bytes`` of x per step (4096:
+    16 rows of bf16, 8 of fp32, whose 16-row build spills at 64 registers), at least d_conv - 1; None: 8 rows.
+    BLOCK_T, ``fit`` (default :data:`STREAM_FIT_WAVES`): the blocks are equal and run in waves of ``occupancy *
+    sm_count``, so a last wave that is partly empty costs a whole one (H200, stream2d 256x8x128: time =
+    ceil(blocks / 1056) x 48 us at every layer shape, benchmarks/NOTES_fusion.md). The token range is fitted to
+    whole waves: the wave count 256-token ranges would give, rounded, then the longest range (a multiple of ROWS)
+    whose blocks fit in that many waves (mamba2-2.7b 1 x 8192: 336 tokens, 1,050 blocks in one wave; 256: 1,344, two
+    waves). Without ``fit``: 256 tokens, halved down to 16 while the grid has fewer than 4 blocks per SM."""
     bc = min(128, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
-    rows = 8
-    bt = 256
-    n_c = -(-p.conv_dim // bc)
-    while bt > 16 and -(-p.seqlen // bt) * n_c * p.batch < 4 * sm_count:
-        bt //= 2
-    bt = max(rows, min(bt, rows * -(-p.seqlen // rows)))
+    pow2 = 1 << max(0, p.d_conv - 2).bit_length()  # the smallest power of two >= d_conv - 1
+    rows = rows or (max(pow2, min(16, step_bytes // (bc * itemsize))) if step_bytes else 8)
+    cols = -(-p.conv_dim // bc) * max(1, p.batch)
+    if not (STREAM_FIT_WAVES if fit is None else fit):
+        bt = 256
+        while bt > 16 and -(-p.seqlen // bt) * -(-p.conv_dim // bc) * p.batch < 4 * sm_count:
+            bt //= 2
+        return max(rows, min(bt, rows * -(-p.seqlen // rows))), rows, bc
+    slots = max(1, occupancy) * sm_count
+    waves = max(1, round(-(-p.seqlen // 256) * cols / slots))
+    ranges = max(1, waves * slots // cols)  # token ranges per (channel tile, sequence)
+    bt = rows * -(-(-(-p.seqlen // ranges)) // rows)
     return bt, rows, bc
 
 
@@ -401,7 +455,7 @@ def check_stream_tiles(impl: str, tiles: tuple[int, int, int], d_conv: int) -> N
 def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
                          state_out=None, stream=None, tiles: tuple[int, ...] | None = None,
                          occupancy: int | None = None, impl: str | None = None,
-                         latency: int | None = None) -> Conv1dOutput:
+                         latency: int | None = None, prefetch: bool | None = None) -> Conv1dOutput:
     """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
 
     ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
@@ -409,7 +463,8 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
     "stream2d" (:func:`conv1d_stream2d_kernel`) or "stream" (:func:`conv1d_stream_kernel`), one launch,
     ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding :func:`choose_stream_tiles` (ROWS a power of two for
     stream2d), ``occupancy`` the blocks-per-SM hint (default :data:`STREAM_OCCUPANCY`, 0: none), ``latency``
-    the row-load hint (default :data:`STREAM_LATENCY`; 1..10, 0: none); "v1": :func:`conv1d_fwd_kernel` +
+    the row-load hint (default :data:`STREAM_LATENCY`; 1..10, 0: none), ``prefetch`` the next step's rows loaded
+    ahead (default :data:`STREAM_PREFETCH`; stream2d only); "v1": :func:`conv1d_fwd_kernel` +
     :func:`conv1d_edge_kernel`, ``tiles`` = (BLOCK_T, BLOCK_C) overriding :func:`choose_fwd_tiles`, no hint
     unless ``occupancy`` (benchmarks).
     """
@@ -436,12 +491,12 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
         b_arg = bias if bias is not None else weight
         s_arg = conv_state if conv_state is not None else st_out
         if impl in ("stream", "stream2d"):
-            bt, rows, bc = tiles or choose_stream_tiles(p, x.element_size())
+            occ = STREAM_OCCUPANCY if occupancy is None else occupancy
+            bt, rows, bc = tiles or choose_stream_tiles(p, x.element_size(), sm_count(dev), occ or STREAM_OCCUPANCY)
             check_stream_tiles(impl, (bt, rows, bc), p.d_conv)
-            kern = stream_kernel(impl, STREAM_OCCUPANCY if occupancy is None else occupancy)
-            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), kern,
+            ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), stream_kernel(impl, occ),
                       (x, weight, b_arg, s_arg, y, st_out, bt, rows, bc, p.d_conv, bias is not None,
-                       conv_state is not None, bool(silu), lat))
+                       conv_state is not None, bool(silu), lat, STREAM_PREFETCH if prefetch is None else bool(prefetch)))
             return Conv1dOutput(y, st_out)
         bt, bc = tiles or choose_fwd_tiles(p)
         n_main = p.seqlen - (p.d_conv - 1)

@@ -29,7 +29,7 @@ import cuda.tile as ct
 from m2export.contract_gated_norm import GatedNormProblem
 from m2export.errors import ContractError
 from m2export.kernels.conv1d.cutile import _ct_silu
-from m2export.kernels._host import check_out, hinted, launch_stream
+from m2export.kernels._host import check_out, hinted, launch_stream, sm_count
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -37,12 +37,23 @@ _ZERO = ct.PaddingMode.ZERO
 
 
 # ----------------------------------------------------------------------------- tile helpers
+def _ct_tile_load(a, index, shape, TMA, CHECK: ConstBool):
+    """Tile ``index`` of ``a``: zero-padded past its ends (CHECK), or unchecked (CHECK False: the caller knows the
+    tile lies wholly inside ``a``; tileiras 13.4 refuses a padding mode on an unchecked load). TMA: the load's
+    ``allow_tma`` (None: the compiler's choice)."""
+    if CHECK:
+        return ct.load(a, index=index, shape=shape, padding_mode=_ZERO, allow_tma=TMA)
+    return ct.load(a, index=index, shape=shape, allow_tma=TMA, check_bounds=False)
+
+
 def _ct_gated_input(x, z, r, c, BLOCK_R: ConstInt, CHUNK: ConstInt, NORM_BEFORE_GATE: ConstBool,
-                    TMA: ConstBool = True):
+                    TMA: ConstBool = True, CHECK: ConstBool = True):
     """(u, gate) of tile (r, c) of x and z, fp32: gate = silu(z); u = x (norm first) or x * gate.
-    TMA False: plain loads into registers (no bulk copy through shared memory)."""
-    xt = ct.load(x, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO, allow_tma=TMA).astype(ct.float32)
-    zt = ct.load(z, index=(r, c), shape=(BLOCK_R, CHUNK), padding_mode=_ZERO, allow_tma=TMA).astype(ct.float32)
+    TMA False: plain loads into registers (no bulk copy through shared memory). CHECK False: the tile lies
+    wholly inside x and z (no bounds check: with one, tileiras converts each plain load's result inside its
+    bounds branch, so the z load waits for the x load, two DRAM round trips; sm_90 SASS read on the CPU)."""
+    xt = _ct_tile_load(x, (r, c), (BLOCK_R, CHUNK), TMA, CHECK).astype(ct.float32)
+    zt = _ct_tile_load(z, (r, c), (BLOCK_R, CHUNK), TMA, CHECK).astype(ct.float32)
     gate = _ct_silu(zt)
     if NORM_BEFORE_GATE:
         return xt, gate
@@ -120,25 +131,30 @@ def gated_rmsnorm_pieces_kernel(x, z, weight, out, group_size: int, eps: float, 
 
 @ct.kernel
 def gated_rmsnorm_grouped_kernel(x, z, weight, out, group_size: int, eps: float, BLOCK_R: ConstInt, G: ConstInt,
-                                 GS: ConstInt, NORM_BEFORE_GATE: ConstBool, TMA: ConstBool):
+                                 GS: ConstInt, NORM_BEFORE_GATE: ConstBool, TMA: ConstBool, CHECK: ConstBool):
     """Grid: (cdiv(rows, BLOCK_R), ngroups // G, 1). x, z: (rows, d_inner), last stride 1; out contiguous.
     GS == group_size, a power of two; G groups per block.
 
     Block (r, gb) owns rows [r*BLOCK_R, ...) and the G whole groups [gb*G, ...): one plain
     (BLOCK_R, G*GS) tile of x and of z (the loads of the one-group kernel on a 5120-channel group),
     viewed as (BLOCK_R, G, GS) on chip and normalised per (row, group) in one pass (Nemotron-H: 8
-    groups of 1024 per block instead of one).
+    groups of 1024 per block instead of one). CHECK False: every block's tile lies inside x, z and out
+    (BLOCK_R 1, or rows a multiple of it): loads and stores without bounds checks, and the weight without
+    a bulk copy when TMA is off (:func:`choose_grouped_small`, the decode regime).
     """
     r = ct.bid(0)
     gb = ct.bid(1)
-    u, gate = _ct_gated_input(x, z, r, gb, BLOCK_R, G * GS, NORM_BEFORE_GATE, TMA)
+    u, gate = _ct_gated_input(x, z, r, gb, BLOCK_R, G * GS, NORM_BEFORE_GATE, TMA, CHECK)
     u3 = u.reshape((BLOCK_R, G, GS))
     rstd = ct.rsqrt(ct.sum(u3 * u3, axis=2) / group_size + eps)  # (BLOCK_R, G)
-    wt = ct.load(weight, index=(gb,), shape=(G * GS,), padding_mode=_ZERO).astype(ct.float32)
+    if CHECK:
+        wt = _ct_tile_load(weight, (gb,), (G * GS,), None, CHECK).astype(ct.float32)
+    else:  # the decode regime: no bulk copy of the weight either (no producer warps: 128 threads, 37 registers)
+        wt = _ct_tile_load(weight, (gb,), (G * GS,), TMA, CHECK).astype(ct.float32)
     o = (u3 * rstd[:, :, None]).reshape((BLOCK_R, G * GS)) * wt[None, :]
     if NORM_BEFORE_GATE:
         o = o * gate
-    ct.store(out, index=(r, gb), tile=o.astype(out.dtype), allow_tma=TMA)
+    ct.store(out, index=(r, gb), tile=o.astype(out.dtype), allow_tma=TMA, check_bounds=CHECK)
 
 
 # ----------------------------------------------------------------------------- launch configuration
@@ -207,6 +223,23 @@ def choose_pieces_rows(p: GatedNormProblem) -> int:
     return min(br, max(1, 1 << max(0, p.rows - 1).bit_length()))
 
 
+def choose_grouped_small(p: GatedNormProblem, sm_count: int = 132) -> dict | None:
+    """Launcher keywords of the grouped kernel for a problem that is one wave of blocks (several power-of-two groups,
+    rows * ngroups <= 8 * sm_count: decode, 128 rows of Nemotron-H), or None. Such a launch is latency-bound: one
+    block per (row, group), plain loads without bounds checks (x and z then both in flight at once: with the checks
+    the z load waited for the x load; sm_90 SASS read on the CPU), no bulk copies (no producer warps), no
+    occupancy hint (37 registers). H200, Nemotron-H 128 rows bf16 (2026-12-02 18:20 UTC, benchmarks/NOTES_fusion.md):
+    7.8-7.9 us against 9.1 for the G4 TMA default, 8.4 for G1 without TMA (checked, occupancy 16) and 7.6 for Triton
+    rmsnorm_fn. The launcher uses it only with :data:`GROUPED_SMALL`."""
+    if choose_grouped(p) is None or p.rows * p.ngroups > 8 * sm_count:
+        return None
+    return dict(grouped=(1, 1), tma=False, check=False, occupancy=0)
+
+
+GROUPED_SMALL = False
+"""The launcher takes :func:`choose_grouped_small`'s keywords for one-wave problems: off until its GPU oracle tests have
+run (test_cutile_gated_norm[nemotron_G8_1024 / G16_256_grouped], test_cutile_gated_norm_grouped_variants[... False])."""
+
 PIECES_TMA = True
 """Bulk copies (TMA) in the pieces kernel: on (281 vs 332 us off at mamba2-2.7b 4 x 8192 bf16 on the H200,
 benchmarks/NOTES_fusion.md)."""
@@ -215,21 +248,30 @@ benchmarks/NOTES_fusion.md)."""
 def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, stream=None,
                          tiles: tuple[int, int, int] | None = None, occupancy: int | None = None,
                          pieces: tuple[int, int, int, int] | None = None, grouped: tuple[int, int] | None = None,
-                         tma: bool | None = None) -> torch.Tensor:
+                         tma: bool | None = None, check: bool | None = None) -> torch.Tensor:
     """cuTile GatedRMSNorm on validated arguments (see :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
     x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view).
-    Default: :func:`gated_rmsnorm_grouped_kernel` where :func:`choose_grouped` applies, else
+    Default: :func:`gated_rmsnorm_grouped_kernel` where :func:`choose_grouped` applies (with
+    :func:`choose_grouped_small`'s keywords for a one-wave problem when :data:`GROUPED_SMALL`), else
     :func:`gated_rmsnorm_pieces_kernel` where :func:`choose_pieces` does, else
     :func:`gated_rmsnorm_kernel`. Overrides (benchmarks, tests): ``tiles`` = (BLOCK_R, CHUNK, NCHUNK)
     runs gated_rmsnorm_kernel, ``pieces`` = (BLOCK_R, W0, W1, W2) the pieces kernel, ``grouped`` =
     (BLOCK_R, G) the grouped kernel; ``tma`` the bulk-copy flag of the last two (default
-    :data:`PIECES_TMA`); ``occupancy`` the blocks-per-SM hint (0: none).
+    :data:`PIECES_TMA`); ``check`` False: the grouped kernel without bounds checks (needs BLOCK_R 1 or rows a
+    multiple of it; default True); ``occupancy`` the blocks-per-SM hint (0: none).
     """
     p = problem
     dev = x.device
     if tiles is None and pieces is None and grouped is None:
-        grouped = choose_grouped(p)
+        small = choose_grouped_small(p, sm_count(dev)) if GROUPED_SMALL else None
+        if small is not None:
+            grouped = small["grouped"]
+            tma = small["tma"] if tma is None else tma
+            check = small["check"] if check is None else check
+            occupancy = small["occupancy"] if occupancy is None else occupancy
+        else:
+            grouped = choose_grouped(p)
         w = choose_pieces(p)
         if grouped is None and w is not None:
             pieces = (choose_pieces_rows(p), *w)
@@ -260,11 +302,15 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
         if any(v < 1 or v & (v - 1) for v in (br, g, gs)) or p.ngroups % g:
             raise ContractError(f"grouped: {grouped} does not fit {p.ngroups} groups of {gs}; expected powers of two "
                                 "BLOCK_R and G with G dividing ngroups, and a power-of-two group_size")
+        use_check = True if check is None else bool(check)
+        if not use_check and br > 1 and p.rows % br:
+            raise ContractError(f"check=False: {p.rows} rows are not a multiple of BLOCK_R {br} (the last block would "
+                                "read past the end); expected BLOCK_R 1 or a divisor of rows")
         if occupancy is None:
             occupancy = choose_occupancy((br, g * gs), x.element_size())
         kernel = hinted(gated_rmsnorm_grouped_kernel, occupancy or None)
         grid1 = p.ngroups // g
-        consts = (br, g, gs, bool(p.norm_before_gate), use_tma)
+        consts = (br, g, gs, bool(p.norm_before_gate), use_tma, use_check)
     stream_ = launch_stream(stream, dev)
     with torch.cuda.device(dev), torch.cuda.stream(stream_):
         if out is None:
