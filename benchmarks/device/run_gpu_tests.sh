@@ -6,6 +6,10 @@
 # *.xml, gpu.txt). NPROC: pytest-xdist workers (compiles dominate: 8 on the 16-core H200 machine).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
+# One CPU thread pool per xdist worker, sized to share the cores: 16 workers each with torch's default pool (one
+# thread per core) put the 16-core device machine at load ~150 (helper fuse, 2026-12-02), starving the compiles.
+_threads=$(( $(nproc) / ${NPROC:-8} )); [ "$_threads" -lt 1 ] && _threads=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$_threads} MKL_NUM_THREADS=${MKL_NUM_THREADS:-$_threads}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TESTS=${TESTS:-tests/kernels tests/plugins}
 date -u | tee "$OUT/gpu.txt"
