@@ -935,8 +935,11 @@ def _greedy_update(g: dict, step: int, last: np.ndarray, ref: np.ndarray, atol: 
     """Count greedy agreement at one step; a disagreement counts only where the reference's top-2 margin
     exceeds 2 * atol (otherwise the choice is a numerical tie)."""
     mine, theirs = last.argmax(-1), ref.argmax(-1)
-    top2 = np.sort(ref, axis=-1)[:, -2:]
-    margin = top2[:, 1] - top2[:, 0]
+    if ref.shape[-1] < 2:  # a one-token vocabulary: nothing to tie with
+        margin = np.full(len(ref), np.inf)
+    else:
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        margin = top2[:, 1] - top2[:, 0]
     for b in range(len(mine)):
         g["total"] += 1
         bad = [who for who, x in (("runtime", last[b]), ("reference", ref[b])) if not np.isfinite(x).all()]

@@ -71,6 +71,24 @@ def test_greedy_never_agrees_on_nan():
     assert "non-finite logits (runtime and reference)" in g["mismatches"][0]["where"]
 
 
+def test_check_runs_a_one_token_vocabulary(tmp_path):
+    """vocab_size 1 (mamba_ssm format, padded to 16; the graph's logits are the one real token): check passes
+    (was an IndexError in the greedy top-2 margin, exit 70), generate repeats token 0."""
+    from m2export.exporter import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    ck = random_checkpoint(tmp_path / "ck", seed=3, d_model=16, n_layer=1, vocab_size=1, d_state=8, headdim=8,
+                           chunk_size=4)
+    export_model(ck, tmp_path / "out")
+    report = run_check(tmp_path / "out", shapes=[(1, 1), (2, 5)], decode_steps=2, report_dir=tmp_path / "rep")
+    assert report.passed, report.failures()
+    g = {"agree": 0, "total": 0, "ties": 0, "mismatches": []}
+    one = np.zeros((2, 1), np.float32)
+    _greedy_update(g, 1, one, one.copy(), atol=1e-3)
+    assert (g["agree"], g["total"], g["mismatches"]) == (2, 2, [])
+    assert generate(tmp_path / "out", [0], runtime="onnxrt", max_new_tokens=3).new_ids == [0, 0, 0]
+
+
 def test_generate_refuses_non_finite_logits(tiny_out, tmp_path, monkeypatch):
     from m2export.generate import open_runtime
 
