@@ -146,7 +146,8 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
     if runtime == "torch":
         if is_outdir:
             m = read_manifest(src)
-            ck = ModelFromCheckpoint(m.source_checkpoint, expected_sha256=m.checkpoint_sha256 or None)
+            ck = ModelFromCheckpoint(m.source_checkpoint, expected_sha256=m.checkpoint_sha256 or None,
+                                     allow_nonfinite=m.allow_nonfinite)
             label = f"torch ({m.source_checkpoint})"
         else:
             ck = ModelFromCheckpoint(src)

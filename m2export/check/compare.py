@@ -516,7 +516,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     weights = ExportWeights(shared, [outdir / g.file for g in manifest.graphs])  # ... and the reference's, verified
     on_cpu = reference_backend == "torch"  # a cuTile reference copies its weights to the GPU: nothing to share
     ref_loader = ModelFromCheckpoint(ck_path, expected_sha256=manifest.checkpoint_sha256 or None,
-                                     kernel_backend=reference_backend, share=weights if on_cpu else None)
+                                     kernel_backend=reference_backend, share=weights if on_cpu else None,
+                                     allow_nonfinite=manifest.allow_nonfinite)
     if reference == "transformers":
         ref_loader = ModelFromTransformers(ck_path, ref_loader)
 

@@ -57,11 +57,14 @@ class ModelFromCheckpoint(BaseLoader):
         share: ``load_checkpoint``'s ``share`` (the check passes :class:`~m2export.check.weights.ExportWeights`:
             tensors bit-equal to the export's mapped weights become views of them; the rest stay the
             checkpoint's; ``LoadedCheckpoint.shared`` says which).
+        allow_nonfinite: ``load_checkpoint``'s (the manifest's ``allow_nonfinite``: an export made with
+            ``--allow-non-finite-weights`` is compared with the same weights, NaN/Inf included).
     """
 
     def __init__(self, checkpoint: str | Path, *, expected_sha256: str | None = None, kernel_backend: str = "torch",
-                 share=None):
+                 share=None, allow_nonfinite: bool = False):
         self.checkpoint = Path(checkpoint)
+        self.allow_nonfinite = allow_nonfinite
         self.expected_sha256 = expected_sha256
         self.kernel_backend = kernel_backend  # "cutile": the model on the GPU, its Mamba layers on the cuTile kernels
         self.share = share
@@ -74,7 +77,8 @@ class ModelFromCheckpoint(BaseLoader):
 
         from m2export.models.checkpoint import load_checkpoint
 
-        ck = load_checkpoint(self.checkpoint, dtype=torch.float32, share=self.share)
+        ck = load_checkpoint(self.checkpoint, dtype=torch.float32, share=self.share,
+                             allow_nonfinite=self.allow_nonfinite)
         if self.expected_sha256 and ck.sha256 != self.expected_sha256:
             raise CheckpointError(
                 f"{self.checkpoint}: sha256 {ck.sha256[:12]}... differs from the exported checkpoint's "

@@ -710,7 +710,8 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         bar.step("writing manifest")
         manifest = Manifest(source_checkpoint=str(Path(checkpoint).resolve()), checkpoint_format=ck.format,
                             checkpoint_sha256=ck.sha256, config=_manifest_config(ck), dtype=dtype, opset=opset,
-                            graphs=graphs, tool_versions=tool_versions(), tokenizer=tokenizer)
+                            graphs=graphs, tool_versions=tool_versions(), tokenizer=tokenizer,
+                            allow_nonfinite=bool(allow_nonfinite))
         manifest.files = aux_record(tmp, write_genai_files(tmp, manifest, checkpoint))  # ours: --force replaces them
         write_manifest(tmp, manifest)
         unchanged_since(stamps)

@@ -138,6 +138,10 @@ class Manifest:
     #: there under another name, the user's) or the absolute path of a ``--timing-cache`` outside OUTDIR (never
     #: touched by ``export --force``, which replaces OUTDIR only); "" before any build with one
     timing_cache: str = ""
+    #: the export was made with ``--allow-non-finite-weights`` (NaN/Inf weights, or beyond the fp16/bf16 range,
+    #: accepted): ``check`` and ``generate --runtime torch`` load the reference checkpoint the same way, so the
+    #: comparison shows what the weights do instead of refusing the export's own checkpoint
+    allow_nonfinite: bool = False
 
     def timing_cache_path(self, outdir: str | Path) -> Path | None:
         """The recorded :attr:`timing_cache` as a path (None when none is recorded)."""
@@ -239,6 +243,8 @@ class Manifest:
             raise ValueError(f"'timing_cache' {cache!r} is not a path")
         if cache and not Path(cache).is_absolute():
             _file_name(cache, "'timing_cache'")
+        if not isinstance(d.get("allow_nonfinite", False), bool):
+            raise ValueError(f"'allow_nonfinite' {d['allow_nonfinite']!r} is not true or false")
         return cls(**d)
 
 

@@ -89,6 +89,33 @@ def test_check_runs_a_one_token_vocabulary(tmp_path):
     assert generate(tmp_path / "out", [0], runtime="onnxrt", max_new_tokens=3).new_ids == [0, 0, 0]
 
 
+def test_export_with_non_finite_weights_is_checked_not_refused(tmp_path):
+    """An export made with ``allow_nonfinite`` (--allow-non-finite-weights) records it; check and generate
+    --runtime torch load the reference with the same weights (they refused the export's own checkpoint with
+    'has a non-finite value ... export it anyway with --allow-non-finite-weights', exit 1): check fails on the
+    non-finite outputs (exit 3's report) and torch generate refuses the NaN logits like onnxrt does."""
+    from safetensors.torch import load_file, save_file
+
+    from m2export.exporter import export_model
+    from m2export.exporter.manifest import read_manifest
+    from m2export.models.checkpoint import random_checkpoint
+
+    ck = random_checkpoint(tmp_path / "ck", seed=4, d_model=16, n_layer=1, vocab_size=32, d_state=8, headdim=8,
+                           chunk_size=4)
+    sd = load_file(ck / "model.safetensors")
+    sd["backbone.layers.0.mixer.out_proj.weight"][0, 0] = float("nan")
+    save_file(sd, ck / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(M2ExportError, match="non-finite value"):
+        export_model(ck, tmp_path / "refused")
+    export_model(ck, tmp_path / "out", allow_nonfinite=True)
+    assert read_manifest(tmp_path / "out").allow_nonfinite
+    report = run_check(tmp_path / "out", shapes=[(1, 3)], decode_steps=1, report_dir=tmp_path / "rep")
+    assert not report.passed and "non-finite" in str(report.failures())
+    for runtime in ("torch", "onnxrt"):
+        with pytest.raises(M2ExportError, match="non-finite logits"):
+            generate(tmp_path / "out", [1, 2], runtime=runtime, max_new_tokens=2)
+
+
 def test_generate_refuses_non_finite_logits(tiny_out, tmp_path, monkeypatch):
     from m2export.generate import open_runtime
 
