@@ -53,16 +53,21 @@ def load_onnx_structure(path: str | Path):
     """``onnx.load`` of the graph without its external data (structure only).
 
     Raises:
-        ExportFolderError: the file cannot be read or is not an ONNX model (protobuf DecodeError and friends).
+        ExportFolderError: the file cannot be read or is not an ONNX model (protobuf DecodeError and friends; a
+            message without a graph, such as an empty file, which protobuf parses as an empty ModelProto).
     """
     import onnx
 
     p = Path(path)
     try:
-        return onnx.load(str(p), load_external_data=False)
+        m = onnx.load(str(p), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
         raise ExportFolderError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})".rstrip(": "),
                                 hint=REEXPORT_HINT) from None
+    if not m.HasField("graph"):
+        what = "it is empty (0 bytes)" if p.stat().st_size == 0 else "it has no graph"
+        raise ExportFolderError(f"{p}: not an ONNX model: {what}", hint=REEXPORT_HINT)
+    return m
 
 
 def describe_onnx(path: str | Path) -> dict[str, Any]:
@@ -164,6 +169,8 @@ def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
     from m2export.errors import ContractError, M2ExportError
 
     p = Path(path)
+    if p.is_file() and p.stat().st_size == 0:  # parses as an empty model: 'inputs differ' would mislead
+        raise ExportFolderError(f"{p}: is empty (0 bytes): a copy cut short or a full disk?", hint=REEXPORT_HINT)
     try:
         info = describe_onnx(p)
     except ContractError:

@@ -246,6 +246,24 @@ def test_corrupt_graph_is_a_clean_error(verb, runtime, what, tiny_out, tmp_path,
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("verb", ["check", "generate", "inspect", "inspect-file"])
+def test_empty_graph_file_is_named_empty(verb, tiny_out, tmp_path, capsys):
+    """A 0-byte model.onnx (a copy cut short, a full disk) parses as an empty ModelProto: inspect listed it with no
+    inputs and exit 0, check/generate said 'its inputs differ from those m2export.json records'. Now one line
+    saying it is empty, exit 1, from every verb."""
+    d = copy_export(tiny_out, tmp_path / "o")
+    (d / "model.onnx").write_bytes(b"")
+    args = {"check": ["check", str(d), "-q", "--shapes", "1x3", "--decode-steps", "0"],
+            "generate": ["generate", str(d), "-q", "--prompt", "x"], "inspect": ["inspect", str(d)],
+            "inspect-file": ["inspect", str(d / "model.onnx")]}[verb]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"error: {d / 'model.onnx'}: ") and "empty (0 bytes)" in lines[0], err
+    assert len(lines) == 2 and lines[1].startswith("hint: ") and "Traceback" not in err
+
+
 def test_inspect_names_a_truncated_or_missing_weights_file(tiny_out, tmp_path, capsys):
     """A model.onnx.data cut short (a copy interrupted, a full disk) is marked in the listing and named in one
     warning line on stderr, for the folder and for the graph file; a sound export has no warning."""
