@@ -185,9 +185,10 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail]]]]]]]
-    (nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM; empty occupancy/worker_warps: no hint;
-    state_t/split_upd/dt_pre/merge_tail 0 or 1, empty: choose_config's default)."""
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:cb_pre]]]]]]]]
+    (chunk/block_p empty: choose_config's; nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM;
+    empty occupancy/worker_warps: no hint;
+    state_t/split_upd/dt_pre/merge_tail 0 or 1, cb_pre 0, 1 or 2, empty: choose_config's default)."""
     from m2export.kernels.ssd.plan import choose_config
 
     out = []
@@ -199,14 +200,15 @@ def cutile_variants(spec: str):
             out.append(("cutile[tuned]", "tuned"))
             continue
         fields = item.split(":")
-        if len(fields) > 10:
-            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 10 "
+        if len(fields) > 11:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 11 "
                              "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy:"
-                             "merge_tail)")
-        q, bp, ns, occ, st, su, pre, ww, so, mt = (fields + [""] * 10)[:10]
+                             "merge_tail:cb_pre)")
+        q, bp, ns, occ, st, su, pre, ww, so, mt, cbp = (fields + [""] * 11)[:11]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
-        out.append((f"cutile[{item}]", (int(q), int(bp), ns, int(occ) if occ else 0, flag(st), flag(su), flag(pre),
-                                        int(ww) if ww else None, int(so) if so else None, flag(mt))))
+        out.append((f"cutile[{item}]", (int(q) if q else None, int(bp) if bp else None, ns, int(occ) if occ else 0,
+                                        flag(st), flag(su), flag(pre), int(ww) if ww else None,
+                                        int(so) if so else None, flag(mt), int(cbp) if cbp else None)))
     return out, choose_config
 
 
@@ -216,9 +218,9 @@ def config_of(prob, v, sm: int = 132):
 
     if v is None:
         return choose_config(prob, sm_count=sm)
-    q, bp, ns, occ, st, su, pre, ww, so, mt = v
+    q, bp, ns, occ, st, su, pre, ww, so, mt, cbp = v
     kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-              worker_warps=ww, seg_occupancy=so, merge_tail=mt)
+              worker_warps=ww, seg_occupancy=so, merge_tail=mt, cb_pre=cbp)
     if ns == "":  # the cost model's segment count for this chunk and tile
         return choose_config(prob, **kw)
     if ns.startswith("a"):  # about this many blocks per SM

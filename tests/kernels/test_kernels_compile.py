@@ -227,6 +227,59 @@ def test_scan_with_initial_state_keeps_the_warp_specialised_build(kind, shape, d
     assert _threads(_export_launch(launch)) == 256
 
 
+#: cb_pre plans (ssd_cb_kernel before the scan): shape, dtype, choose_config overrides, and the scan's threads per
+#: block (with, without an initial state; None: not asserted). With cb_pre 1 fp16 builds 128 threads with an initial
+#: state (254 registers; tileiras drops warp specialisation), as the merged tail (80 = 64 + 16) does in bf16.
+CB_PRE_COMPILE = [((4, 8192, 80, 64, 1, 128), "bfloat16", dict(cb_pre=1), (256, 256)),
+                  ((2, 700, 8, 64, 2, 128), "float16", dict(cb_pre=1, nseg=2), (None, 256)),
+                  ((2, 8192, 24, 128, 1, 256), "bfloat16", dict(cb_pre=1, chunk=64, block_p=16, occupancy=3),
+                   (256, 256)),
+                  ((2, 700, 8, 64, 2, 64), "float32", dict(cb_pre=1, nseg=2), (None, None)),
+                  ((2, 8192, 24, 128, 1, 256), "bfloat16", dict(cb_pre=2), (256, 256)),
+                  ((2, 700, 12, 128, 2, 256), "bfloat16", dict(cb_pre=2, nseg=2), (256, 256))]
+
+
+@pytest.mark.parametrize("shape,dtype,kw,ws", CB_PRE_COMPILE,
+                         ids=[f"P{c[0][3]}_N{c[0][5]}_{c[1]}_cb{c[2]['cb_pre']}" for c in CB_PRE_COMPILE])
+@pytest.mark.parametrize("has_init", [True, False], ids=["init", "no_init"])
+def test_cb_pre_plan_compiles(shape, dtype, kw, ws, has_init):
+    """Every launch of a cb_pre plan (pre-pass, ssd_cb_kernel, pass 1, scan reading C @ B^T or M) compiles for sm_90;
+    the d_state-128 default tiles and Falcon-H1-7B's tiles keep the warp-specialised scan build (256 threads) with
+    and without an initial state (pinned tileiras 13.4). A cb_pre plan without the pre-pass is refused."""
+    from dataclasses import replace
+
+    from m2export.contract import SSMScanProblem
+    from m2export.errors import ContractError
+    from m2export.kernels.ssd.cutile import m_heads, make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(*shape, dtype=dtype)
+    cfg = choose_config(p, **kw)
+    kwargs = dict(dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True, has_init=has_init)
+    plan = make_scan_plan(p, cfg, **kwargs)
+    names = [la.name for la in plan.launches]
+    assert names[:2] == ["ssd_dt_kernel", "ssd_cb_kernel"] and names[-1] == "ssd_scan_kernel"
+    rows, width = -(-p.seqlen // cfg.chunk) * cfg.chunk, cfg.chunk
+    want = ((p.batch, p.ngroups, rows, width), "float32") if cfg.cb_pre == 1 else ((p.batch, p.nheads, rows, width),
+                                                                                   p.dtype)
+    assert ("cb_pre", *want) in plan.scratch
+    (cb,) = [la for la in plan.launches if la.name == "ssd_cb_kernel"]
+    assert cb.grid == (p.batch, rows // width, p.ngroups if cfg.cb_pre == 1 else p.nheads // m_heads(p.heads_per_group))
+    for launch in plan.launches:
+        cubin = _export_launch(launch)
+        assert cubin[:4] == b"\x7fELF"
+        if launch.name == "ssd_scan_kernel" and ws[not has_init]:
+            assert _threads(cubin) == ws[not has_init]
+    with pytest.raises(ContractError, match="cb_pre needs the pre-pass"):
+        make_scan_plan(p, replace(cfg, dt_pre=False), **kwargs)
+
+
+def test_m_heads_divides_the_group():
+    from m2export.kernels.ssd.cutile import m_heads
+
+    assert [m_heads(n) for n in (1, 2, 3, 6, 12, 16, 24, 80)] == [1, 2, 1, 2, 4, 8, 8, 8]
+
+
 @pytest.mark.parametrize("block_p,d_state,occupancy", [(64, 128, 2), (8, 64, 8)])
 def test_step_kernel_compiles(block_p, d_state, occupancy):
     from m2export.contract import SSMScanProblem

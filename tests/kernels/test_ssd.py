@@ -291,6 +291,47 @@ def test_d_state_256_default_plan(dtype):
     _run_and_check(p, seed=stable_seed("n256-default", dtype))
 
 
+#: plans with ssd_cb_kernel before the scan (ScanConfig.cb_pre 1: C @ B^T per group, 2: M per head): (shape (B, L, H,
+#: P, G, N), dtype, initial state, choose_config overrides); the d_state-128 tiles of the defaults, Falcon-H1-7B's
+#: tiles, a merged headdim tail (80 = 64 + 16)
+CB_PRE_CASES = [
+    ((2, 3 * 64 + 1, 8, 64, 2, 128), "bfloat16", True, dict(cb_pre=1, nseg=1)),
+    ((2, 3 * 64 + 1, 8, 64, 2, 128), "bfloat16", False, dict(cb_pre=1, nseg=2)),
+    ((2, 37, 8, 64, 2, 128), "float16", True, dict(cb_pre=1)),
+    ((1, 1, 4, 64, 1, 128), "bfloat16", True, dict(cb_pre=1)),
+    ((2, 64, 4, 64, 1, 128), "float16", False, dict(cb_pre=1, nseg=1)),
+    ((1, 3 * 32 + 1, 4, 64, 2, 64), "float32", True, dict(cb_pre=1, nseg=2)),
+    ((1, 3 * 64 + 1, 8, 80, 2, 128), "bfloat16", True, dict(cb_pre=1, nseg=2)),
+    ((2, 3 * 64 + 1, 4, 128, 1, 256), "bfloat16", True, dict(cb_pre=1, chunk=64, block_p=16, nseg=1, occupancy=3)),
+    ((2, 5 * 64 + 3, 4, 128, 1, 256), "bfloat16", False, dict(cb_pre=1, chunk=64, block_p=16, nseg=2)),
+    ((2, 3 * 64 + 1, 6, 128, 1, 256), "bfloat16", True, dict(cb_pre=2)),
+    ((2, 37, 6, 128, 1, 256), "bfloat16", False, dict(cb_pre=2)),
+    ((1, 1, 4, 128, 1, 256), "bfloat16", True, dict(cb_pre=2)),
+    ((2, 5 * 64 + 3, 12, 128, 2, 256), "bfloat16", True, dict(cb_pre=2, nseg=2)),
+    ((2, 64, 8, 64, 2, 128), "float16", True, dict(cb_pre=2, nseg=1)),
+    ((1, 3 * 32 + 1, 6, 64, 2, 64), "float32", False, dict(cb_pre=2, nseg=2)),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dims,dtype,init,kw", CB_PRE_CASES,
+                         ids=[f"B{d[0]}_L{d[1]}_H{d[2]}_P{d[3]}_G{d[4]}_N{d[5]}_{t}{'_init' if i else ''}_"
+                              + "_".join(f"{k}{v}" for k, v in kw.items()) for d, t, i, kw in CB_PRE_CASES])
+def test_cb_pre_plans(dims, dtype, init, kw):
+    """ssd_cb_kernel writes C @ B^T once per batch, group and chunk (cb_pre 1, fp32) or the masked, decayed M once per
+    head (cb_pre 2, input dtype; 6 / 12 heads: 2 and 3 heads per kernel block) and the chunk loop reads it: vs the
+    float64 oracle, NaN-poisoned outputs, at L 1 / < chunk / = chunk / k*chunk + 1, one pass and split, ngroups 1 and
+    2, with and without an initial state, every dtype, Falcon-H1-7B's tiles and a merged headdim tail (80)."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(*dims, dtype=dtype)
+    cfg = choose_config(p, **kw)
+    assert all(getattr(cfg, k) == (v or None if k == "occupancy" else v) for k, v in kw.items())
+    _run_and_check(p, seed=stable_seed("cb-pre", dims, dtype, init, *sorted(kw.items())), config=cfg,
+                   init_state=init)
+
+
 @pytest.mark.gpu
 @gpu
 def test_chunk_size_attribute_128():

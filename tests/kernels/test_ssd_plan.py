@@ -261,3 +261,23 @@ def test_initial_state_load_rule_is_one_home_and_deterministic():
             assert aot_config(p, fam).init_tma is False
             assert config_for(p, fam).init_tma == init_tma_default(fam.state_t, p.d_state, aot=False)
         assert choose_config(p) == choose_config(p)
+
+
+def test_cb_pre_only_with_the_pre_pass_and_never_packed_or_aot():
+    """ScanConfig.cb_pre (ssd_cb_kernel before the scan: 1 C @ B^T per group, 2 M per head): 0 by default
+    (plan.DEFAULT_CB_PRE), as asked for in plans with the pre-pass, 0 without it (the single fused launch has no
+    place for it), never in the packed form or the AOT kernel; other values are refused."""
+    from m2export.kernels.ssd.plan import TileFamily, packed_config
+
+    p = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
+    assert choose_config(p).cb_pre == plan.DEFAULT_CB_PRE == 0
+    for mode in (1, 2):
+        assert choose_config(p, cb_pre=mode).cb_pre == mode and choose_config(p, cb_pre=mode).dt_pre
+        assert choose_config(p, cb_pre=mode, dt_pre=False).cb_pre == 0
+    with pytest.raises(ValueError, match="cb_pre 3"):
+        choose_config(p, cb_pre=3)
+    one = SSMScanProblem(1, 8192, 24, 128, 1, 256, dtype="bfloat16")
+    assert packed_config(one, sm_count=132).cb_pre == 0
+    assert packed_config(one, sm_count=132, tiles=TileFamily(64, 32, False)).cb_pre == 0
+    assert aot_config(p).cb_pre == 0
+    assert len({choose_config(p, cb_pre=1, chunk=64, block_p=16, occupancy=3) for _ in range(3)}) == 1

@@ -29,7 +29,7 @@ tokens, tests/kernels/test_ssd.py::test_large_decay_sums_fp32, where the bound i
 Every per-token scaling lands on the narrow operand x (Q, P) or on output rows, so B and C
 (Q, N) go from shared memory to the tensor cores untouched. Padded tokens (past ``seqlen``) get
 delta = 0: they neither decay nor add, and their y rows are never stored (the store is
-bounds-checked). ``C @ B^T`` never leaves the chip.
+bounds-checked). ``C @ B^T`` never leaves the chip (except in ``cb_pre`` plans, below).
 
 Launch plans (all share the tile helpers):
 
@@ -40,7 +40,10 @@ Launch plans (all share the tile helpers):
   segment's zero-start state and log2-decay; :func:`ssd_scan_kernel` (grid (batch*nheads, nseg,
   headdim tiles)) folds the earlier segments into its entry state and runs the chunk loop. A headdim that
   block_p does not divide takes one launch pair per power-of-two piece, or one pair whose blocks also own the
-  narrower tail (``HAS_TAIL``: 80 = 64 + 16, sharing C @ B^T and the loads; ``plan.launch_pieces``).
+  narrower tail (``HAS_TAIL``: 80 = 64 + 16, sharing C @ B^T and the loads; ``plan.launch_pieces``). With
+  ``cb_pre`` (``ScanConfig.cb_pre``, 0 by default) :func:`ssd_cb_kernel` first writes every chunk's C @ B^T once
+  per group (1: fp32) or its masked, decayed M once per head (2: input dtype) to an HBM scratch, and the chunk
+  loop reads it instead of recomputing it per head and headdim tile.
 * AOT (TensorRT ``--plugin aot``): :func:`ssd_fused_kernel`, one launch, the coefficients computed
   inline from dt.
 
@@ -324,6 +327,13 @@ def _ct_packed_chunk(y, initial_state, final_state, cu_seqlens, seq_idx, sq, c, 
     return _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
 
 
+def _ct_decayed(cb, hi, causal, DTYPE):
+    """M = (C B^T) * exp2(where(i >= j, hi_i - hi_j, -inf)) of one chunk in ``DTYPE`` (masked before exp; flush to
+    zero), from cb = C @ B^T (CHUNK, CHUNK) fp32 and the head's intra-chunk exponents hi (CHUNK,)."""
+    seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
+    return (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
+
+
 def _ct_state_rows(C_c, state, zero, STATE_T: ConstBool):
     """C_c @ state^T, (CHUNK, width) fp32: each row's read of ``state`` (fp32, the on-chip layout)."""
     if STATE_T:
@@ -335,8 +345,13 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
                     dt_min, dt_max, seqlen, CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
                     DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
-                    initial_state, final_state, cu_seqlens, seq_idx, HAS_INIT: ConstBool, PACKED: ConstBool):
+                    initial_state, final_state, cu_seqlens, seq_idx, HAS_INIT: ConstBool, PACKED: ConstBool,
+                    cb_pre, CB_PRE: ConstInt):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
+
+    CB_PRE (not with PACKED; written by :func:`ssd_cb_kernel`): 1, the chunk's C @ B^T is read from ``cb_pre``
+    ((batch, ngroups, nchunks*CHUNK, CHUNK) fp32) instead of computed by every head and headdim tile of the group;
+    2, the masked, decayed M (below) is read from ``cb_pre`` ((batch, nheads, nchunks*CHUNK, CHUNK), input dtype).
 
     HAS_TAIL: the block also owns the TAIL_P rows from row TAIL_TILE * TAIL_P (a headdim's narrower last
     piece, :func:`m2export.kernels.ssd.plan.launch_pieces`), with its own state ``state2``; they share
@@ -359,7 +374,12 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
         x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P) if HAS_TAIL else x_c
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
-        cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
+        if CB_PRE == 1 and not PACKED:
+            cb = ct.load(cb_pre, index=(b, g, c, 0), shape=(1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+        elif CB_PRE == 2 and not PACKED:
+            cb = ct.load(cb_pre, index=(b, h, c, 0), shape=(1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+        else:
+            cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
         if PACKED:  # pairs of one sequence only (PACKED: HAS_TAIL is False, the plan has one piece per launch)
             sq = ct.load(seq_idx, index=(c,), shape=(CHUNK,))
             seg = ct.where(causal & (sq[:, None] == sq[None, :]), hi[:, None] - hi[None, :], -math.inf)
@@ -368,8 +388,10 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
                                      x_c.astype(ct.float32), m, B_c, C_c, state, dl, hi, r, w, ecs, ecs_last, d_h,
                                      h, pt, CHUNK, BLOCK_P, D_STATE, HAS_D, HAS_INIT, STATE_T, SPLIT_UPD)
         else:
-            seg = ct.where(causal, hi[:, None] - hi[None, :], -math.inf)
-            m = (cb * ct.exp2(seg, flush_to_zero=True)).astype(DTYPE)
+            if CB_PRE == 2:
+                m = cb
+            else:
+                m = _ct_decayed(cb, hi, causal, DTYPE)
             xf = x_c.astype(ct.float32)
             acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
             ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
@@ -492,6 +514,38 @@ def ssd_dt_kernel(dt, A, dt_bias, cu_seqlens, coef, seq_idx, dt_min: float, dt_m
 
 
 @ct.kernel
+def ssd_cb_kernel(B, C, coef, cb_pre, heads_per_group: int, CHUNK: ConstInt, D_STATE: ConstInt, M_HEADS: ConstInt):
+    """C @ B^T of every chunk once per group (plans with ``cb_pre`` 1), or the masked, decayed M of every head
+    (``cb_pre`` 2). Grid: (batch, nchunks, ngroups) with M_HEADS 0, else (batch, nchunks, nheads // M_HEADS).
+
+    M_HEADS 0: block (b, c, g) writes cb_pre[b, g, c*CHUNK ... (c+1)*CHUNK, :] = C_c @ B_c^T ((CHUNK, CHUNK) fp32,
+    tensor cores with fp32 accumulation, operands in the input dtype; rows and columns past seqlen are 0), which
+    every head and headdim tile of the group would otherwise recompute in :func:`ssd_scan_kernel`'s chunk loop.
+    M_HEADS > 0 (a divisor of heads_per_group): block (b, c, k) computes C_c @ B_c^T once for heads k*M_HEADS ...
+    (k+1)*M_HEADS - 1 (one group) and writes each head's M = (C B^T) * exp2(where(i >= j, hi_i - hi_j, -inf)) in the
+    input dtype to cb_pre[b, h, c*CHUNK ...] (exactly the operand the chunk loop would build; hi from ``coef``, the
+    pre-pass's rows). B and C are (batch, seqlen, ngroups, d_state).
+    """
+    b = ct.bid(0)
+    c = ct.bid(1)
+    k = ct.bid(2)
+    g = k if M_HEADS == 0 else (k * M_HEADS) // heads_per_group
+    C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
+    B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
+    cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
+    if M_HEADS == 0:
+        ct.store(cb_pre, index=(b, g, c, 0), tile=cb.reshape((1, 1, CHUNK, CHUNK)))
+    else:
+        idx = ct.arange(CHUNK, dtype=ct.int32)
+        causal = idx[:, None] >= idx[None, :]
+        for i in range(M_HEADS):
+            h = k * M_HEADS + i
+            hi = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+            m = _ct_decayed(cb, hi, causal, C.dtype)
+            ct.store(cb_pre, index=(b, h, c, 0), tile=m.reshape((1, 1, CHUNK, CHUNK)))
+
+
+@ct.kernel
 def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
                      CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
@@ -512,7 +566,8 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     nchunks = ct.cdiv(seqlen, CHUNK)
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
-                               SPLIT_UPD, False, False, BLOCK_P, 0, initial_state, final_state, dt, dt, False, False)
+                               SPLIT_UPD, False, False, BLOCK_P, 0, initial_state, final_state, dt, dt, False, False,
+                               dt, 0)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
@@ -588,12 +643,13 @@ def ssd_segment_state_kernel(x, dt, coef, A, B, dt_bias, initial_state, cu_seqle
 
 @ct.kernel
 def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, seg_logdecay, y, final_state,
-                    cu_seqlens, seq_idx, dt_min: float, dt_max: float, heads_per_group: int, chunks_per_seg: int,
+                    cu_seqlens, seq_idx, cb_pre, dt_min: float, dt_max: float, heads_per_group: int,
+                    chunks_per_seg: int,
                     CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
                     HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, PACKED: ConstBool,
-                    INIT_TMA: ConstBool):
+                    INIT_TMA: ConstBool, CB_PRE: ConstInt):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
@@ -605,6 +661,9 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     a sequence), initial_state and final_state are (nseq, nheads, headdim, d_state), and each chunk writes the
     final states of the sequences that end in it (:func:`_ct_packed_chunk`); cu_seqlens and seq_idx are read
     only then.
+
+    CB_PRE 1 / 2 (not with PACKED): each chunk's C @ B^T / masked, decayed M is read from ``cb_pre``
+    (:func:`ssd_cb_kernel`) instead of computed by the block; with 0 cb_pre is never read.
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
@@ -624,7 +683,7 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     state, state2 = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h,
                                     bias_h, dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS,
                                     STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE, initial_state,
-                                    final_state, cu_seqlens, seq_idx, HAS_INIT, PACKED)
+                                    final_state, cu_seqlens, seq_idx, HAS_INIT, PACKED, cb_pre, CB_PRE)
     if not PACKED:  # (packed: each sequence's final state was written at its last token)
         if s == nseg - 1:
             _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
@@ -682,6 +741,32 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
     return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
+#: occupancy hint of ssd_cb_kernel (unhinted it builds at 255 registers x 256 threads: one block per SM)
+CB_OCCUPANCY = 2
+
+
+def m_heads(heads_per_group: int) -> int:
+    """Heads per block of ssd_cb_kernel writing M (cb_pre 2): the largest of 8, 4, 2, 1 dividing heads_per_group."""
+    return next(n for n in (8, 4, 2, 1) if heads_per_group % n == 0)
+
+
+def _cb_pre_scratch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int) -> tuple[str, tuple[int, ...], str]:
+    """The cb_pre scratch: C @ B^T per group (fp32) for cb_pre 1, M per head (input dtype) for 2."""
+    if cfg.cb_pre == 1:
+        return ("cb_pre", (p.batch, p.ngroups, nchunks * cfg.chunk, cfg.chunk), "float32")
+    return ("cb_pre", (p.batch, p.nheads, nchunks * cfg.chunk, cfg.chunk), p.dtype)
+
+
+def _cb_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int) -> Launch:
+    mh = 0 if cfg.cb_pre == 1 else m_heads(p.heads_per_group)
+    args = (L.array("B", p.dtype, 4), L.array("C", p.dtype, 4), L.array("coef", "float32", 4),
+            L.array("cb_pre", _cb_pre_scratch(p, cfg, nchunks)[2], 4),
+            L.scalar("heads_per_group", "int32", p.heads_per_group),
+            L.constant("CHUNK", cfg.chunk), L.constant("D_STATE", p.d_state), L.constant("M_HEADS", mh))
+    kernel = hinted(ssd_cb_kernel, CB_OCCUPANCY, None)
+    return Launch(kernel, args, (p.batch, nchunks, p.ngroups if mh == 0 else p.nheads // mh), cfg)
+
+
 def _tail_constants(piece: HeaddimPiece, tail: HeaddimPiece | None) -> tuple:
     """HAS_TAIL, TAIL_P, TAIL_TILE of a launch whose blocks also own ``tail`` (None: no tail; the widths then
     repeat the piece's, never read)."""
@@ -717,6 +802,8 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.array("initial_state", "float32", 4, source=None if has_init else "final_state"),
             L.array("seg_state", "float32", 5), L.array("seg_logdecay", "float32", 3),
             L.array("y", dtn, 4), L.array("final_state", "float32", 4), *_packed_arrays(packed),
+            L.array("cb_pre", (p.dtype if cfg.cb_pre == 2 else "float32"), 4 if cfg.cb_pre else 1,
+                    source=None if cfg.cb_pre else "A"),
             L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
             L.scalar("heads_per_group", "int32", p.heads_per_group), L.scalar("chunks_per_seg", "int32", cps),
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_P", piece.width), L.constant("D_STATE", p.d_state),
@@ -724,7 +811,8 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
             L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail),
-            L.constant("PACKED", bool(packed)), L.constant("INIT_TMA", bool(cfg.init_tma)))
+            L.constant("PACKED", bool(packed)), L.constant("INIT_TMA", bool(cfg.init_tma)),
+            L.constant("CB_PRE", int(cfg.cb_pre)))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
@@ -750,9 +838,11 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     ``packed``: the packed form (``p.batch`` 1, the tensors then include ``cu_seqlens``; initial_state and
     final_state per sequence): the same launches with PACKED set, which needs the pre-pass (``cfg.dt_pre``) and
     no merged headdim tail (``cfg.merge_tail`` False: :func:`packed_config`); nseq is a runtime extent."""
-    if packed and (not cfg.dt_pre or cfg.merge_tail or p.batch != 1):
-        raise ContractError(f"config: the packed form needs batch 1, dt_pre and no merge_tail, got batch {p.batch}, "
-                            f"{cfg}; make it with packed_config")
+    if packed and (not cfg.dt_pre or cfg.merge_tail or cfg.cb_pre or p.batch != 1):
+        raise ContractError(f"config: the packed form needs batch 1, dt_pre, no merge_tail and no cb_pre, got batch "
+                            f"{p.batch}, {cfg}; make it with packed_config")
+    if cfg.cb_pre and not cfg.dt_pre:
+        raise ContractError(f"config: cb_pre needs the pre-pass plan (dt_pre), got {cfg}; make it with choose_config")
     nchunks = -(-p.seqlen // cfg.chunk)
     cps = nchunks if cfg.nseg == 1 else cfg.chunks_per_seg
     pieces = launch_pieces(p.headdim, cfg.block_p, cfg.merge_tail)
@@ -770,6 +860,9 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
         if packed:  # each token's sequence, written by the pre-pass
             scratch.append(("seq_idx", (nchunks * cfg.chunk,), "int32"))
         launches.append(_dt_launch(p, cfg, nchunks, **kw))
+    if cfg.cb_pre:  # C @ B^T per (batch, group, chunk) or M per (batch, head, chunk): read by the chunk loops
+        scratch.append(_cb_pre_scratch(p, cfg, nchunks))
+        launches.append(_cb_launch(p, cfg, nchunks))
     # the state each segment alone leaves, and its total log-decay (tiny next to x); a single pass
     # never reads them (pass 2's fold loop is empty): a one-element-per-dim stand-in
     nsp = cfg.nseg - 1

@@ -39,6 +39,9 @@ class ScanConfig:
     seg_occupancy: int | None = None  # occupancy hint of the split plan's pass 1 (None: same as occupancy)
     merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
     init_tma: bool = True  # the initial-state load may use TMA (False: a plain load; see init_tma_default)
+    # ssd_cb_kernel before the scan (needs dt_pre; never packed or AOT): 0 none (C @ B^T in the chunk loop), 1 C @ B^T
+    # once per (batch, group, chunk) in fp32, 2 the masked, decayed M once per (batch, head, chunk) in the input dtype
+    cb_pre: int = 0
 
     @property
     def plan(self) -> str:
@@ -152,6 +155,7 @@ DEFAULT_STATE_T = True
 DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
 DEFAULT_MERGE_TAIL = True
+DEFAULT_CB_PRE = 0  # benchmarks/NOTES_ssd.md "C @ B^T by a pre-pass"
 MAX_NSEG = 64
 
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel (fitted on
@@ -189,7 +193,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   occupancy: int | None = None, state_t: bool | None = None,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None,
-                  merge_tail: bool | None = None, init_tma: bool | None = None) -> ScanConfig:
+                  merge_tail: bool | None = None, init_tma: bool | None = None,
+                  cb_pre: int | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
@@ -200,7 +205,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     (wave quantisation matters: on the H200, shape d
     of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24), kept only if
     it is modelled at least _SPLIT_MIN_GAIN faster than one pass; the dt
-    pre-pass unless the sequence has more than MAX_GRID_Y chunks. Any argument
+    pre-pass unless the sequence has more than MAX_GRID_Y chunks; ``cb_pre`` (ScanConfig.cb_pre) only with the
+    pre-pass (0 without it), default DEFAULT_CB_PRE. Any argument
     given overrides its default (explicit plans for tests and the benchmark's sweeps); ``occupancy=0``
     means no hint.
     """
@@ -235,10 +241,13 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
         dt_pre = DEFAULT_DT_PRE and nchunks <= MAX_GRID_Y
     if init_tma is None:
         init_tma = init_tma_default(state_t, problem.d_state, aot=False)
+    cb_pre = int(DEFAULT_CB_PRE if cb_pre is None else cb_pre) if dt_pre else 0
+    if cb_pre not in (0, 1, 2):
+        raise ValueError(f"choose_config: cb_pre {cb_pre} (0, 1 or 2)")
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
                       worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail,
-                      init_tma=init_tma)
+                      init_tma=init_tma, cb_pre=cb_pre)
 
 
 def aot_config(problem: SSMScanProblem, tiles: "TileFamily | None" = None) -> ScanConfig:
@@ -318,5 +327,5 @@ def packed_config(p: SSMScanProblem, *, sm_count: int, tiles: TileFamily | None 
         raise ContractError(f"x: packed prefill of {p.seqlen} tokens is {nchunks} chunks, more than the pre-pass "
                             f"grid's {MAX_GRID_Y}; split the batch")
     if tiles is not None:
-        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False)
-    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False)
+        return replace(config_for(p, tiles, sm_count=sm_count), dt_pre=True, merge_tail=False, cb_pre=0)
+    return choose_config(p, sm_count=sm_count, dt_pre=True, merge_tail=False, cb_pre=0)
