@@ -16,7 +16,7 @@ registers/shared memory:
     w      = delta * exp2((hi_last - hi) + (lo_last - lo))                      # (Q,)    fp32
     CB     = C @ B^T                                                           # (Q, Q)  tensor cores, fp32 acc
     M      = CB * exp2(where(i >= j, hi_i - hi_j, -inf))                       # (Q, Q)  masked before exp
-    y      = r_i * (M @ (x * dl)) + exp2(hi)_i * r_i * (C @ state^T) + D * x    # (Q, P)
+    y      = r_i * (M @ (x * dl)) + exp2(hi)_i * (C @ state^T) + D * x          # (Q, P)
     state  = exp2(hi_last) * state + B^T @ (x * w)                             # (N, P)  fp32
 
 Segment sums (issue 16): the decay of tokens j < i is exp2(hi_i - hi_j + lo_i - lo_j); hi_i - hi_j is
@@ -24,7 +24,10 @@ rounded relative to the segment and the residuals lo (the part of the cumulative
 hold: ~ulp(|cs|), i.e. ~2.4e-4 at |cs| = 4,000) enter as a row factor r_i and a column factor on
 x_j, so every decay exponent is accurate to the fp32 rounding of the segment's own terms, not of the
 running sum (the old exp2(cs2_i - cs2_j) was 1.4e-4 rel-L2 from float64 on sums of -4,000 per 64
-tokens, tests/kernels/test_ssd.py::test_large_decay_sums_fp32, where the bound is 5e-6).
+tokens, tests/kernels/test_ssd.py::test_large_decay_sums_fp32, where the bound is 5e-6). The decays from
+the chunk start, exp2(hi_i) on the inter-chunk rows and exp2(hi_last) on the carried state, leave out
+exp2(lo): either is a normal fp32 number only while |hi| < 126, where |lo| <= ulp(hi) / 2 <= 2**-18, so the
+factor left out is within 2.7e-6 of 1 (fp32 rounding); below that the decay itself flushes to 0.
 
 Every per-token scaling lands on the narrow operand x (Q, P) or on output rows, so B and C
 (Q, N) go from shared memory to the tensor cores untouched. Padded tokens (past ``seqlen``) get
