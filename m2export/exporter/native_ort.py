@@ -1,7 +1,7 @@
 """The ``native`` flavour: the Mamba-2 model on ONNX Runtime's own fused kernels (CPU provider, ORT >= 1.32).
 
 Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local function) by
-:func:`to_native_ort`, in these rewrites, each leaving anything that does not match its pattern as it was:
+:func:`to_native_ort`, in four rewrites, each leaving anything that does not match its pattern as it was:
 
 * every ``m2export::SSMScan`` call is inlined with a body built for its attribute values, its sizes and the
   dtype of ``x`` (:func:`~m2export.exporter.ssm_scan_op.native_ssm_scan_function`): ``Softplus`` for the step
@@ -23,9 +23,7 @@ Made from the traced ssmscan-flavour graph (SSMScan nodes plus the model-local f
 * every ``Reshape`` whose target shape is computed at run time (``Shape`` → ``Squeeze`` → ``Concat``) but
   whose output shape is known up to the batch and sequence symbols gets a constant shape (``0`` copies a
   dim, ``-1`` infers one), so the shape arithmetic drops out; then chains of reshapes merge
-  (:func:`fold_reshapes`);
-* every ``Split`` of a MatMul's output by a constant weight (the in-projection into z, xBC, dt) becomes one MatMul
-  per part on that part's columns of the weight (:func:`split_projections`): no copy of the projection's output.
+  (:func:`fold_reshapes`).
 
 Every pass expects the model to import :data:`~m2export.exporter.ssm_scan_op.NATIVE_OPSETS` (opset 27 and
 ``com.microsoft``), as :func:`to_native_ort` sets first.
@@ -81,7 +79,6 @@ def to_native_ort(model, nheads: int, n_layer: int, inline, io, n_conv: int | No
     fuse_rms_norm(out)
     constant_reshapes(out)
     fold_reshapes(out)
-    split_projections(out)
     import onnx_ir as ir
 
     n_la = sum(1 for n in ir.traversal.RecursiveGraphIterator(out.graph) if n.op_type == "LinearAttention")
@@ -378,64 +375,6 @@ def fold_reshapes(model) -> int:
                 g.remove(node, safe=True)
                 r.outputs[0].name = out_name
                 done, changed = done + 1, True
-    if done:
-        common.RemoveUnusedNodesPass()(model)
-    return done
-
-
-def split_projections(model) -> int:
-    """Replace every top-level ``Split(MatMul(a, W), sizes, axis=last)`` whose ``W`` is a constant (an initializer)
-    and whose MatMul output only the Split reads by one ``MatMul(a, Slice(W, columns))`` per part; returns the
-    number replaced.
-
-    ONNX Runtime folds each ``Slice`` of the initializer into a constant at session start (the file keeps the one
-    ``W``, shared with the other flavours' graphs), so a call runs the same MatMul work into the parts directly, with
-    no Split copying the in-projection's (batch, seqlen, 2 d_inner + 2 ngroups d_state + nheads) output apart. Each
-    output element is the same dot product over the same ``K``, accumulated in the same order (MLAS blocks ``K``
-    alike for any number of columns): the parts equal the Split's outputs bit for bit (benchmarks/RESULTS.md,
-    "Issue 16: the in-projection split into its parts").
-    """
-    import numpy as np
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-
-    g = model.graph
-
-    def const(dims, name):
-        v = ir.Value(name=name, shape=ir.Shape([len(dims)]), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(np.array(dims, np.int64), name=name))
-        g.register_initializer(v)
-        return v
-
-    done = 0
-    for split in [n for n in g if n.op_type == "Split" and n.domain == ""]:
-        mm = _producer(split.inputs[0], "MatMul")
-        y, w = split.inputs[0], mm.inputs[1] if mm is not None else None
-        sizes = _const_ints(split.inputs[1]) if len(split.inputs) > 1 else None
-        if mm is None or mm.domain != "" or mm.graph is not g or len(y.uses()) != 1 or y.is_graph_output() \
-                or y.shape is None or sizes is None or len(sizes) != len(split.outputs) or w is None \
-                or not w.is_initializer() or w.shape is None or len(w.shape) != 2 or sum(sizes) != w.shape[1]:
-            continue
-        axis = split.attributes["axis"].as_int() if "axis" in split.attributes else 0
-        if axis % len(y.shape) != len(y.shape) - 1:
-            continue
-        name = mm.name or y.name or "matmul"
-        axes, start, new = const([1], f"{name}.columns_axis"), 0, []
-        for j, (size, part) in enumerate(zip(sizes, split.outputs)):
-            cols = ir.node("Slice", [w, const([start], f"{name}.part{j}.start"), const([start + size], f"{name}.part{j}.end"),
-                                     axes], name=f"{name}.part{j}.weight")
-            cols.outputs[0].name, cols.outputs[0].type = f"{w.name}.part{j}", w.type
-            cols.outputs[0].shape = ir.Shape([w.shape[0], size])
-            prod = ir.node("MatMul", [mm.inputs[0], cols.outputs[0]], name=f"{name}.part{j}")
-            prod.outputs[0].type, prod.outputs[0].shape = part.type, part.shape
-            new += [cols, prod]
-            start += size
-        g.insert_before(split, new)
-        for j, part in enumerate(split.outputs):
-            v, part_name = new[2 * j + 1].outputs[0], part.name
-            part.replace_all_uses_with(v, replace_graph_outputs=True)
-            part.name, v.name = f"{part_name}.split", part_name
-        done += 1
     if done:
         common.RemoveUnusedNodesPass()(model)
     return done

@@ -83,23 +83,6 @@ def test_fuse_causal_conv_vs_traced(traced):
     _compare(model, new, m.model_config().vocab_size)
 
 
-def test_split_projections_vs_traced(traced):
-    """The in-projection's Split goes: one MatMul per part (z, xBC, dt) on a Slice of the one stored weight (no new
-    initializer holds weights), and every output equals the unsplit graph's bit for bit in ONNX Runtime."""
-    m, model = traced
-    n_layer = m.model_config().n_layer
-    new = _native_copy(model)
-    before = {k: v.const_value.size for k, v in new.graph.initializers.items()}
-    assert native_ort.split_projections(new) == n_layer
-    assert not [n for n in new.graph if n.op_type == "Split" and n.inputs[0].producer() is not None
-                and n.inputs[0].producer().op_type == "MatMul"]
-    slices = [n for n in new.graph if n.op_type == "Slice" and n.inputs[0].name.endswith("in_proj.weight_t")]
-    assert len(slices) == 3 * n_layer
-    after = {k: v.const_value.size for k, v in new.graph.initializers.items()}
-    assert sum(after.values()) - sum(before.values()) <= 8 * n_layer  # only the Slices' bounds
-    _compare(model, new, m.model_config().vocab_size, rel=0.0)
-
-
 def test_fuse_rms_norm_vs_traced(traced):
     """RMSNormalization on the embedding and the grouped gated norms, SkipSimplifiedLayerNormalization on the
     residual sums (layers 1.. and norm_f)."""
