@@ -129,6 +129,12 @@ def _signals_held() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------ files
+def not_a_file(p: Path) -> str:
+    """Why ``p`` (an input file the user named) is not a readable regular file: 'no such file', 'is a directory'
+    or 'is not a regular file' (a FIFO, a device such as /dev/null)."""
+    return "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "no such file"
+
+
 def os_error_message(e: OSError) -> str:
     """'No space left on device' etc. (strerror, else the exception text)."""
     return e.strerror or str(e)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from m2export._paths import not_a_file
 from m2export import backends, names
 from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError, UsageError
 
@@ -64,7 +65,7 @@ class FileTokenizer:
     def __init__(self, path: str | Path):
         p = Path(path)
         if not p.is_file():  # before the package: a mistyped path is the first thing to fix
-            raise ParameterError(f"`tokenizer` {p}: no such file", hint="pass a tokenizers JSON file (tokenizer.json)")
+            raise ParameterError(f"`tokenizer` {p}: {not_a_file(p)}", hint="pass a tokenizers JSON file (tokenizer.json)")
         try:
             from tokenizers import Tokenizer
         except ImportError:

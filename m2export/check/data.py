@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from m2export._paths import not_a_file
 from m2export.errors import M2ExportError, ParameterError, UsageError
 from m2export.exporter.configs import DTYPES, GraphIO
 from m2export.exporter.runtime import feed_dtype_of
@@ -66,7 +67,7 @@ def read_corpus(text_file: str | Path | None) -> bytes:
         return stdlib_corpus()
     p = Path(text_file)
     if not p.is_file():
-        raise ParameterError(f"`text` {p}: no such file", hint="pass a UTF-8 text file, or omit `text` for the "
+        raise ParameterError(f"`text` {p}: {not_a_file(p)}", hint="pass a UTF-8 text file, or omit `text` for the "
                              "default corpus (the Python stdlib sources)")
     data = p.read_bytes()
     if len(data) < 2:

@@ -246,6 +246,20 @@ def test_corrupt_graph_is_a_clean_error(verb, runtime, what, tiny_out, tmp_path,
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("what,said", [("dir", "is a directory"), ("/dev/null", "is not a regular file"),
+                                       ("missing", "no such file")])
+@pytest.mark.parametrize("use", ["check --text", "generate --tokenizer"])
+def test_input_file_flags_say_what_the_path_is(use, what, said, tiny_out, tmp_path, capsys):
+    """--text / --tokenizer naming a directory or a device said 'no such file' (it exists); now what it is."""
+    path = {"dir": str(tmp_path), "/dev/null": "/dev/null", "missing": str(tmp_path / "nope.txt")}[what]
+    v, flag = use.split()
+    args = ([v, str(tiny_out), "-q", "--shapes", "1x3", flag, path] if v == "check" else
+            [v, str(tiny_out), "-q", "--prompt", "x", flag, path])
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith(f"error: {flag} {path}: {said}"), err
+
+
 @pytest.mark.parametrize("verb", ["check", "generate", "inspect", "inspect-file"])
 def test_empty_graph_file_is_named_empty(verb, tiny_out, tmp_path, capsys):
     """A 0-byte model.onnx (a copy cut short, a full disk) parses as an empty ModelProto: inspect listed it with no
