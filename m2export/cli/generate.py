@@ -16,7 +16,7 @@ SOURCE is an OUTDIR written by 'm2export export'; with --runtime torch it may al
 exit codes: 0 ok; 1 missing folder/graph, a checkpoint given to onnxrt/trt, a bad prompt (e.g. an id
 outside the vocabulary, an empty prompt, or --prompt bytes that are not UTF-8), a damaged m2export.json, or
 --runtime trt with TensorRT usable but no engines built; 2 a flag's value malformed or out of range
-(--max-new-tokens -1, --prompt-ids 1,x); 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
+(--max-new-tokens -1, --prompt-ids 1,x), or contradicting flags (--ssm-impl with --runtime torch or trt); 4 --runtime trt where TensorRT is not usable (not installed, or no CUDA GPU), whether or not
 engines exist: checked after SOURCE itself, before the engines (the same rule as 'm2export check'),
 or onnxrt on a bf16 export (no bf16 on ONNX Runtime's CPU: use --runtime onnx-reference); 141 stdout
 closed by its reader (e.g. | head -c 100): generation stops there.
@@ -92,6 +92,11 @@ def run(args) -> int:
                                 hint="pass an OUTDIR written by 'm2export export' (or a checkpoint, for --runtime "
                                      "torch)")
     runtime = args.runtime or ("onnxrt" if (src / MANIFEST_FILE).is_file() or not src.exists() else "torch")
+    if args.ssm_impl is not None and runtime in ("torch", "trt"):  # it picks an ONNX graph: contradictory here
+        raise UsageError(f"--ssm-impl {args.ssm_impl} picks the ONNX graph of --runtime onnxrt or onnx-reference; "
+                         f"--runtime {runtime} runs " + ("the PyTorch model" if runtime == "torch" else
+                                                         "the TensorRT engines"),
+                         hint="drop --ssm-impl, or pass --runtime onnxrt")
     session = open_runtime(src, runtime, ssm_impl=args.ssm_impl)
     tok = None
     tok_file = args.tokenizer or session.tokenizer_file  # the export's own tokenizer.json unless --tokenizer

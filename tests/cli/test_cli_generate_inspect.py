@@ -344,3 +344,14 @@ def test_truncated_or_missing_weights_file_is_one_line(tiny_out, tmp_path, capsy
             else "model.onnx.data is missing")
     assert lines[0] == f"error: {d / 'model.onnx'}: {what}", lines[0]
     assert lines[1].startswith("hint: ") and "re-export" in lines[1] and "--force" in lines[1]
+
+
+@pytest.mark.parametrize("runtime", ["torch", "trt"])
+def test_generate_ssm_impl_with_a_graphless_runtime_is_a_usage_error(runtime, tiny_out, capsys):
+    """--ssm-impl picks an ONNX graph; with --runtime torch it was silently ignored (the PyTorch model ran and the
+    speed line said 'torch'), with trt too. Contradictory flags: exit 2 naming --ssm-impl, before any file is read."""
+    rc = main(["generate", str(tiny_out), "--prompt-ids", "1,2", "--ids", "--runtime", runtime, "--ssm-impl", "std"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines[0].startswith("error: --ssm-impl std picks the ONNX graph"), err
+    assert f"--runtime {runtime} runs" in lines[0] and lines[1].startswith("hint: ") and len(lines) == 2, err
