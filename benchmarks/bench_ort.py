@@ -77,7 +77,15 @@ def checkpoints(names: list[str], work: Path) -> dict[str, Path]:
     out = {}
     for n in names:
         if n == "130m":
-            out[n] = hf_init_checkpoint(work / "hf-mamba2-130m", "mamba2-130m")
+            d = work / "hf-mamba2-130m"
+            if not (d / "config.json").is_file():
+                # in a child: a model built in this process stays resident here, and every export child started
+                # after it reported this process's pages as its own peak RSS (0.98 GiB for both exporters on the
+                # first run of a fresh --workdir, 0.48 / 0.95 GiB once the checkpoint existed: benchmarks/RESULTS.md)
+                _child([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
+                        "from tests.helpers import hf_init_checkpoint; hf_init_checkpoint(sys.argv[1], 'mamba2-130m')",
+                        str(d), str(ROOT)])
+            out[n] = hf_init_checkpoint(d, "mamba2-130m")  # reused: its config.json exists
         elif n == "bundled":
             d = work / "hf-stdlib-byte-mamba2"
             if not (d / "config.json").is_file():
