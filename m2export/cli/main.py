@@ -217,14 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted by SIGINT", file=sys.stderr)
         return ExitCode.INTERRUPTED
     except MemoryError as e:  # sizes beyond this machine (numpy names the array it could not allocate)
-        if args.verbose:
-            import traceback
-            traceback.print_exc()
-        print(f"error: out of memory in 'm2export {args.verb}'" + (f": {e}" if str(e) else ""), file=sys.stderr)
-        print("hint: ask for smaller sizes (batch, sequence length) or run on a machine with more memory",
-              file=sys.stderr)
-        return ExitCode.USER_ERROR
-    except Exception:
+        return _out_of_memory(args, str(e))
+    except Exception as e:
+        oom = runtime_out_of_memory(e)
+        if oom is not None:
+            return _out_of_memory(args, oom)
         import traceback
         traceback.print_exc()
         print(f"internal error in 'm2export {args.verb}' after {time.perf_counter() - t0:.1f}s: this is a bug, "
@@ -232,6 +229,34 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INTERNAL
     finally:
         sys.stdout = stdout
+
+
+def runtime_out_of_memory(e: BaseException) -> str | None:
+    """What an ONNX Runtime allocation failure (its arena's "Failed to allocate memory for requested buffer of size
+    N", or a kernel's std::bad_alloc) says, for ``e`` or an exception it was raised from; None for anything else
+    (a bug stays a bug). ORT raises its own exception types for these, not MemoryError."""
+    import re
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        msg = str(e)
+        if type(e).__module__.startswith("onnxruntime") and ("Failed to allocate memory" in msg or "bad_alloc" in msg):
+            size = re.search(r"buffer of size (\d+)", msg)
+            return ("ONNX Runtime could not allocate " + (f"a buffer of {int(size.group(1)) / 1e9:.2f} GB" if size
+                                                          else "memory (std::bad_alloc)"))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _out_of_memory(args, detail: str) -> int:
+    if args.verbose:
+        import traceback
+        traceback.print_exc()
+    print(f"error: out of memory in 'm2export {args.verb}'" + (f": {detail}" if detail else ""), file=sys.stderr)
+    print("hint: ask for smaller sizes (batch, sequence length) or run on a machine with more memory",
+          file=sys.stderr)
+    return ExitCode.USER_ERROR
 
 
 if __name__ == "__main__":

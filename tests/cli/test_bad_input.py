@@ -216,3 +216,37 @@ def test_input_errors_are_one_line_and_a_hint(tmp_path, capsys, case):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith(want) and lines[1].startswith("hint: "), lines
     assert "[" not in lines[0] and "Traceback" not in lines[0], lines
+
+
+ORT_ARENA = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running MatMul node. Status Message: "
+             "bfc_arena.cc:360 Failed to allocate memory for requested buffer of size 1074004224")
+ORT_BAD_ALLOC = ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running Where node. "
+                 "Name:'' Status Message: std::bad_alloc")
+
+
+@pytest.mark.parametrize("kind,msg,said", [("Fail", ORT_ARENA, "a buffer of 1.07 GB"),
+                                           ("RuntimeException", ORT_BAD_ALLOC, "memory (std::bad_alloc)"),
+                                           ("wrapped", ORT_ARENA, "a buffer of 1.07 GB")])
+def test_runtime_out_of_memory_is_one_line(kind, msg, said, tiny_out, monkeypatch, capsys):
+    """ONNX Runtime's allocation failures (a 65,536-token prompt or --shapes 1x65536 under a 6 GB limit: its arena's
+    'Failed to allocate memory', a kernel's std::bad_alloc) were 'internal error ... this is a bug' with ORT's
+    traceback, exit 70; they are out of memory like numpy's MemoryError: one line + hint, exit 1. Any other ORT
+    failure is still exit 70."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    import m2export.generate as G
+
+    def boom(*a, **k):
+        err = getattr(ort_errors, "Fail" if kind == "wrapped" else kind)(msg)
+        if kind == "wrapped":  # as a runner would re-raise it
+            raise RuntimeError("the prefill failed") from err
+        raise err
+
+    monkeypatch.setattr(G, "generate", boom)
+    rc = main(["generate", str(tiny_out), "--prompt-ids", "1,2", "--ids"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == ExitCode.USER_ERROR and len(lines) == 2 and "Traceback" not in err, err
+    assert lines[0] == f"error: out of memory in 'm2export generate': ONNX Runtime could not allocate {said}", err
+    monkeypatch.setattr(G, "generate", lambda *a, **k: (_ for _ in ()).throw(ort_errors.Fail("some other failure")))
+    assert main(["generate", str(tiny_out), "--prompt-ids", "1,2", "--ids"]) == ExitCode.INTERNAL
