@@ -190,6 +190,11 @@ def check_graph_file(path: str | Path, entry) -> dict[str, Any] | None:
         raise ExportFolderError(f"{p}: {MANIFEST_FILE} lists it as the {entry.ssm_impl} flavour, but it has "
                                 f"{n_scan} SSMScan node(s): a graph file of another flavour under this name?",
                                 hint=REEXPORT_HINT)
+    unlisted = sorted(set(info["external_data"]) - set(entry.external_data))
+    if unlisted:  # e.g. a location edited to ../../etc/passwd: never 'truncated', never read
+        raise ExportFolderError(f"{p}: reads weights from {unlisted[:3]}, not from the file(s) {MANIFEST_FILE} lists "
+                                f"for it ({', '.join(entry.external_data) or 'none'}): not the graph exported under "
+                                "this name", hint=REEXPORT_HINT)
     damaged = damaged_files(info)
     if damaged:  # ONNX Runtime's own refusal was one ~600-character line of C++ signature and initializer offsets
         raise ExportFolderError(f"{p}: {'; '.join(damaged)}",

@@ -355,3 +355,29 @@ def test_generate_ssm_impl_with_a_graphless_runtime_is_a_usage_error(runtime, ti
     lines = err.strip().splitlines()
     assert rc == 2 and lines[0].startswith("error: --ssm-impl std picks the ONNX graph"), err
     assert f"--runtime {runtime} runs" in lines[0] and lines[1].startswith("hint: ") and len(lines) == 2, err
+
+
+@pytest.mark.parametrize("location", ["../../../etc/passwd", "elsewhere.data"])
+@pytest.mark.parametrize("use", ["check", "generate"])
+def test_graph_reading_weights_from_an_unlisted_file_is_refused(use, location, tiny_out, tmp_path, capsys):
+    """A model.onnx whose external-data location was edited (outside the folder, or another file in it) was
+    reported as '<that file> is truncated (N bytes; the graph reads M)' after stat-ing it; now refused by name
+    before any runtime reads it: one line, exit 1."""
+    import onnx
+
+    d = copy_export(tiny_out, tmp_path / "o")
+    m = onnx.load(d / "model.onnx", load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save(m, d / "model.onnx")
+    (d / "elsewhere.data").write_bytes(b"\0" * 16)
+    args = ([use, str(d), "-q", "--shapes", "1x3", "--decode-steps", "0"] if use == "check" else
+            [use, str(d), "-q", "--prompt-ids", "1", "--ids"])
+    rc = main(args)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 2 and "Traceback" not in err, err
+    assert lines[0] == (f"error: {d / 'model.onnx'}: reads weights from [{location!r}], not from the file(s) "
+                        "m2export.json lists for it (model.onnx.data): not the graph exported under this name"), err
