@@ -222,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         oom = runtime_out_of_memory(e)
         if oom is not None:
             return _out_of_memory(args, oom)
+        bad_path = unusable_path(e)
+        if bad_path is not None:
+            if args.verbose:
+                import traceback
+                traceback.print_exc()
+            print(f"error: {bad_path[0]}", file=sys.stderr)
+            print(f"hint: {bad_path[1]}", file=sys.stderr)
+            return ExitCode.USER_ERROR
         import traceback
         traceback.print_exc()
         print(f"internal error in 'm2export {args.verb}' after {time.perf_counter() - t0:.1f}s: this is a bug, "
@@ -246,6 +254,26 @@ def runtime_out_of_memory(e: BaseException) -> str | None:
             return ("ONNX Runtime could not allocate " + (f"a buffer of {int(size.group(1)) / 1e9:.2f} GB" if size
                                                           else "memory (std::bad_alloc)"))
         e = e.__cause__ or e.__context__
+    return None
+
+
+def unusable_path(e: BaseException) -> tuple[str, str] | None:
+    """('PATH: what is wrong with it', hint) for a path the OS cannot even look at: a name too long (ENAMETOOLONG) or a
+    symbolic-link loop (ELOOP, or pathlib's RuntimeError 'Symlink loop from ...' of Path.resolve); None for anything
+    else. Raised wherever a verb first probes a path the user gave (OUTDIR, SOURCE, --report-dir, ...)."""
+    import errno
+    import os
+
+    def short(name) -> str:
+        name = os.fsdecode(name)
+        return name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+
+    loop_hint = "a symbolic link there points (through others) back at itself: remove the loop or pass another path"
+    if isinstance(e, OSError) and e.errno in (errno.ENAMETOOLONG, errno.ELOOP) and e.filename is not None:
+        return (f"{short(e.filename)}: {e.strerror or e}",
+                "pass a shorter path" if e.errno == errno.ENAMETOOLONG else loop_hint)
+    if isinstance(e, RuntimeError) and str(e).startswith("Symlink loop from "):
+        return f"{short(str(e)[len('Symlink loop from '):].strip(chr(39)))}: symbolic link loop", loop_hint
     return None
 
 

@@ -250,3 +250,26 @@ def test_runtime_out_of_memory_is_one_line(kind, msg, said, tiny_out, monkeypatc
     assert lines[0] == f"error: out of memory in 'm2export generate': ONNX Runtime could not allocate {said}", err
     monkeypatch.setattr(G, "generate", lambda *a, **k: (_ for _ in ()).throw(ort_errors.Fail("some other failure")))
     assert main(["generate", str(tiny_out), "--prompt-ids", "1,2", "--ids"]) == ExitCode.INTERNAL
+
+
+@pytest.mark.parametrize("argv", [["export", "{ck}", "-o", "{p}"], ["check", "{p}"], ["inspect", "{p}"],
+                                  ["generate", "{p}", "--prompt-ids", "1"], ["check", "{out}", "--report-dir", "{p}"]])
+@pytest.mark.parametrize("kind", ["too_long", "loop"])
+def test_unusable_paths_are_one_line(argv, kind, tiny_ck, tiny_out, tmp_path, capsys):
+    """A path the OS cannot look at (a 300-character name: ENAMETOOLONG; a symbolic link pointing at itself, which
+    Path.resolve reports as RuntimeError 'Symlink loop') was 'internal error ... this is a bug', exit 70, from export
+    -o, check/inspect/generate SOURCE and check --report-dir: now one line naming the path, exit 1."""
+    if kind == "loop":
+        p = tmp_path / "loopy"
+        p.symlink_to("loopy")
+        p = p / "sub" if argv[0] == "export" else p
+    else:
+        p = tmp_path / ("x" * 300)
+    args = [a.format(ck=tiny_ck, out=tiny_out, p=p) for a in argv]
+    rc = main(args)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == ExitCode.USER_ERROR and "Traceback" not in err, err
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    if kind == "too_long":
+        assert "File name too long" in lines[0] and "(3" in lines[0], err  # the name shortened, its length given
