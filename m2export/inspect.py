@@ -280,6 +280,7 @@ def describe_outdir(path: str | Path) -> dict[str, Any]:
             info = describe_onnx(f)
             entry.update({k: info[k] for k in ("bytes", "opsets", "nodes", "ssm_scan_nodes", "functions",
                                                 "parameters", "inputs", "outputs")})
+            entry["reads"] = info["external_data"]  # the locations the graph file itself names
             extent = info["external_data_extent"]
         for x in entry["external_data"]:
             x["needed_bytes"] = extent.get(x["file"])
@@ -312,6 +313,11 @@ def damaged_files(info: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if info.get("kind") == "outdir":
         out += [f"{g['file']} is missing" for g in info["graphs"] if not g["present"]]
+        for g in info["graphs"]:
+            unlisted = sorted(set(g.get("reads", [])) - {x["file"] for x in g["external_data"]})
+            if unlisted:
+                out.append(f"{g['file']} reads weights from {unlisted[:3]}, not from the file(s) {MANIFEST_FILE} lists "
+                           "for it")
         out += [f"{x['file']} is missing" for x in info["external_data"] if not x["present"]]
         out += [f"{x['file']} is truncated ({x['bytes']:,} bytes; the graphs read {x['needed_bytes']:,})"
                 for x in info["external_data"] if x.get("truncated")]

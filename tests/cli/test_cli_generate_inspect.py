@@ -381,3 +381,22 @@ def test_graph_reading_weights_from_an_unlisted_file_is_refused(use, location, t
     assert rc == 1 and len(lines) == 2 and "Traceback" not in err, err
     assert lines[0] == (f"error: {d / 'model.onnx'}: reads weights from [{location!r}], not from the file(s) "
                         "m2export.json lists for it (model.onnx.data): not the graph exported under this name"), err
+
+
+def test_inspect_warns_of_a_graph_reading_an_unlisted_weights_file(tiny_out, tmp_path, capsys):
+    """inspect OUTDIR (informational, exit 0) warns of a graph whose external-data locations are not the file
+    m2export.json lists for it, as it warns of a missing or truncated one."""
+    import onnx
+
+    d = copy_export(tiny_out, tmp_path / "o")
+    m = onnx.load(d / "model.onnx", load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../../../etc/passwd"
+    onnx.save(m, d / "model.onnx")
+    assert main(["inspect", str(d)]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: model.onnx reads weights from ['../../../etc/passwd'], not from the file(s) m2export.json lists "
+            "for it: this export is damaged") in err, err
+    assert main(["inspect", str(tiny_out)]) == 0 and "warning" not in capsys.readouterr().err
