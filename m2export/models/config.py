@@ -237,7 +237,7 @@ class Mamba2Config:
             headdim=cfg.get("head_dim", 64), ngroups=cfg.get("n_groups", 1), chunk_size=cfg.get("chunk_size", 256),
             dt_limit=tuple(limit), pad_vocab_size_multiple=1, tie_embeddings=cfg.get("tie_word_embeddings", False),
             residual_in_fp32=cfg.get("residual_in_fp32", True), norm_epsilon=eps, gated_norm_epsilon=eps,
-            conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False)))
+            conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False)), _HF_NAMES)
         if "num_heads" in cfg and cfg["num_heads"] != conf.nheads:
             raise ConfigError(f"{source}: num_heads={cfg['num_heads']} but expand*hidden_size/head_dim = "
                               f"{conf.nheads}")
@@ -261,6 +261,12 @@ _MAMBA_SSM_TWINS = {"d_state": ("state_size", "d_state"), "d_conv": ("conv_kerne
                     "norm_epsilon": ("layer_norm_epsilon", "norm_epsilon"), "conv_bias": ("use_conv_bias",
                                                                                            "conv_bias"),
                     "bias": ("use_bias", "bias")}
+
+
+#: Mamba2Config field -> the HF key from_hf_json reads it from (errors name the file's key)
+_HF_NAMES = {attr: hf_key for hf_key, attr in _MAMBA_SSM_TWINS.values()} | {
+    "d_model": "hidden_size", "vocab_size": "vocab_size", "expand": "expand", "chunk_size": "chunk_size",
+    "residual_in_fp32": "residual_in_fp32", "gated_norm_epsilon": "layer_norm_epsilon"}
 
 
 def _check_hf_keys(cfg: dict[str, Any], conf: "Mamba2Config", source: str) -> None:
@@ -303,12 +309,19 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
-def _with_source(source: str, make):
-    """Call ``make()``; prefix a ConfigError (or the TypeError of an unknown keyword) with ``source``."""
+def _with_source(source: str, make, names: dict[str, str] | None = None):
+    """Call ``make()``; prefix a ConfigError (or the TypeError of an unknown keyword) with ``source``. ``names``:
+    the file's own key for a Mamba2Config field (HF ``hidden_size`` for ``d_model``), named in the message too."""
     try:
         return make()
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e.raw_message}", hint=e.raw_hint) from None
+        msg = e.raw_message
+        for attr, key in (names or {}).items():
+            if msg.startswith(f"config field {attr!r}"):
+                msg = f"field {key!r}" + (f" (m2export's {attr!r})" if key != attr else "") + \
+                    msg[len(f"config field {attr!r}"):]
+                break
+        raise ConfigError(f"{source}: {msg}", hint=e.raw_hint) from None
     except TypeError as e:
         raise ConfigError(f"{source}: {e}") from None
 

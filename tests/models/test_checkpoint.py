@@ -148,6 +148,22 @@ def test_config_field_types_are_checked(tmp_path, field, value, match):
     assert "config.json" in str(e.value)
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 32.0, r"field 'hidden_size' \(m2export's 'd_model'\): expected a positive integer, got 32.0"),
+    ("n_groups", True, r"field 'n_groups' \(m2export's 'ngroups'\): expected a positive integer, got True"),
+    ("layer_norm_epsilon", 0, r"field 'layer_norm_epsilon' \(m2export's 'norm_epsilon'\): expected a number"),
+    ("time_step_limit", [0.5, 0.1], r"field 'time_step_limit' \(m2export's 'dt_limit'\): expected 0 <= min <= max"),
+    ("chunk_size", 0, r"config.json: field 'chunk_size': expected a positive integer, got 0"),
+])
+def test_hf_config_errors_name_the_files_own_key(tmp_path, field, value, match):
+    """An HF Mamba2 config.json's bad value is named by the key the file has ('hidden_size'), not only by m2export's
+    field name ('d_model', which the file does not contain)."""
+    path = random_checkpoint(tmp_path / "ck", seed=2, format="hf", **TINY)
+    _edit_config(path, lambda c: c.__setitem__(field, value))
+    with pytest.raises(ConfigError, match=match):
+        read_config(path)
+
+
 @pytest.mark.parametrize("value", ["01", [0, 1, 2], {"a": 1}, [0, "x"]])
 def test_malformed_dt_limit(tmp_path, value):
     path = _ckpt(tmp_path)
