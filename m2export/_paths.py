@@ -105,7 +105,9 @@ def _interrupts_stick() -> Iterator[None]:
         if not _holding:
             raise Interrupted(signum)
 
-    saved = {s: signal.signal(s, handler) for s in _INTERRUPTS}
+    # a signal the process was started with ignored (`cmd &` in a non-interactive shell, nohup-like launchers)
+    # stays ignored: whoever started it chose that
+    saved = {s: signal.signal(s, handler) for s in _INTERRUPTS if signal.getsignal(s) is not signal.SIG_IGN}
     saved[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         yield

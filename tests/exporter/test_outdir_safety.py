@@ -68,8 +68,9 @@ def is_complete_export(d: Path, ssm_impl: str) -> bool:
     return True
 
 
-def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240):
-    """m2export in a subprocess (through the kill driver when ``point`` is given)."""
+def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240, ignore_sigint=False):
+    """m2export in a subprocess (through the kill driver when ``point`` is given); ``ignore_sigint``: started with
+    SIGINT ignored (as ``cmd &`` in a non-interactive shell starts it)."""
     cmd = [sys.executable, str(DRIVER), point, sig, *args] if point else [sys.executable, "-m", "m2export.cli.main",
                                                                            *args]
 
@@ -77,6 +78,8 @@ def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240):
         if limit_fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_fsize, limit_fsize))
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as a shell with 'ulimit -f' does not; see the test
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=pre, env=env)
 
@@ -393,6 +396,18 @@ def test_interrupt_after_the_export_finished_keeps_exit_0(tmp_path, ck, sig):
     r = run_cli("export", str(ck), "-o", str(out), "-q", point="exit", sig=sig)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "interrupted" not in r.stderr, r.stderr[-2000:]
+    assert is_complete_export(out, "ssmscan")
+
+
+@posix
+def test_sigint_ignored_at_start_stays_ignored_while_writing(tmp_path, ck):
+    """A process started with SIGINT ignored (`m2export export ... &` from a script) kept ignoring it until the export
+    began writing, then m2export's own handler took it (exit 130, nothing written): whoever started it chose to
+    ignore it. Now the export completes, exit 0."""
+    out = tmp_path / "out"
+    r = run_cli("export", str(ck), "-o", str(out), "-q", point="save", sig="SIGINT", ignore_sigint=True)
+    assert "fired=True" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0 and "interrupted" not in r.stderr, (r.returncode, r.stderr[-2000:])
     assert is_complete_export(out, "ssmscan")
 
 
