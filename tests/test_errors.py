@@ -25,7 +25,7 @@ def test_exit_code_table_is_what_help_and_readme_print(capsys):
     for code in ExitCode:
         assert f"  {int(code)} {code.meaning}" in out
     readme = (ROOT / "README.md").read_text()
-    assert exit_codes_text() in readme.split("## Exit codes", 1)[1]
+    assert "* " + exit_codes_text("\n* ") in readme.split("## Exit codes", 1)[1]  # one code per bullet
 
 
 def test_verb_help_names_only_codes_of_the_table():
