@@ -29,8 +29,9 @@ graph flavours (all are ONNX graphs; --ssm-impl picks):
            (TensorRT picks the m2export plugin) plus a model-local ONNX function with the reference semantics
            (ONNX Runtime runs it as is)
   std      standard ONNX ops only (no custom domain): any runtime, no plugin
-  native   ONNX Runtime's fused kernels (com.microsoft LinearAttention, CausalConvWithState for one
-           token, SkipSimplifiedLayerNormalization; opset 27; ONNX Runtime >= 1.32); fp32/fp16
+  native   ONNX Runtime's fused kernels (com.microsoft LinearAttention and CausalConvWithState, one each
+           per layer for any number of tokens, RMSNormalization, SkipSimplifiedLayerNormalization; opset 27;
+           ONNX Runtime >= 1.32); fp32/fp16
   both     ssmscan as model.onnx and std as model.std.onnx (one weights file)
   all      both, plus native as model.native.onnx
   (the old names 'plugin' and 'onnx' are accepted until m2export 0.3, with a note)

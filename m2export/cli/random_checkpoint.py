@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-HELP = "write a randomly initialised checkpoint (mamba_ssm init) of a preset or custom shape"
-DESCRIPTION = """Write config.json + model.safetensors of a randomly initialised Mamba-2 (mamba_ssm's init:
-A_log ~ log U[1,16], dt_bias = inverse-softplus of log-uniform dt in [1e-3, 0.1]). For testing exports
-at full size; such checkpoints are generated on demand, never committed.
+HELP = "write a checkpoint of random weights (mamba_ssm's init for the Mamba layers) of a preset or custom shape"
+DESCRIPTION = """Write config.json + model.safetensors of a randomly initialised model, for testing exports at any
+size; such checkpoints are generated on demand, never committed. Every model, hybrids included, gets one init
+(m2export.models.mamba2.init_weights_): the Mamba layers mamba_ssm's (A_log ~ log U[1,16], dt_bias = the inverse
+softplus of a log-uniform dt in [1e-3, 0.1], D = 1, out_proj scaled by 1/sqrt(n_layer)); every other weight
+(attention, MLPs, MoE experts, shared blocks, conv1d) PyTorch's default U(+-1/sqrt(fan_in)), the embedding and
+MoE routers N(0, 0.02) (their score-correction bias 0), norms 1, every other bias random (not zero, as
+mamba_ssm's are). Deterministic per --seed.
 
 examples:
+  m2export random-checkpoint --preset tiny-mamba2 -o ckpt/tiny-mamba2
   m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --ngroups 2 --chunk-size 16 -o ckpt/tiny
   m2export random-checkpoint --d-model 64 --n-layer 2 --vocab-size 256 --format hf -o ckpt/tiny-hf
   m2export random-checkpoint --config ckpt/tiny-hf/config.json -o ckpt/same-shape
   m2export random-checkpoint --preset tiny-nemotron-h -o ckpt/tiny-nemotron-h
 
-Hybrid test shapes (a few hundred KB each, no published model): tiny-nemotron-h (attention, MoE, MLP and Mamba
-layers), tiny-granite-4.0-h, tiny-bamba, tiny-falcon-h1 (muP multipliers), tiny-zamba2 (shared blocks, adapters).
+Test shapes (no published model; 0.3 to 1.5 MB each in fp32): tiny-mamba2 (pure Mamba-2, 2 layers, ngroups 2,
+mamba_ssm format), tiny-nemotron-h (attention, MoE, MLP and Mamba layers), tiny-granite-4.0-h, tiny-bamba,
+tiny-falcon-h1 (muP multipliers), tiny-zamba2 (shared blocks, adapters).
 Published shapes: --preset mamba2-130m -o ckpt/m2-130m (0.5 GB of fp32 weights), --preset nemotron-nano-9b-v2
 --dtype bf16 (a 9B hybrid). Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the
 numbers' sources, and the fields whose published value was not found (a warning names them), are in
@@ -38,7 +44,10 @@ def add_arguments(p):
                    help="published model shape (hybrid presets: m2export.models.presets, with their sources)")
     p.add_argument("--config", metavar="CONFIG_JSON",
                    help="write random weights for this config.json (any supported family) instead of a preset")
-    p.add_argument("--format", choices=["mamba_ssm", "hf"], default="mamba_ssm")
+    p.add_argument("--format", choices=["mamba_ssm", "hf"], default=None,
+                   help="file format of a Mamba-2 shape (a Mamba-2 --preset or the shape flags): mamba_ssm "
+                        "(state-spaces/mamba's config.json and tensor names) or hf (transformers' Mamba2) (default: "
+                        "mamba_ssm); hybrid presets and --config write their family's own format")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="stored tensor dtype")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="(default: %(default)s)")
     g = p.add_argument_group("Shape (override the preset)")
@@ -63,6 +72,10 @@ def run(args) -> int:
                          "config.json of a hybrid instead (--config)")
     if args.preset is not None and args.config is not None:
         raise UsageError("give --preset or --config, not both")
+    if hybrid and args.format is not None:
+        raise UsageError(f"--format {args.format} applies to Mamba-2 shapes only; "
+                         + ("--config" if args.config is not None else f"--preset {args.preset}")
+                         + " writes its family's own format", hint="drop --format")
     if not hybrid and args.preset is None and not {"d_model", "n_layer", "vocab_size"} <= set(fields):
         raise UsageError("give --preset or all of --d-model, --n-layer, --vocab-size (or --config CONFIG_JSON)")
     config_json = None
@@ -90,7 +103,7 @@ def run(args) -> int:
         if first:
             bar.start()
     try:
-        out = random_checkpoint(args.output, preset=args.preset, format=args.format, seed=args.seed, dtype=dtype,
+        out = random_checkpoint(args.output, preset=args.preset, format=args.format or "mamba_ssm", seed=args.seed, dtype=dtype,
                                 force=args.force, force_foreign=args.force_foreign, config_json=config_json,
                                 config_source=args.config, progress=step, **fields)
         bar.update(task, completed=RANDOM_CHECKPOINT_STEPS, description="done")

@@ -332,8 +332,10 @@ def _reject_unknown(d: dict, known: set[str], where: str) -> None:
         raise ConfigError(f"{where}: unsupported field(s) {unknown}; m2export understands {sorted(known)}")
 
 
-#: Shapes of the published mamba2 checkpoints (state-spaces/mamba2-*), for random-weight generation.
+#: Shapes of the published mamba2 checkpoints (state-spaces/mamba2-*), for random-weight generation, and one
+#: test shape (``tiny-mamba2``: no published model; two layers, ngroups 2, chunks shorter than a typical prompt).
 PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-mamba2": dict(d_model=64, n_layer=2, vocab_size=256, d_state=16, headdim=16, ngroups=2, chunk_size=16),
     "mamba2-130m": dict(d_model=768, n_layer=24, vocab_size=50277),
     "mamba2-370m": dict(d_model=1024, n_layer=48, vocab_size=50277),
     "mamba2-780m": dict(d_model=1536, n_layer=48, vocab_size=50277),

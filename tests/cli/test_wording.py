@@ -1,0 +1,92 @@
+"""What the command line says: help texts that state measured or checkable facts, and messages read as sentences
+(plurals, no dangling separators, aligned columns, the hint that fits the folder)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from m2export.cli.main import main
+
+
+def _help(verb: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    return capsys.readouterr().out
+
+
+def test_native_flavour_help_says_any_number_of_tokens(capsys):
+    """export --help said CausalConvWithState 'for one token'; the native graph has one per layer for any length
+    (m2export/exporter/native_ort.py: fuse_causal_conv), and so does ONNX's opset-27 op it mirrors."""
+    text = " ".join(_help("export", capsys).split())
+    native = text[text.index("native ONNX Runtime's fused kernels"):text.index("both ssmscan as model.onnx")]
+    assert "for any number of tokens" in native and "one token" not in native, native
+    for op in ("LinearAttention", "CausalConvWithState", "SkipSimplifiedLayerNormalization"):
+        assert op in native
+
+
+def test_every_random_checkpoint_option_has_help(capsys):
+    """--format had no help text: every option of random-checkpoint says what it does."""
+    from m2export.cli.main import build_parser
+
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["random-checkpoint"]
+    bare = [a.option_strings[-1] for a in sub._actions if a.option_strings and not a.help
+            and a.dest not in {"d_model", "n_layer", "vocab_size", "d_state", "headdim", "ngroups", "expand",
+                               "d_conv", "chunk_size"}]  # the shape flags: their group's title says it
+    assert bare == []
+
+
+def _sizes(text: str) -> tuple[float, float, list[str]]:
+    """(low, high, names): the size range in MB the help states for its test shapes, and the shapes it lists."""
+    m = re.search(r"Test shapes \(no published model; ([0-9.]+) to ([0-9.]+) MB each in fp32\): (.*?)\.\s",
+                  " ".join(text.split()))
+    assert m, text
+    return float(m.group(1)), float(m.group(2)), re.findall(r"(tiny-[a-z0-9.-]+[a-z0-9])", m.group(3))
+
+
+def test_random_checkpoint_help_states_the_test_shapes_sizes(tmp_path, capsys):
+    """The help said 'a few hundred KB each' of the tiny presets; tiny-zamba2 is 1.4 MB. Every tiny preset
+    (listed there, all of them) is written here and its files fall in the stated range."""
+    from m2export.models.config import PRESETS
+    from m2export.models.presets import HYBRID_PRESETS
+
+    lo, hi, listed = _sizes(_help("random-checkpoint", capsys))
+    tiny = sorted(n for n in [*PRESETS, *HYBRID_PRESETS] if n.startswith("tiny-"))
+    assert sorted(listed) == tiny
+    for name in tiny:
+        assert main(["random-checkpoint", "--preset", name, "-o", str(tmp_path / name), "-q"]) == 0
+        size = sum(f.stat().st_size for f in (tmp_path / name).iterdir()) / 1e6
+        assert lo <= size <= hi, (name, size)
+
+
+def test_tiny_mamba2_preset_is_a_pure_mamba2_checkpoint(tmp_path):
+    from m2export.models.checkpoint import load_checkpoint
+
+    assert main(["random-checkpoint", "--preset", "tiny-mamba2", "-o", str(tmp_path / "ck"), "-q"]) == 0
+    ck = load_checkpoint(tmp_path / "ck")
+    assert ck.format == "mamba_ssm" and ck.config.n_layer == 2 and ck.config.ngroups == 2
+    assert main(["random-checkpoint", "--preset", "tiny-mamba2", "--format", "hf", "-o", str(tmp_path / "hf"),
+                 "-q"]) == 0
+    assert load_checkpoint(tmp_path / "hf").format == "hf"
+
+
+def test_random_checkpoint_help_says_what_init_hybrids_get(capsys):
+    """'mamba_ssm init' alone was wrong for hybrids: the help names the init of the layers mamba_ssm has none for."""
+    text = " ".join(_help("random-checkpoint", capsys).split())
+    assert "mamba_ssm's" in text and "attention, MLPs, MoE experts" in text and "PyTorch's default" in text
+
+
+@pytest.mark.parametrize("source", [["--preset", "tiny-bamba"], ["--config", "CONFIG"]])
+def test_format_with_a_family_format_is_refused(source, tmp_path, capsys):
+    """--format was silently ignored for hybrid presets and --config; now a usage error naming both flags."""
+    if source[1] == "CONFIG":
+        assert main(["random-checkpoint", "--preset", "tiny-bamba", "-o", str(tmp_path / "b"), "-q"]) == 0
+        source = ["--config", str(tmp_path / "b" / "config.json")]
+    assert main(["random-checkpoint", *source, "--format", "mamba_ssm", "-o", str(tmp_path / "x"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --format mamba_ssm applies to Mamba-2 shapes only; " + source[0]), err
+    assert not (tmp_path / "x").exists()
