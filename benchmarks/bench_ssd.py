@@ -187,8 +187,10 @@ def cutile_variants(spec: str):
     """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families) or comma list of
     chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:cb_pre]]]]]]]]
     (chunk/block_p empty: choose_config's; nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM;
-    empty occupancy/worker_warps: no hint;
-    state_t/split_upd/dt_pre/merge_tail 0 or 1, cb_pre 0, 1 or 2, empty: choose_config's default)."""
+    occupancy empty: choose_config's default hint (plan.DEFAULT_OCCUPANCY), 0: no hint; worker_warps empty: no hint;
+    state_t/split_upd/dt_pre/merge_tail 0 or 1, cb_pre 0, 1 or 2, empty: choose_config's default). Until 2026-12-03 an
+    empty occupancy meant no hint (so ``::::::::::2`` then ran without the occupancy-2 hint, and the cost model
+    planned for one block per SM)."""
     from m2export.kernels.ssd.plan import choose_config
 
     out = []
@@ -206,7 +208,7 @@ def cutile_variants(spec: str):
                              "merge_tail:cb_pre)")
         q, bp, ns, occ, st, su, pre, ww, so, mt, cbp = (fields + [""] * 11)[:11]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
-        out.append((f"cutile[{item}]", (int(q) if q else None, int(bp) if bp else None, ns, int(occ) if occ else 0,
+        out.append((f"cutile[{item}]", (int(q) if q else None, int(bp) if bp else None, ns, int(occ) if occ else None,
                                         flag(st), flag(su), flag(pre), int(ww) if ww else None,
                                         int(so) if so else None, flag(mt), int(cbp) if cbp else None)))
     return out, choose_config

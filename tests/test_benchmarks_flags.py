@@ -30,3 +30,20 @@ def test_benchmark_parsers_refuse_abbreviated_flags(path):
         kw = {k.arg: k.value for k in call.keywords}
         assert "allow_abbrev" in kw and isinstance(kw["allow_abbrev"], ast.Constant) and kw["allow_abbrev"].value is False, (
             f"{path.name}:{call.lineno}: ArgumentParser without allow_abbrev=False")
+
+
+def test_bench_ssd_variant_fields_left_empty_take_the_defaults():
+    """An empty field of a bench_ssd.py --variants entry is choose_config's default, occupancy included (until
+    2026-12-03 an empty occupancy meant no hint: ``::::::::::2`` was timed without the default plan's hint and planned
+    for one block per SM, a slower plan recorded as cb_pre's); '0' asks for no hint."""
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_ssd
+    from m2export.kernels.ssd.plan import choose_config
+
+    prob = bench_ssd.problem_of("falcon_h1_7b")
+    (_, v), = bench_ssd.cutile_variants("::::::::::2")[0]
+    assert bench_ssd.config_of(prob, v) == choose_config(prob, cb_pre=2)
+    (_, v), = bench_ssd.cutile_variants(":::0")[0]
+    assert bench_ssd.config_of(prob, v).occupancy is None
