@@ -270,6 +270,11 @@ def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Ite
                         "`force`", hint="pass `force=True` as well to delete its contents, or choose another "
                                         "output folder (`outdir`)")
         if not force:
+            why = owned(target)  # not m2export's: --force alone would be refused next, so the hint says so now
+            if why:
+                raise error(f"{target}: exists and is not empty, and {why}",
+                            hint="choose another output folder (`outdir`), delete it yourself, or pass `force=True` "
+                                 "with `force_foreign=True` to delete its contents")
             raise error(f"{target}: exists and is not empty",
                         hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")
         hazard = replace_hazard(target, protect=protect)

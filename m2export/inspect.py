@@ -423,18 +423,24 @@ def format_text(info: dict[str, Any]) -> str:
         L.append("  model: " + ", ".join(f"{k}={c[k]}" for k in ("d_model", "n_layer", "vocab_size", "d_state",
                                                                  "headdim", "ngroups", "expand", "d_conv",
                                                                  "chunk_size") if k in c))
+        # one column width per field over every row that has it (model.native.onnx, model.packed.onnx and
+        # model.decode.plan are longer than model.onnx.data; packed-prefill / prefill+decode longer than prefill)
+        fw = max((len(x["file"]) for x in [*info["graphs"], *info.get("external_data", []), *info["engines"]]),
+                 default=0)
+        rw = max((len(x["role"]) for x in [*info["graphs"], *info["engines"]]), default=0)
+        iw = max((len(g["ssm_impl"]) for g in info["graphs"]), default=0)
         for g in info["graphs"]:
             if not g["present"]:
-                L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} MISSING")
+                L.append(f"  {g['file']:<{fw}} {g['role']:<{rw}} ssm_impl={g['ssm_impl']:<{iw}} MISSING")
                 continue
             n_scan = len(g["ssm_scan_nodes"])
-            L.append(f"  {g['file']:<16} {g['role']:<8} ssm_impl={g['ssm_impl']:<7} {human_bytes(g['bytes'])}, "
-                     f"{g['nodes']} nodes, {n_scan} {_scan_op(g['ssm_scan_nodes'])}, opsets "
+            L.append(f"  {g['file']:<{fw}} {g['role']:<{rw}} ssm_impl={g['ssm_impl']:<{iw}} "
+                     f"{human_bytes(g['bytes'])}, {g['nodes']} nodes, {n_scan} {_scan_op(g['ssm_scan_nodes'])}, opsets "
                      + ", ".join(f"{k} {v}" for k, v in g["opsets"].items()))
             for kind, axes in g.get("state_layouts", {}).items():
                 L.append(f"    {kind:<10} layout {_shape(axes)}")
         for x in info.get("external_data", []):
-            L.append(f"  {x['file']:<16} weights, {human_bytes(x['bytes'])}, stored once for "
+            L.append(f"  {x['file']:<{fw}} weights, {human_bytes(x['bytes'])}, stored once for "
                      + ", ".join(x["graphs"]) + ("" if x["present"] else " MISSING")
                      + (f" TRUNCATED: the graphs read {x['needed_bytes']:,} bytes, the file has {x['bytes']:,}"
                         if x.get("truncated") else ""))
@@ -450,7 +456,7 @@ def format_text(info: dict[str, Any]) -> str:
                 L += _scan_lines(scan_graph["ssm_scan_nodes"], "  ")
         if info["engines"]:
             for e in info["engines"]:
-                L.append(f"  {e['file']:<16} {e['role']:<8} TensorRT {e['tensorrt_version']}, {e['precision']}, "
+                L.append(f"  {e['file']:<{fw}} {e['role']:<{rw}} TensorRT {e['tensorrt_version']}, {e['precision']}, "
                          f"{e['gpu']}" + ("" if e["present"] else " MISSING"))
                 for k, prof in enumerate(e["profiles"]):
                     L.append(f"    profile {k}: {prof}")

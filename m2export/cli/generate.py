@@ -140,6 +140,11 @@ def run(args) -> int:
             f", top-k {args.top_k}" if args.top_k else "") + f", seed {args.seed}"
         speed = (f"decode {res.tokens_per_s:.1f} tokens/s" if math.isfinite(res.tokens_per_s)
                  else "no decode step to time")  # 0 or 1 new tokens: the prefill made the only one
-        print(f"{res.runtime}: prefill {len(res.prompt_ids)} tokens in {res.prefill_s * 1e3:.1f} ms; "
-              f"{len(res.new_ids)} new tokens ({mode}), {speed}", file=sys.stderr)
+        print(f"{res.runtime}: prefill {_count(len(res.prompt_ids), 'token')} in {res.prefill_s * 1e3:.1f} ms; "
+              f"{_count(len(res.new_ids), 'new token')} ({mode}), {speed}", file=sys.stderr)
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``, ``0 tokens``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

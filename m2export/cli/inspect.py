@@ -42,6 +42,12 @@ def run(args) -> int:
 
     info = describe(args.path)
     write_stdout((json.dumps(info, indent=2, default=str) if args.json else format_text(info)) + "\n")
+    ours = info["kind"] != "onnx" or info["producer"].split(" ")[0] == "m2export"
     for what in damaged_files(info):
-        print(f"warning: {what}: this export is damaged; re-export it (m2export export ... --force)", file=sys.stderr)
+        if ours:
+            print(f"warning: {what}: this export is damaged; re-export it (m2export export ... --force)",
+                  file=sys.stderr)
+        else:  # a graph m2export did not make: re-exporting is not the way to repair it
+            print(f"warning: {what}: this graph (producer {info['producer'] or 'not recorded'}, not m2export) "
+                  "cannot run without it; restore the file from wherever the graph came from", file=sys.stderr)
     return 0

@@ -114,8 +114,8 @@ def test_inspect_outdir_onnx_plan(tiny_out, tmp_path, capsys):
     assert main(["inspect", str(tiny_out)]) == 0
     out = capsys.readouterr().out
     assert "m2export output folder, dtype fp32, opset 18" in out
-    assert "model.std.onnx   prefill+decode ssm_impl=std" in out and "0 SSMScan" in out
-    assert "model.onnx.data  weights" in out and "stored once for model.onnx, model.std.onnx" in out
+    assert "model.std.onnx  prefill+decode ssm_impl=std" in out and "0 SSMScan" in out
+    assert "model.onnx.data weights" in out and "stored once for model.onnx, model.std.onnx" in out
     assert "2 x chunk_size=16, dt_max=inf, dt_min=0.0, dt_softplus=1" in out
     assert "past_ssm_state.0         float32  [batch_size, 8, 16, 16]" in out
     assert out.count("    ssm_state  layout [batch_size, nheads, headdim, d_state]") == 2  # per graph

@@ -113,7 +113,7 @@ def test_inspect_lists_external_data_with_sizes(tiny_out, tmp_path, capsys):
     (out / "model.onnx.data").write_bytes(b"\0" * 1_500_000)
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "  model.onnx.data  weights, 1.5 MB, stored once for model.onnx, model.std.onnx" in text, text
+    assert "  model.onnx.data weights, 1.5 MB, stored once for model.onnx, model.std.onnx" in text, text
 
 
 def test_export_line_names_every_file_it_wrote(tiny_ck, tmp_path, capsys):

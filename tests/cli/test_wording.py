@@ -90,3 +90,50 @@ def test_format_with_a_family_format_is_refused(source, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --format mamba_ssm applies to Mamba-2 shapes only; " + source[0]), err
     assert not (tmp_path / "x").exists()
+
+
+def test_generate_counts_read_as_words(tiny_out, capsys):
+    """'prefill 1 tokens ... 1 new tokens': the timing line's counts agree with their nouns."""
+    assert main(["generate", str(tiny_out), "--prompt", "d", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "prefill 1 token in " in err and "; 1 new token (greedy)" in err, err
+    assert main(["generate", str(tiny_out), "--prompt", "de", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "prefill 2 tokens in " in err and "; 2 new tokens (greedy)" in err, err
+
+
+def test_inspect_columns_line_up_with_long_graph_names(tiny_ck, tmp_path, capsys):
+    """model.native.onnx and model.packed.onnx (17 characters) pushed their rows' columns right of the others'
+    (the name column was 16 wide): every file row of the listing starts its second column at one place, and so
+    does each later column of the graph rows."""
+    out = tmp_path / "all"
+    assert main(["export", str(tiny_ck), "-o", str(out), "--ssm-impl", "all", "--packed-prefill", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if re.match(r"  model\.\S+ ", line) and not line.endswith(":")]  # not "  model.onnx inputs:"
+    assert {r.split()[0] for r in rows} >= {"model.onnx", "model.std.onnx", "model.native.onnx",
+                                           "model.packed.onnx", "model.onnx.data"}
+    assert len({re.match(r"  \S+ +", r).end() for r in rows}) == 1, rows
+    graphs = [r for r in rows if "ssm_impl=" in r]
+    assert len({r.index("ssm_impl=") for r in graphs}) == 1, graphs
+    assert len({re.search(r"ssm_impl=\S+ +", r).end() for r in graphs}) == 1, graphs
+
+
+def test_inspect_of_a_foreign_graph_does_not_say_re_export(tmp_path, capsys):
+    """A graph m2export did not make, whose external-data file is gone: the warning says so and to restore the
+    file; 're-export it (m2export export ...)' fits only m2export's own graphs."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    m = helper.make_model(g, producer_name="someone-else")
+    onnx.save_model(m, tmp_path / "theirs.onnx", save_as_external_data=True, location="theirs.bin", size_threshold=0)
+    (tmp_path / "theirs.bin").unlink()
+    assert main(["inspect", str(tmp_path / "theirs.onnx")]) == 0
+    err = capsys.readouterr().err
+    assert "theirs.bin is missing" in err and "not m2export" in err and "re-export" not in err, err

@@ -442,8 +442,14 @@ def test_existing_outdir_without_force(tiny_g2, tmp_path, capsys):
     assert "force=True" in e.value.hint and "--force" not in e.value.hint
     assert main(["export", str(tiny_g2), "-o", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "hint: pass --force to replace it, or choose another output folder (--output)" in err, err
+    # a folder m2export did not write: the first hint already names --force-foreign (--force alone is refused too)
+    assert "m2export did not write it" in err and "pass --force with --force-foreign to delete its" in err, err
     assert "force=True" not in err and "`" not in err
+    (tmp_path / "x.txt").unlink()
+    assert main(["export", str(tiny_g2), "-o", str(tmp_path / "own"), "-q"]) == 0
+    assert main(["export", str(tiny_g2), "-o", str(tmp_path / "own")]) == 1  # m2export's own: --force will do
+    err = capsys.readouterr().err
+    assert "hint: pass --force to replace it, or choose another output folder (--output)" in err, err
 
 
 def test_bad_arguments_and_unwritable(tiny_g2, tmp_path):
