@@ -172,6 +172,10 @@ def console_main() -> None:
     """The ``m2export`` command (pyproject's entry point): :func:`main`, then exit with the status it chose."""
     rc = main()
     finish_quietly()
+    # nothing logs for the user once the verb has returned: libraries' exit hooks stay quiet at INFO (torch's
+    # 'FakeTensor cache stats', logged at exit when a Ctrl-C stopped 'import torch' before torch had set its
+    # loggers' levels, came through m2export's INFO root handler after the one error line)
+    logging.disable(logging.INFO)
     sys.exit(rc)
 
 

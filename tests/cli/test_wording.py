@@ -137,3 +137,35 @@ def test_inspect_of_a_foreign_graph_does_not_say_re_export(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "theirs.onnx")]) == 0
     err = capsys.readouterr().err
     assert "theirs.bin is missing" in err and "not m2export" in err and "re-export" not in err, err
+
+
+_INTERRUPT_TORCH_IMPORT = r"""
+import importlib.abc, sys
+
+class Interrupt(importlib.abc.MetaPathFinder):
+    # Ctrl-C in the middle of 'import torch': after torch._subclasses.fake_tensor registered its atexit
+    # hook (which logs 'FakeTensor cache stats' at INFO), before torch configured its loggers
+    def find_spec(self, name, path=None, target=None):
+        if hasattr(sys.modules.get("torch._subclasses.fake_tensor"), "dump_cache_stats") and name.startswith("torch"):
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["m2export", "random-checkpoint", "--preset", "tiny-mamba2", "-o", sys.argv[1]]
+from m2export.cli.main import console_main
+console_main()
+"""
+
+
+def test_ctrl_c_during_the_torch_import_is_one_line(tmp_path):
+    """SIGINT while torch was being imported: exit 130 and the one error line; torch's atexit hook printed
+    'FakeTensor cache stats: cache_hits: 0 ...' after it (m2export's INFO log level let it through)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_TORCH_IMPORT, str(tmp_path / "ck")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert r.stderr == "error: interrupted by SIGINT\n" and r.stdout == "", r.stderr[-2000:]
+    assert not (tmp_path / "ck").exists()
