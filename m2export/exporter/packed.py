@@ -102,29 +102,38 @@ def packed_feed(sequences, pasts, io: GraphIO) -> dict:
     return feed
 
 
-def _unpackable_parts(model, i: int) -> list[str]:
-    """What keeps layer ``i`` out of the packed graph, in words ([] if it is a plain Mamba-2 layer)."""
+#: each kind of non-Mamba mixer in words (a key: the mixer spec's class less "Spec")
+_MIXER_WORDS = {"attention": "an attention mixer", "parallel": "attention in parallel with the Mamba mixer",
+                "mlp": "an MLP block instead of a Mamba mixer", "moe": "an MoE block instead of a Mamba mixer"}
+
+
+def _unpackable_parts(model, i: int) -> list[tuple[int, str]]:
+    """What keeps layer ``i`` out of the packed graph: (order, phrase) each, order 0 the mixer, 1 what follows it,
+    2 a shared block, 3 multipliers ([] if it is a plain Mamba-2 layer)."""
     from m2export.models.spec import MambaSpec
 
     spec = model.spec.layers[i]
     m = spec.mixer
     parts = []
     if not isinstance(m, MambaSpec):
-        parts.append(type(m).__name__.removesuffix("Spec").lower() + " mixer")
+        kind = type(m).__name__.removesuffix("Spec").lower()
+        parts.append((0, _MIXER_WORDS.get(kind, f"a {kind} mixer instead of a Mamba mixer")))
     if spec.ffn is not None:
-        parts.append("an MLP" if type(spec.ffn).__name__ == "MLPSpec" else "an MoE")
+        ffn = "an MLP" if type(spec.ffn).__name__ == "MLPSpec" else "an MoE"
+        parts.append((1, f"{ffn} after the mixer"))
     if spec.shared is not None:
-        parts.append("a shared block")
+        parts.append((2, "a shared block"))
     if spec.residual_multiplier != 1.0 or (isinstance(m, MambaSpec) and (
             m.in_multiplier != 1.0 or m.out_multiplier != 1.0 or m.zxbcdt_multipliers is not None)):
-        parts.append("multipliers")
+        parts.append((3, "muP multipliers on the layer"))
     return parts
 
 
 def check_packable(model) -> None:
     """Raise ParameterError unless every piece of ``model`` has a builder and every layer is a Mamba-2 layer.
 
-    The message names what is in the way, grouped: "layers 0, 2: attention mixer; layers 1, 3: an MLP"."""
+    The message says once what the packed graph is built for, then each thing in the way once with the layers
+    that have it: "...; this model has an attention mixer in layer 1; an MLP after the mixer in layers 0, 1, 2"."""
     from m2export.exporter import build
 
     why = []
@@ -134,17 +143,18 @@ def check_packable(model) -> None:
         why.append(f"an embedding multiplier ({model.spec.embedding_multiplier:g})")
     if model.spec.logits_multiplier != 1.0:
         why.append(f"a logits multiplier ({model.spec.logits_multiplier:g})")
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
     for i in range(len(model.backbone.layers)):
         for part in _unpackable_parts(model, i):
             groups.setdefault(part, []).append(i)
-    for part, layers in groups.items():
+    for (_, part), layers in sorted(groups.items(), key=lambda kv: kv[0][0]):  # mixers first, then what follows
         shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
-        why.append(f"layer{'s' if len(layers) > 1 else ''} {shown}: {part}")
+        why.append(f"{part} in layer{'s' if len(layers) > 1 else ''} {shown}")
     if why:
-        raise ParameterError("packed prefill: supported for pure Mamba-2 models in fp32/fp16 only (varlen attention, "
-                             "MLPs and shared blocks are not built); this model has " + "; ".join(why),
-                             hint="export without the packed prefill graph")
+        raise ParameterError("packed prefill: built only for pure Mamba-2 models in fp32 or fp16 (every layer a "
+                             "Mamba-2 mixer alone, no multipliers: attention, MLP, MoE and shared blocks have no "
+                             "packed builder); this model has " + "; ".join(why),
+                             hint="export without `packed_prefill`")
 
 
 class Packing:

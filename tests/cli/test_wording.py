@@ -169,3 +169,14 @@ def test_ctrl_c_during_the_torch_import_is_one_line(tmp_path):
     assert r.returncode == 130, r.stderr[-2000:]
     assert r.stderr == "error: interrupted by SIGINT\n" and r.stdout == "", r.stderr[-2000:]
     assert not (tmp_path / "ck").exists()
+
+
+def test_packed_refusal_says_the_rule_once_then_each_obstacle_once(tmp_path, capsys):
+    """Bamba (an MLP in every layer, attention in layer 1) read 'layers 0, 1, 2: an MLP; layer 1: attention mixer':
+    now the rule once, then the mixer, then what follows it, each with its layers."""
+    assert main(["random-checkpoint", "--preset", "tiny-bamba", "-o", str(tmp_path / "ck"), "-q"]) == 0
+    assert main(["export", str(tmp_path / "ck"), "-o", str(tmp_path / "out"), "--packed-prefill"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: packed prefill: built only for pure Mamba-2 models in fp32 or fp16 (")
+    assert err[0].endswith("; this model has an attention mixer in layer 1; an MLP after the mixer in layers 0, 1, 2")
+    assert err[1:] == ["hint: export without --packed-prefill"]

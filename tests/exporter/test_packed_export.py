@@ -110,16 +110,21 @@ def test_hybrid_is_refused_before_anything_is_written(tmp_path, capsys):
     ck, _ = make("granitemoehybrid", tmp_path / "ck")
     # what is in the way, grouped and in words (it was "layers [0, 1, 2, 3] (attention, MLP, MoE, shared blocks or
     # multipliers...)", which said neither which layer had what nor that the multipliers were the model's)
-    with pytest.raises(ParameterError, match=r"packed prefill: supported for pure Mamba-2 models .* this model has an "
-                       r"embedding multiplier \(3\); a logits multiplier \(0.4\); layers 0, 3: attention mixer; "
-                       r"layers 0, 1, 2, 3: an MoE") as e:
+    # then "layers 0, 3: attention mixer; layers 0, 1, 2, 3: an MoE": neither why a part blocks packing nor which
+    # part of a layer it is; now the rule once, then each thing in the way once, with its layers
+    with pytest.raises(ParameterError, match=r"packed prefill: built only for pure Mamba-2 models in fp32 or fp16 "
+                       r"\(every layer a Mamba-2 mixer alone, no multipliers: .*\); this model has an embedding "
+                       r"multiplier \(3\); a logits multiplier \(0.4\); an attention mixer in layers 0, 3; "
+                       r"an MoE after the mixer in layers 0, 1, 2, 3; muP multipliers on "
+                       r"the layer in layers 0, 1, 2, 3$") as e:
         export_model(ck, tmp_path / "out", packed_prefill=True)
     assert "[" not in str(e.value)
     assert not (tmp_path / "out").exists()
     capsys.readouterr()
     assert main(["export", str(ck), "-o", str(tmp_path / "out2"), "--packed-prefill", "-q"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith("error: packed prefill: supported for pure Mamba-2 models") and "Traceback" not in "".join(err)
+    assert err[0].startswith("error: packed prefill: built only for pure Mamba-2 models") and "Traceback" not in "".join(err)
+    assert err[1] == "hint: export without --packed-prefill", err
     assert not (tmp_path / "out2").exists()
 
 
