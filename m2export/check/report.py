@@ -143,8 +143,9 @@ def _header(report) -> list[str]:
         out.append(f"  {(r.get('label') or r['name']):<{width}} = {r['detail'].split(',')[0]}: {files}")
     out += list(report.skipped)
     out.append("inputs: " + report.corpus + "; prefill " + ", ".join(f"{b}x{s}" for b, s in report.shapes)
-               + report.continued_note() + (f"; sequence: prompt {report.prompt_len} + {report.decode_steps} "
-                                            "decode steps" if report.decode_steps else ""))
+               + report.continued_note())
+    if report.decode_steps:  # a line of its own: wrapped after "; " it left the separator dangling at a line end
+        out.append(f"sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps")
     out.append("rule: an element fails where abs error > atol and rel error > rtol (Polygraphy elemwise)")
     return out
 
@@ -162,8 +163,9 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
     for section in dict.fromkeys(g["section"] for g in groups):
         rows = [g for g in groups if g["section"] == section]
         title = f"{section}: each runtime vs {report.reference}"
-        if wide:
-            t = Table(title=title, title_justify="left")
+        if wide:  # the title as a line of its own (a Table title is padded with spaces to the table's width)
+            console.print(Text(title, style="bold"), soft_wrap=False)
+            t = Table()
             for col in ("runtime", "output", "max abs", "mean abs", "atol", "rtol", "result", "why"):
                 t.add_column(col, justify="right" if col in ("max abs", "mean abs", "atol", "rtol") else "left",
                              no_wrap=col != "why")

@@ -180,3 +180,18 @@ def test_packed_refusal_says_the_rule_once_then_each_obstacle_once(tmp_path, cap
     assert err[0].startswith("error: packed prefill: built only for pure Mamba-2 models in fp32 or fp16 (")
     assert err[0].endswith("; this model has an attention mixer in layer 1; an MLP after the mixer in layers 0, 1, 2")
     assert err[1:] == ["hint: export without --packed-prefill"]
+
+
+@pytest.mark.parametrize("columns", [160, 200])
+def test_check_titles_are_not_padded_and_sequence_is_its_own_line(columns, tiny_out, tmp_path, capsys, monkeypatch):
+    """The wide table's title was padded with spaces to the table's width ('prefill: each runtime vs torch' + ~80
+    spaces), and 'inputs: ...; sequence: prompt N + K decode steps' wrapped after its '; ' on a 160-column
+    terminal: the title is its own line, and so is the sequence."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["check", str(tiny_out), "--shapes", "1x3,2x17", "--decode-steps", "2", "--report-dir",
+                 str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "prefill: each runtime vs torch" in lines and "sequence: each runtime vs torch" in lines, lines
+    assert any(ln.startswith("sequence: prompt ") and ln.endswith(" + 2 decode steps") for ln in lines), lines
+    inputs = next(ln for ln in lines if ln.startswith("inputs: "))
+    assert "sequence" not in inputs and not inputs.rstrip().endswith(";"), inputs
