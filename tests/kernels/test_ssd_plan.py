@@ -265,12 +265,17 @@ def test_initial_state_load_rule_is_one_home_and_deterministic():
 
 def test_cb_pre_only_with_the_pre_pass_and_never_packed_or_aot():
     """ScanConfig.cb_pre (ssd_cb_kernel before the scan: 1 C @ B^T per group, 2 M per head): 0 by default
-    (plan.DEFAULT_CB_PRE), as asked for in plans with the pre-pass, 0 without it (the single fused launch has no
-    place for it), never in the packed form or the AOT kernel; other values are refused."""
-    from m2export.kernels.ssd.plan import TileFamily, packed_config
+    (plan.DEFAULT_CB_PRE) except 2 for the bf16 d_state-256 heuristic tiles (plan._D_STATE_256_JIT_CB_PRE; not for a
+    tuner family's explicit tiles), as asked for in plans with the pre-pass, 0 without it (the single fused launch has
+    no place for it), never in the packed form or the AOT kernel; other values are refused."""
+    from m2export.kernels.ssd.plan import TileFamily, config_for, packed_config
 
     p = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
-    assert choose_config(p).cb_pre == plan.DEFAULT_CB_PRE == 0
+    assert choose_config(p).cb_pre == plan._D_STATE_256_JIT_CB_PRE == 2
+    assert choose_config(p, cb_pre=0).cb_pre == 0
+    assert config_for(p, TileFamily(64, 32, False)).cb_pre == 0
+    for q in (SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="float16"), SSMScanProblem(2, 8192, 24, 64, 1, 128)):
+        assert choose_config(q).cb_pre == plan.DEFAULT_CB_PRE == 0
     for mode in (1, 2):
         assert choose_config(p, cb_pre=mode).cb_pre == mode and choose_config(p, cb_pre=mode).dt_pre
         assert choose_config(p, cb_pre=mode, dt_pre=False).cb_pre == 0

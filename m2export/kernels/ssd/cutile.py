@@ -44,8 +44,9 @@ Launch plans (all share the tile helpers):
   headdim tiles)) folds the earlier segments into its entry state and runs the chunk loop. A headdim that
   block_p does not divide takes one launch pair per power-of-two piece, or one pair whose blocks also own the
   narrower tail (``HAS_TAIL``: 80 = 64 + 16, sharing C @ B^T and the loads; ``plan.launch_pieces``). With
-  ``cb_pre`` (``ScanConfig.cb_pre``, 0 by default) :func:`ssd_cb_kernel` first writes every chunk's C @ B^T once
-  per group (1: fp32) or its masked, decayed M once per head (2: input dtype) to an HBM scratch, and the chunk
+  ``cb_pre`` (``ScanConfig.cb_pre``; 2 for bf16 d_state-256 heuristic tiles, else 0 by default) :func:`ssd_cb_kernel`
+  first writes every chunk's C @ B^T once per group (1: fp32) or its masked, decayed M once per head with r and dl
+  folded in (2: input dtype, r_i M_ij dl_j) to an HBM scratch, and the chunk
   loop reads it instead of recomputing it per head and headdim tile.
 * AOT (TensorRT ``--plugin aot``): :func:`ssd_fused_kernel`, one launch, the coefficients computed
   inline from dt.
@@ -252,14 +253,18 @@ def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHU
     return dl, hi, r, w, ecs, hi_last, ecs_last
 
 
-def _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: ConstInt, HAS_D: ConstBool,
-                  STATE_T: ConstBool):
+def _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: ConstInt, HAS_D: ConstBool,
+                  STATE_T: ConstBool, M_SCALED: ConstBool):
     """y rows of one chunk for one headdim tile, (CHUNK, WIDTH) fp32: r_i * (m @ (dl * x)) + D * x + exp2(hi_i) *
-    (C @ state^T)_i, from x in fp32 (xf), the chunk's masked, decayed C @ B^T ``m`` (input dtype) and the
-    tile's entry state."""
+    (C @ state^T)_i, from x (x_c, input dtype; xf, fp32), the chunk's masked, decayed C @ B^T ``m`` (input dtype) and
+    the tile's entry state. M_SCALED: ``m`` already holds r_i * M_ij * dl_j (:func:`ssd_cb_kernel`), so x enters
+    its product as loaded (no per-chunk scaling, store and barrier before it)."""
     DTYPE = m.dtype
-    acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
-    acc = acc * r[:, None]
+    if M_SCALED:
+        acc = ct.mma(m, x_c, ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
+    else:
+        acc = ct.mma(m, (xf * dl[:, None]).astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
+        acc = acc * r[:, None]
     if HAS_D:
         acc = acc + d_h * xf
     # inter-chunk: exp(cs_i) * (C @ state^T)_i
@@ -396,12 +401,13 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
             else:
                 m = _ct_decayed(cb, hi, causal, DTYPE)
             xf = x_c.astype(ct.float32)
-            acc = _ct_chunk_out(xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T)
+            acc = _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T, CB_PRE == 2)
             ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
             state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
             if HAS_TAIL:
                 x2f = x2_c.astype(ct.float32)
-                acc2 = _ct_chunk_out(x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T)
+                acc2 = _ct_chunk_out(x2_c, x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T,
+                                     CB_PRE == 2)
                 ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
                 state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
                                                 SPLIT_UPD)
@@ -525,9 +531,10 @@ def ssd_cb_kernel(B, C, coef, cb_pre, heads_per_group: int, CHUNK: ConstInt, D_S
     tensor cores with fp32 accumulation, operands in the input dtype; rows and columns past seqlen are 0), which
     every head and headdim tile of the group would otherwise recompute in :func:`ssd_scan_kernel`'s chunk loop.
     M_HEADS > 0 (a divisor of heads_per_group): block (b, c, k) computes C_c @ B_c^T once for heads k*M_HEADS ...
-    (k+1)*M_HEADS - 1 (one group) and writes each head's M = (C B^T) * exp2(where(i >= j, hi_i - hi_j, -inf)) in the
-    input dtype to cb_pre[b, h, c*CHUNK ...] (exactly the operand the chunk loop would build; hi from ``coef``, the
-    pre-pass's rows). B and C are (batch, seqlen, ngroups, d_state).
+    (k+1)*M_HEADS - 1 (one group) and writes each head's r_i * M_ij * dl_j, M = (C B^T) * exp2(where(i >= j, hi_i - hi_j,
+    -inf)), in the input dtype to cb_pre[b, h, c*CHUNK ...] (the chunk loop's M with its row factor r and the step
+    sizes dl of x folded in, so x enters the loop's product as loaded; dl, hi, r from ``coef``, the pre-pass's rows).
+    B and C are (batch, seqlen, ngroups, d_state).
     """
     b = ct.bid(0)
     c = ct.bid(1)
@@ -543,8 +550,10 @@ def ssd_cb_kernel(B, C, coef, cb_pre, heads_per_group: int, CHUNK: ConstInt, D_S
         causal = idx[:, None] >= idx[None, :]
         for i in range(M_HEADS):
             h = k * M_HEADS + i
+            dl = ct.load(coef, index=(0, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
             hi = ct.load(coef, index=(1, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-            m = _ct_decayed(cb, hi, causal, C.dtype)
+            r = ct.load(coef, index=(2, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+            m = _ct_decayed(cb * (r[:, None] * dl[None, :]), hi, causal, C.dtype)
             ct.store(cb_pre, index=(b, h, c, 0), tile=m.reshape((1, 1, CHUNK, CHUNK)))
 
 

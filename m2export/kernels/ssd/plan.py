@@ -40,7 +40,8 @@ class ScanConfig:
     merge_tail: bool = False  # headdim = block_p + a narrower power of two: one block owns both (launch_pieces)
     init_tma: bool = True  # the initial-state load may use TMA (False: a plain load; see init_tma_default)
     # ssd_cb_kernel before the scan (needs dt_pre; never packed or AOT): 0 none (C @ B^T in the chunk loop), 1 C @ B^T
-    # once per (batch, group, chunk) in fp32, 2 the masked, decayed M once per (batch, head, chunk) in the input dtype
+    # once per (batch, group, chunk) in fp32, 2 the masked, decayed M (times r_i and dl_j) once per (batch, head, chunk)
+    # in the input dtype
     cb_pre: int = 0
 
     @property
@@ -68,6 +69,10 @@ def _default_chunk(problem: SSMScanProblem) -> int:
 # autotuner's pick too); with an initial state its AOT build 0.724 vs 0.807 ms (RESULTS.md, NOTES_ssd.md).
 _D_STATE_256_JIT_TILES = (64, 32)
 _D_STATE_256_JIT_STATE_T = False
+# With those tiles, M = r_i (C B^T)_ij exp2(hi_i - hi_j) dl_j by ssd_cb_kernel (cb_pre 2): the chunk loop then has no
+# C @ B^T, no exp2 and no scaling of x (656 instead of 953 SASS per iteration, sm_90 build; benchmarks/NOTES_ssd.md,
+# 2026-12-03 "cb_pre 2 with the step sizes folded into M"). Only for these heuristic tiles (not the tuner's families).
+_D_STATE_256_JIT_CB_PRE = 2
 
 # Merged headdim tails (launch_pieces: 80 = 64 + 16 in one block) with 16-bit inputs keep the state as (headdim,
 # d_state). sm_90 builds on the CPU with an initial state (ptxas -v, bf16 and fp16, Nemotron-Nano-9B's P80 N128, 64-row
@@ -206,7 +211,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     of the benchmark runs 13 segments = 3.94 waves of blocks rather than 14 = 4.24), kept only if
     it is modelled at least _SPLIT_MIN_GAIN faster than one pass; the dt
     pre-pass unless the sequence has more than MAX_GRID_Y chunks; ``cb_pre`` (ScanConfig.cb_pre) only with the
-    pre-pass (0 without it), default DEFAULT_CB_PRE. Any argument
+    pre-pass (0 without it), default DEFAULT_CB_PRE (_D_STATE_256_JIT_CB_PRE with the bf16 d_state-256 tiles). Any argument
     given overrides its default (explicit plans for tests and the benchmark's sweeps); ``occupancy=0``
     means no hint.
     """
@@ -216,6 +221,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
         # default: 16 rows at d_state 512, not 32 x 512 fp32 = 64 KiB per block)
         block_p = min(block_p, 1 << (problem.headdim.bit_length() - 1), max(16, 8192 // problem.d_state))
         state_t = _D_STATE_256_JIT_STATE_T if state_t is None else state_t
+        cb_pre = _D_STATE_256_JIT_CB_PRE if cb_pre is None else cb_pre
     chunk = chunk or _default_chunk(problem)
     block_p = block_p or _default_block_p(problem.headdim, problem.d_state)
     occupancy = DEFAULT_OCCUPANCY if occupancy is None else (occupancy or None)
