@@ -33,6 +33,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shlex
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -71,6 +72,30 @@ ALL_RUNTIMES = tuple(r for r in names.RUNTIMES if r != REFERENCE)  # what check 
 
 
 # ----------------------------------------------------------------------------------------------- tolerances
+def tolerance_items(values: list[str] | None, param: str) -> list[tuple[str | None, float]]:
+    """``--atol``/``--rtol`` values as (NAME or None for the default, VALUE) pairs, each VALUE a finite number >= 0.
+
+    An infinite tolerance would pass every element (NaN excepted) and a NaN or negative one none: neither is a
+    tolerance. Checked before any file is read.
+
+    Raises:
+        UsageError: a malformed value, or one that is inf, nan or negative (exit 2, like every malformed flag value:
+            m2export.errors.ExitCode.USAGE); the message names ``param`` ("atol" / "rtol") and the value.
+    """
+    out = []
+    for v in values or []:
+        name, sep, num = v.rpartition(":")
+        try:
+            x = float(num)
+        except ValueError:
+            raise UsageError(f"`{param}` {v!r}: expected VALUE or NAME:VALUE with VALUE a finite number >= 0") from None
+        if not (math.isfinite(x) and x >= 0):
+            what = "nan" if math.isnan(x) else "infinite" if math.isinf(x) else "negative"
+            raise UsageError(f"`{param}` {v!r}: {num.strip()} is {what}; expected a finite number >= 0")
+        out.append((name if sep else None, x))
+    return out
+
+
 def parse_tolerances(values: list[str] | None, base: dict[str, float], output_names: list[str],
                      param: str) -> dict[str, float]:
     """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.
@@ -79,19 +104,12 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
     needs. Later values win.
 
     Raises:
-        UsageError: a malformed value; ParameterError: a NAME that matches no output (with the names available);
-            the message names ``param`` ("atol" / "rtol").
+        UsageError: a malformed, infinite, NaN or negative value (:func:`tolerance_items`); ParameterError: a NAME
+            that matches no output (with the names available); the message names ``param`` ("atol" / "rtol").
     """
     out = dict(base)
-    for v in values or []:
-        name, sep, num = v.rpartition(":")
-        try:
-            x = float(num)
-            if not x >= 0:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"`{param}` {v!r}: expected VALUE or NAME:VALUE with VALUE a number >= 0") from None
-        if not sep:
+    for (name, x), v in zip(tolerance_items(values, param), values or []):
+        if name is None:
             out[""] = x
             continue
         matched = [n for n in output_names if fnmatch.fnmatchcase(n, name)]
@@ -138,6 +156,9 @@ class OutputRow:
     passed: bool
     failed_iterations: list[str] = field(default_factory=list)  # e.g. "2x65" or "step 3"
     note: str = ""
+    #: NaN/inf element counts over the iterations (metrics.NonFinite.to_dict) when either output had any: the
+    #: row then fails and its statistics are NaN (not numbers of the finite part)
+    nonfinite: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -201,7 +222,8 @@ class CheckReport:
 
     def failures(self) -> list[str]:
         """One short line per failed output / greedy check: "section runner: output (max abs ..., atol ...)"."""
-        out = [f"{r.section} {r.runner}: {r.output} (max abs {r.max_abs:.3g} vs atol {r.atol:.3g}, max rel "
+        out = [f"{r.section} {r.runner}: {r.output} ({r.note})" if math.isnan(r.max_abs) and r.note else
+               f"{r.section} {r.runner}: {r.output} (max abs {r.max_abs:.3g} vs atol {r.atol:.3g}, max rel "
                f"{r.max_rel:.3g} vs rtol {r.rtol:.3g}{'; ' + r.note if r.note else ''})"
                for r in self.rows if not r.passed]
         out += [f"sequence {name}: greedy tokens differ from {self.reference} at {g['mismatches'][0]['where']}"
@@ -217,11 +239,14 @@ class CheckReport:
                 f"from {source})")
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values: a float that is not a number (a statistic of a row with NaN outputs, see
+        ``OutputRow.nonfinite``) is None (JSON null), an infinite one the string "inf"/"-inf", never the invalid
+        ``NaN``/``Infinity`` tokens."""
         d = asdict(self)
         d["passed"] = self.passed
         for row, r in zip(d["rows"], self.rows):
             row["why"] = row_verdict(r)
-        return d
+        return _json_safe(d)
 
     def write_json(self, path: Path) -> Path:
         """Write the report atomically (a full disk leaves the previous report, never a truncated one)."""
@@ -253,7 +278,7 @@ class CheckReport:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             lines.append(f"| {r.section} | {runner_label(self, r.runner)} | {r.output} | {r.iterations} | "
-                         f"{r.max_abs:.3e} | {r.mean_abs:.3e} | {r.atol:.1e} | {r.rtol:.1e} | "
+                         f"{_num(r.max_abs, '.3e')} | {_num(r.mean_abs, '.3e')} | {r.atol:.1e} | {r.rtol:.1e} | "
                          f"{'pass' if r.passed else 'FAIL'} | {row_verdict(r)} |")
         lines += ["", "## Greedy tokens (sequence section)", ""]
         for name, g in self.greedy.items():
@@ -285,8 +310,23 @@ def row_verdict(r: OutputRow) -> str:
     return verdict(r.passed, r.max_abs, r.atol, r.rtol, r.failed_iterations, r.note)
 
 
+def _num(x: float, spec: str) -> str:
+    """A statistic for a table: ``-`` for NaN (not a number: the row's note says why), else ``format(x, spec)``."""
+    return "-" if math.isnan(x) else format(x, spec)
+
+
 def _fmt_tol(t: dict[str, float]) -> str:
     return ", ".join(f"{k or 'default'}={v:g}" for k, v in t.items())
+
+
+def _json_safe(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else str(o)
+    if isinstance(o, dict):
+        return {k: _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_safe(v) for v in o]
+    return o
 
 
 def _json_default(o):
@@ -437,7 +477,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
               prompt_len: int | None = None, text: str | Path | None = None, seed: int = 0,
               runtimes=RUNTIMES, require_trt: bool = False, report_dir: str | Path | None = None,
               max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False,
-              reference: str = REFERENCE, reference_backend: str = "torch") -> CheckReport:
+              reference: str = REFERENCE, reference_backend: str = "torch", force: bool = False) -> CheckReport:
     """Compare every runtime of an export with the reference (m2export's PyTorch model, or transformers'); write
     the reports.
 
@@ -455,7 +495,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         runtimes: subset of ("onnxrt", "onnx-reference", "trt"); a bf16 export swaps onnxrt for onnx-reference.
         require_trt: fail instead of skipping TensorRT (exit 4 without a usable TensorRT, checked first;
             exit 1 when TensorRT is usable but no engines were built).
-        report_dir: where the reports go (default ``outdir``).
+        report_dir: where the reports go (default ``outdir``). A file there with a report's name that m2export did
+            not write (or one edited since) is refused before anything runs (OutputFolderError), unless ``force``;
+            what was written is recorded (OUTDIR: m2export.json's ``files``; elsewhere :data:`REPORTS_RECORD`).
+        force: replace same-named files in ``report_dir`` even if m2export did not write them.
         progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
         polygraphy_log: let Polygraphy log its per-output details (``-v``).
         reference: "torch" (m2export's PyTorch model, fp32) or "transformers" (HF-format checkpoints only:
@@ -471,8 +514,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     Raises:
         ParameterError: a bad argument; ExportFolderError, CheckpointError, RuntimeLoadError: the folder, the
-            reference or a graph is unusable (exit 1); OutputFolderError: `report_dir` is not writable, or (the reports
-            going to OUTDIR) a report file there is not the one m2export wrote (a user's, or edited since).
+            reference or a graph is unusable (exit 1); OutputFolderError: `report_dir` is not writable, or a report
+            file there is not the one m2export wrote (a user's, or edited since) and not ``force``.
         BackendUnavailable: ``require_trt`` where TensorRT is not usable (exit 4).
     """
     from polygraphy.comparator import Comparator
@@ -485,6 +528,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             raise UsageError(f"`{param}` {value}: expected an integer >= {low}")
     if reference not in REFERENCES:
         raise UsageError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
+    tolerance_items(atol, "atol"), tolerance_items(rtol, "rtol")  # values first; names once the outputs are known
     shapes = check_shapes(shapes) if shapes else None
     _check_reference_backend(reference_backend, reference)
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
@@ -501,8 +545,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     dtype = manifest.dtype
     report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
     in_outdir = report_dir.resolve() == outdir.resolve()
-    if in_outdir:  # before the long run; again right before the reports are written
-        _refuse_unowned_reports(outdir)
+    if not force:  # before the long run; again right before the reports are written
+        _refuse_unowned_reports(report_dir, in_outdir=in_outdir)
 
     ck_path = Path(checkpoint) if checkpoint else Path(manifest.source_checkpoint)
     if not ck_path.exists():
@@ -553,7 +597,6 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
                          + "".join(f"; follows mamba_ssm: {n}" for n in loaded.notes))
     del loaded, ck  # the loader keeps it until the reference's last call (release_reference)
     hist: dict[str, list[np.ndarray]] = {}
-    ref_bad: set[str] = set()
     packed_info: list[tuple[str, str]] = []  # the packed section's (pack, runner name), when it ran
     prog = progress or (lambda desc, total: (lambda: None))
 
@@ -563,8 +606,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             # -------- prefill section: every feed through the reference, then each runtime, compared as produced
             advance = prog(f"prefill: {len(loader)} inputs x {len(rts)} runtimes", len(loader))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
-            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, ref_bad)
-            rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d, ref_bad)
+            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec)
+            rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)
             rows += _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed,
                                  max_seqlen, out_names, atol_d, rtol_d, skipped, packed_info, prog)
 
@@ -607,8 +650,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
         vocab_coverage=loader.coverage, reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
     written = [REPORT_JSON, REPORT_MD]
-    if in_outdir:
-        _refuse_unowned_reports(outdir)
+    if not force:
+        _refuse_unowned_reports(report_dir, in_outdir=in_outdir)
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             written += [DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE]
@@ -621,19 +664,77 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         written += [REPORT_PNG] if report.histogram else []
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
-        if in_outdir:  # ours now: `export --force` and the next check may replace them
-            record_files(outdir, written)
+        _record_reports(report_dir, written, in_outdir=in_outdir)  # ours now: the next check may replace them
     except OSError as e:
         raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
                                 hint="pass a writable folder as `report_dir`") from None
     return report
 
 
-def _refuse_unowned_reports(outdir: Path) -> None:
-    """A report file of OUTDIR that m2export did not write, or one edited since it did, is never replaced
-    (:func:`~m2export.exporter.manifest.refuse_unowned`, the rule of ``export --force``): OutputFolderError."""
-    refuse_unowned(outdir, CHECK_REPORT_FILES, writer="check", what="reports",
-                   hint="move those files away, or write the reports elsewhere with `report_dir`")
+#: in a ``report_dir`` other than OUTDIR: what the check wrote there, {name: sha256} (OUTDIR's own reports are recorded
+#: in its m2export.json instead), so that a later check replaces only those files and never one it did not write
+REPORTS_RECORD = "check_reports_written.json"
+_RECORD_WRITER = "m2export check"
+_UNOWNED_HINT = "move those files away, write the reports elsewhere with `report_dir`, or replace them with `force`"
+
+
+def _refuse_unowned_reports(report_dir: Path, *, in_outdir: bool) -> None:
+    """A report file of ``report_dir`` that m2export did not write, or one edited since it did, is never replaced:
+    OutputFolderError naming the files (exit 1). In OUTDIR the manifest's ``files`` say which are m2export's
+    (:func:`~m2export.exporter.manifest.refuse_unowned`, the rule of ``export --force``); elsewhere
+    :data:`REPORTS_RECORD` does, and a file of that name that is not such a record is refused too."""
+    if in_outdir:
+        refuse_unowned(report_dir, CHECK_REPORT_FILES, writer="check", what="reports", hint=_UNOWNED_HINT)
+        return
+    from m2export.exporter.manifest import file_sha256
+
+    present = [n for n in (*CHECK_REPORT_FILES, REPORTS_RECORD) if os.path.lexists(report_dir / n)]
+    if not present:
+        return
+    recorded = _reports_record(report_dir)
+    foreign = [] if recorded is not None or REPORTS_RECORD not in present else [REPORTS_RECORD]
+    for n in present:
+        if n == REPORTS_RECORD:
+            continue
+        p = report_dir / n
+        try:
+            ours = (recorded is not None and n in recorded and p.is_file() and not p.is_symlink()
+                    and file_sha256(p) == recorded[n])
+        except OSError:
+            ours = False
+        if not ours:
+            foreign.append(n)
+    if foreign:
+        listing = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise OutputFolderError(f"`report_dir` {report_dir}: holds file(s) m2export check did not write, or changed "
+                                f"since ({listing}); check replaces only the reports it wrote", hint=_UNOWNED_HINT)
+
+
+def _reports_record(report_dir: Path) -> dict[str, str] | None:
+    """{name: sha256} of :data:`REPORTS_RECORD` in ``report_dir``; None when it is absent or not such a record."""
+    p = report_dir / REPORTS_RECORD
+    try:
+        if p.is_symlink() or not p.is_file():
+            return None
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(raw, dict) and raw.get("written_by") == _RECORD_WRITER and isinstance(raw.get("files"), dict)):
+        return None
+    return {k: v for k, v in raw["files"].items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _record_reports(report_dir: Path, names: list[str], *, in_outdir: bool) -> None:
+    """Record the reports just written as m2export's (OUTDIR: its manifest; elsewhere :data:`REPORTS_RECORD`),
+    so that the next check (and, in OUTDIR, ``export --force``) may replace them. Raises OSError."""
+    if in_outdir:
+        record_files(report_dir, names)
+        return
+    from m2export.exporter.manifest import aux_record
+
+    files = {**(_reports_record(report_dir) or {}), **aux_record(report_dir, names)}
+    atomic_write_text(report_dir / REPORTS_RECORD, json.dumps({"written_by": _RECORD_WRITER, "files": files},
+                                                              indent=2) + "\n")
 
 
 def _writable_report_dir(path: Path, *, explicit: bool) -> Path:
@@ -695,8 +796,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
-             ref_bad: set | None = None) -> "OrderedDict[tuple[str, str], list]":
+def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None) -> "OrderedDict[tuple[str, str], list]":
     """The prefill section: every feed of ``loader`` through the reference's prefill runner, then through each
     runtime's in turn; each runtime's outputs are compared with the reference's (``compare_func(runtime,
     reference)``, Polygraphy's order: relative errors divide by the reference) as soon as they exist and
@@ -705,8 +805,8 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
     the next ran). All runners are active for the whole section, as with ``Comparator.run``; feeds are
     coerced to each runner's input metadata as it does.
 
-    Also hands the reference's outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`), collects
-    into ``ref_bad`` the outputs where the reference itself is non-finite, and (when matplotlib is installed)
+    Also hands the reference's outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`) and (when
+    matplotlib is installed)
     keeps a strided sample of the abs errors per runtime and output group in ``hist`` for the histogram.
 
     Returns:
@@ -735,9 +835,6 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
             release_freed_memory()  # the reference's freed temporaries, before the runtimes allocate theirs
             if rec is not None:
                 rec.record_outputs(k, ref)
-            if ref_bad is not None:  # outputs where the reference itself is non-finite (named in the rows' notes)
-                ref_bad.update(n for n, v in ref.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
-                               and not np.isfinite(np.asarray(v)).all())
             for i in range(1, len(active)):
                 it = run(i, feed)
                 acc[(it.runner_name, ref.runner_name)].append(compare_func(it, ref))
@@ -820,8 +917,16 @@ def _malloc_trim():
         return None
 
 
-def _rows(section, acc_results, labels, out_names, atol_d, rtol_d, ref_bad: set = frozenset()) -> list[OutputRow]:
-    """OutputRow per (pair, output) aggregated over iterations; outputs never compared become failures."""
+def _rows(section, acc_results, labels, out_names, atol_d, rtol_d) -> list[OutputRow]:
+    """OutputRow per (pair, output) aggregated over iterations; outputs never compared become failures.
+
+    An output with a NaN or inf in either runtime's output in any iteration (:class:`~m2export.check.metrics.
+    NonFinite`, counted by the sliced comparison) fails, and its row states it as such: the counts and the
+    iterations in ``note`` and ``nonfinite``, every statistic NaN (printed as "-"), never a number computed
+    over the finite part or from the other iterations. A non-finite difference without a count (Polygraphy's own
+    comparison of a shape-mismatched output) is stated as "non-finite differences"."""
+    from m2export.check.metrics import NonFinite
+
     acc = acc_results[0]  # one compare func
     rows = []
     for (runner, reference), iters in acc.items():
@@ -835,20 +940,31 @@ def _rows(section, acc_results, labels, out_names, atol_d, rtol_d, ref_bad: set 
                 rows.append(OutputRow(section, runner, reference, name, 0, math.nan, math.nan, math.nan, math.nan,
                                       atol, rtol, False, note="output missing from this runtime"))
                 continue
-            stats = [r for _, r in results if hasattr(r, "max_absdiff")]
-            failed = [labels[k] if k < len(labels) else str(k) for k, r in results if not bool(r)]
+            label = [labels[k] if k < len(labels) else str(k) for k, _ in results]
+            stats = [(i, r) for i, (_, r) in enumerate(results) if hasattr(r, "max_absdiff")]
+            failed = [label[i] for i, (_, r) in enumerate(results) if not bool(r)]
             notes = [] if len(stats) == len(results) else ["shape mismatch"]
-            max_abs = _nanmax([s.max_absdiff for s in stats])
-            if any(not math.isfinite(s.max_absdiff) for s in stats):
-                notes.append("non-finite values (NaN/inf) in the reference's output" if name in ref_bad else
-                             "non-finite values (NaN/inf) in the runtime's output")
-                max_abs = math.nan
-            rows.append(OutputRow(
-                section, runner, reference, name, len(results), max_abs,
-                float(np.mean([s.mean_absdiff for s in stats])) if stats else math.nan,
-                _nanmax([s.max_reldiff for s in stats]),
-                float(np.mean([s.mean_reldiff for s in stats])) if stats else math.nan,
-                atol, rtol, not failed, failed, "; ".join(notes)))
+            nonfinite, where = NonFinite(), []
+            for i, s in stats:
+                nf = getattr(s, "nonfinite", None)
+                if nf:
+                    nonfinite, where = nonfinite + nf, where + [label[i]]
+                elif not (math.isfinite(s.max_absdiff) and math.isfinite(s.max_reldiff)) and nf is None:
+                    where.append(label[i])
+            row = OutputRow(section, runner, reference, name, len(results),
+                            _nanmax([s.max_absdiff for _, s in stats]),
+                            float(np.mean([s.mean_absdiff for _, s in stats])) if stats else math.nan,
+                            _nanmax([s.max_reldiff for _, s in stats]),
+                            float(np.mean([s.mean_reldiff for _, s in stats])) if stats else math.nan,
+                            atol, rtol, not failed, failed)
+            if where:  # NaN/inf: a failure stated as such; no statistic stands for the output
+                at = f" (at {', '.join(where[:3])}{' ...' if len(where) > 3 else ''})"
+                notes.append((nonfinite.describe() if nonfinite else "non-finite differences (NaN/inf)") + at)
+                row.max_abs = row.mean_abs = row.max_rel = row.mean_rel = math.nan
+                row.passed = False
+                row.nonfinite = nonfinite.to_dict() if nonfinite else {}
+            row.note = "; ".join(notes)
+            rows.append(row)
     return rows
 
 

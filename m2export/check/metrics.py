@@ -18,6 +18,9 @@ cast up as ``polygraphy.comparator.util.cast_up`` does: fp16 -> fp32, small ints
 * ``mean_absdiff`` / ``mean_reldiff``: the slices' float64 sums over the element count. Polygraphy
   averages in float32 (``numpy.mean(dtype=float32)``); the two agree to float32 rounding (~1e-7 relative),
   and a NaN or inf anywhere gives NaN or inf in both.
+* non-finite elements: where a slice's max abs difference is not finite, the NaN and inf elements of each output
+  are counted (:class:`NonFinite`, the result's ``nonfinite``), so a report can say "NaN in 12 elements of the
+  runtime's output" instead of a number; an inf difference of two finite outputs (fp32 overflow) counts none.
 * medians and quantiles are not computed (``None`` in the result, which Polygraphy's result type allows):
   ``m2export check``'s report does not use them.
 
@@ -54,6 +57,37 @@ def _cast_up(a: np.ndarray) -> np.ndarray:
     return a
 
 
+class NonFinite:
+    """NaN and inf element counts of one compared output pair (the runtime's output, the reference's), over
+    ``elements`` elements; truthy when any count is non-zero. Added with ``+`` over iterations."""
+
+    __slots__ = ("runtime_nan", "runtime_inf", "reference_nan", "reference_inf", "elements")
+
+    def __init__(self, runtime_nan=0, runtime_inf=0, reference_nan=0, reference_inf=0, elements=0):
+        self.runtime_nan, self.runtime_inf = int(runtime_nan), int(runtime_inf)
+        self.reference_nan, self.reference_inf = int(reference_nan), int(reference_inf)
+        self.elements = int(elements)
+
+    def __add__(self, other: "NonFinite") -> "NonFinite":
+        return NonFinite(*(getattr(self, k) + getattr(other, k) for k in self.__slots__))
+
+    def __bool__(self) -> bool:
+        return bool(self.runtime_nan or self.runtime_inf or self.reference_nan or self.reference_inf)
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def describe(self) -> str:
+        """``NaN in 5 and inf in 1 of 3,072 elements of the runtime's output`` (each side that has any)."""
+        parts = []
+        for side, nan, inf in (("runtime's", self.runtime_nan, self.runtime_inf),
+                               ("reference's", self.reference_nan, self.reference_inf)):
+            what = " and ".join(f"{k} in {n:,}" for k, n in (("NaN", nan), ("inf", inf)) if n)
+            if what:
+                parts.append(f"{what} of {self.elements:,} elements of the {side} output")
+        return "; ".join(parts)
+
+
 class ElementwiseStats:
     """Running reductions of Polygraphy's elementwise comparison of one output pair, fed slice by slice
     (:meth:`add`); :meth:`result` gives the ``OutputCompareResult``.
@@ -71,6 +105,7 @@ class ElementwiseStats:
         self.nan_abs = self.nan_rel = False
         self.mismatch = False
         self.zero_in_reference = False
+        self.nonfinite = NonFinite()
 
     def add(self, out0: np.ndarray, out1: np.ndarray) -> None:
         """One slice of the runtime's output (``out0``) and of the reference's (``out1``), same shape."""
@@ -88,8 +123,11 @@ class ElementwiseStats:
             reldiff = np.divide(absdiff, np.abs(b_eps))
         del b_eps
         self.n += absdiff.size
+        self.nonfinite.elements += absdiff.size
         for name, arr in (("abs", absdiff), ("rel", reldiff)):
             m = float(np.amax(arr))
+            if name == "abs" and not math.isfinite(m):  # a NaN or inf in either output (or an fp32 overflow)
+                self._count_nonfinite(out0, out1)
             if math.isnan(m):
                 setattr(self, f"nan_{name}", True)
             else:
@@ -99,6 +137,15 @@ class ElementwiseStats:
             bad = (np.greater(absdiff, self.atol) | np.isnan(absdiff)) & (
                 np.greater(reldiff, self.rtol) | np.isnan(reldiff))
             self.mismatch = bool(bad.any())
+
+    def _count_nonfinite(self, out0: np.ndarray, out1: np.ndarray) -> None:
+        nf = self.nonfinite
+        for side, arr in (("runtime", out0), ("reference", out1)):
+            if arr.dtype.kind == "f":
+                nan = int(np.count_nonzero(np.isnan(arr)))
+                inf = int(np.count_nonzero(np.isinf(arr)))
+                setattr(nf, f"{side}_nan", getattr(nf, f"{side}_nan") + nan)
+                setattr(nf, f"{side}_inf", getattr(nf, f"{side}_inf") + inf)
 
     def result(self, err_stat: str = "elemwise") -> OutputCompareResult:
         """The comparison's ``OutputCompareResult`` (medians and quantiles ``None``), verdict stored."""
@@ -113,6 +160,7 @@ class ElementwiseStats:
 
     def _stored(self, res: OutputCompareResult) -> OutputCompareResult:
         res._stored_passed = not self.mismatch  # the elemwise verdict, as SimpleCompareFunc stores it
+        res.nonfinite = self.nonfinite  # read by m2export.check.compare._rows (Polygraphy's own results lack it)
         return res
 
 

@@ -133,6 +133,14 @@ def _reference_words(report) -> str:
     return "PyTorch fp32 reference"
 
 
+def reference_label(report) -> str:
+    """What every runtime was compared with, in a few words: ``torch (PyTorch fp32 reference)``, with ``, cuTile
+    kernels`` when its Mamba layers ran on them, or ``transformers (...)`` (the PASSED/FAILED line, -q too)."""
+    detail = report.runners[0]["detail"] if report.runners else ""
+    words = _reference_words(report) + (", Mamba layers on the cuTile kernels" if "cuTile" in detail else "")
+    return f"{report.reference} ({words})"
+
+
 def _header(report) -> list[str]:
     labels = [r for r in report.runners[1:]]
     out = [f"m2export check {report.outdir} ({report.dtype}): {report.reference} ({_reference_words(report)}) vs "
@@ -170,7 +178,7 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
                 t.add_column(col, justify="right" if col in ("max abs", "mean abs", "atol", "rtol") else "left",
                              no_wrap=col != "why")
             for g in rows:
-                t.add_row(g["label"], g["output"], f"{g['max_abs']:.2e}", f"{g['mean_abs']:.2e}", f"{g['atol']:.0e}",
+                t.add_row(g["label"], g["output"], _num(g["max_abs"]), _num(g["mean_abs"]), f"{g['atol']:.0e}",
                           f"{g['rtol']:.0e}", Text("pass", style="green") if g["passed"] else
                           Text(g["result"], style="red"), g["why_terse"])
             console.print(t)
@@ -208,6 +216,11 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
     if report.tensorrt_note:
         console.print(Text(f"note: {report.tensorrt_note}"), soft_wrap=False)
+
+
+def _num(x: float) -> str:
+    """A statistic for the console table: ``-`` for NaN (not a number: the verdict says why)."""
+    return "-" if math.isnan(x) else f"{x:.2e}"
 
 
 def reproduce_intro(report) -> str:

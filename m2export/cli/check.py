@@ -29,14 +29,16 @@ Override with --atol/--rtol VALUE (the default) or NAME:VALUE (one output; NAME 
 
 Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
 (error histogram, when matplotlib is installed: pip install 'm2export[plot]') and check_data_loader.py (the same inputs for
-'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed). In OUTDIR it replaces
-only the reports it wrote there (m2export.json records them): a file of one of those names that it did not write,
-or one edited since, is refused (exit 1) before anything runs, as 'export --force' refuses it.
+'polygraphy run --data-loader-script'; the equivalent polygraphy commands are printed). It replaces
+only the reports it wrote (OUTDIR: m2export.json records them; another --report-dir: check_reports_written.json
+there): a file of one of those names that it did not write, or one edited since, is refused (exit 1) before anything
+runs, as 'export --force' refuses it; --force replaces it anyway.
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash
-differs from the export's), an --atol/--rtol NAME that matches no output, or --runtime trt with TensorRT
-usable but no engines built; 2 a flag's value malformed or out of range (--shapes 2x0, --atol -1,
+differs from the export's), an --atol/--rtol NAME that matches no output, a file of a report's name in the
+report folder that m2export did not write (without --force), or --runtime trt with TensorRT
+usable but no engines built; 2 a flag's value malformed or out of range (--shapes 2x0, --atol -1, --rtol inf,
 --decode-steps -1), or flags that contradict each other; 4 --runtime trt where TensorRT is not usable (not
 installed, or no CUDA GPU), whether or not engines exist: checked after OUTDIR itself, before the
 engines (the same rule as 'm2export generate').
@@ -123,7 +125,10 @@ def add_arguments(p):
     g.add_argument("--rtol", action="append", metavar="[NAME:]VALUE[,...]",
                    help="relative tolerance: VALUE (the default) or NAME:VALUE; repeat or comma-separate")
     g = p.add_argument_group("Output")
-    g.add_argument("--report-dir", metavar="DIR", help="where the reports go (default: OUTDIR)")
+    g.add_argument("--report-dir", metavar="DIR", help="where the reports go (default: OUTDIR); same-named files "
+                   "there that m2export did not write are refused (exit 1)")
+    g.add_argument("--force", action="store_true",
+                   help="replace same-named files in the report folder even if m2export did not write them")
 
 
 def run(args) -> int:
@@ -132,6 +137,7 @@ def run(args) -> int:
     from m2export.check.compare import REPORT_JSON, REPORT_MD, RUNTIMES, run_check
     from m2export.check.console import progress_bars, quiet_polygraphy
     from m2export.check.data import parse_shapes
+    from m2export.check.report import reference_label
     from m2export.errors import ToleranceError
 
     t0 = time.perf_counter()
@@ -145,15 +151,16 @@ def run(args) -> int:
                            seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
                            report_dir=args.report_dir, max_seqlen=args.max_seq_len, progress=prog,
                            polygraphy_log=args.verbose > 1, reference=args.reference,
-                           reference_backend=args.reference_backend)
+                           reference_backend=args.reference_backend, force=args.force)
     report_dir = args.report_dir or args.outdir
     if not args.quiet:
         _print_report(report, report_dir, REPORT_JSON, REPORT_MD)
     elapsed = time.perf_counter() - t0
+    ref = f"vs {reference_label(report)}"  # -q prints this line alone: it still says what the export was compared with
     if report.passed:
-        print(f"PASSED | m2export check {args.outdir} | {elapsed:.1f}s | exit 0")
+        print(f"PASSED | m2export check {args.outdir} | {ref} | {elapsed:.1f}s | exit 0")
         return 0
-    print(f"FAILED | m2export check {args.outdir} | {elapsed:.1f}s | exit 3")
+    print(f"FAILED | m2export check {args.outdir} | {ref} | {elapsed:.1f}s | exit 3")
     fails = report.failures()
     raise ToleranceError(f"accuracy check failed: {len(fails)} comparison(s) out of tolerance: " + "; ".join(fails[:4])
                          + (f"; ... (all in {report_dir}/{REPORT_MD})" if len(fails) > 4 else ""),

@@ -89,7 +89,7 @@ BAD_VALUES = {
               (["OUT", "--decode-steps", "-1"], "argument --decode-steps: -1: expected an integer >= 0"),
               (["OUT", "--reference-backend", "cutile", "--reference", "transformers"],
                "--reference-backend 'cutile' runs m2export's PyTorch model; --reference is 'transformers'"),
-              (["EXPORT", "--atol", "-1"], "--atol '-1': expected VALUE or NAME:VALUE with VALUE a number >= 0"),
+              (["EXPORT", "--atol", "-1"], "--atol '-1': -1 is negative; expected a finite number >= 0"),
               (["EXPORT", "--rtol", "logits:x"], "--rtol 'logits:x': expected VALUE or NAME:VALUE")],
     "generate": [(["OUT", "--prompt", "a", "--max-new-tokens", "-1"], "argument --max-new-tokens: -1: expected an "
                                                                       "integer >= 0"),

@@ -1,0 +1,63 @@
+"""`m2export check` refuses what is not a tolerance, never replaces a report file it did not write (in OUTDIR or in
+--report-dir) unless --force, and its -q line still names the reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+REPORTS_RECORD = "check_reports_written.json"  # m2export.check.compare.REPORTS_RECORD (asserted below)
+from m2export.cli.main import main
+from m2export.errors import ExitCode
+
+QUICK = ["--shapes", "1x3", "--decode-steps", "1"]
+
+
+@pytest.mark.parametrize("flag,value,why", [("--atol", "inf", "inf is infinite"), ("--rtol", "1e400", "1e400 is infinite"),
+                                            ("--atol", "logits:nan", "nan is nan"), ("--rtol", "-1e-3", "-1e-3 is negative"),
+                                            ("--atol", "1e-4,logits:-inf", "-inf is infinite")])
+def test_tolerance_that_is_not_one_is_refused_first(tmp_path, capsys, flag, value, why):
+    """inf would pass every element, nan and negative none: one line naming the value, the usage exit code of
+    m2export.errors, before any file is read (OUTDIR does not even exist here)."""
+    rc = main(["check", str(tmp_path / "nope"), f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.USAGE, err
+    item = value.split(",")[-1]
+    assert err.strip().splitlines() == [f"error: {flag} '{item}': {why}; expected a finite number >= 0"], err
+
+
+def test_quiet_line_names_the_reference(tiny_out, tmp_path, capsys):
+    assert main(["check", str(tiny_out), "-q", "--report-dir", str(tmp_path / "r"), *QUICK]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"PASSED | m2export check {tiny_out} | vs torch (PyTorch fp32 "
+                                               "reference) | "), out
+
+
+@pytest.mark.parametrize("name", ["check_report.md", "check_inputs.json", REPORTS_RECORD])
+def test_report_dir_files_m2export_did_not_write_are_refused(tiny_out, tmp_path, capsys, name):
+    """A user's file of a report's name in --report-dir: refused (exit 1, one line naming it) before the run, the
+    file untouched; --force replaces it. A second check into the same folder replaces its own reports; one edited
+    since is refused again."""
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / name).write_text("mine\n")
+    (rep / "notes.txt").write_text("unrelated\n")
+    rc = main(["check", str(tiny_out), "-q", "--report-dir", str(rep), *QUICK])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.USER_ERROR, err
+    first = err.strip().splitlines()[0]
+    assert first.startswith(f"error: --report-dir {rep}: holds file(s) m2export check did not write") and name in first
+    assert "--force" in err and "Traceback" not in err
+    assert (rep / name).read_text() == "mine\n" and not (rep / "check_report.json").exists()
+    assert main(["check", str(tiny_out), "-q", "--report-dir", str(rep), "--force", *QUICK]) == 0
+    assert (rep / "check_report.md").read_text().startswith("# m2export check: PASSED")
+    from m2export.check.compare import REPORTS_RECORD as record
+
+    assert record == REPORTS_RECORD and json.loads((rep / record).read_text())["written_by"] == "m2export check"
+    assert main(["check", str(tiny_out), "-q", "--report-dir", str(rep), *QUICK]) == 0  # its own: replaced
+    (rep / "check_report.json").write_text("{}\n")  # edited since
+    capsys.readouterr()
+    assert main(["check", str(tiny_out), "-q", "--report-dir", str(rep), *QUICK]) == ExitCode.USER_ERROR
+    assert "check_report.json" in capsys.readouterr().err.splitlines()[0]
+    assert (rep / "notes.txt").read_text() == "unrelated\n"
