@@ -321,8 +321,8 @@ def main(argv=None):
                     help="extra gated-norm configs, comma list of v2:BLOCK_R:occupancy (the v2 chooser's tiling of the "
                          "group: one padded tile, or chunks) or pieces:BLOCK_R:TMA(0|1):occupancy (the group's binary "
                          "decomposition, choose_pieces; skipped where it does not apply) or grouped:BLOCK_R:G:TMA:occupancy"
-                         "[:CHECK] (G groups per block, choose_grouped; skipped where it does not apply; CHECK 0: no "
-                         "bounds checks); occupancy 0: no hint")
+                         "[:CHECK[:WARPS]] (G groups per block, choose_grouped; skipped where it does not apply; CHECK 0: no "
+                         "bounds checks; WARPS: the num_worker_warps hint, 4 or 8, 0 or absent: none); occupancy 0: no hint")
     ap.add_argument("--parts", default="", help="comma list of the parts to time (gemm, conv, scan, norm, layer; the "
                     "norm's input is random without scan); '' for all")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
@@ -353,8 +353,10 @@ def main(argv=None):
             elif kind == "grouped":
                 if choose_grouped(p) is not None:
                     chk = bool(v[4]) if len(v) > 4 else True
-                    out.append((f"grouped R{v[0]} G{v[1]} tma {v[2]} occ {v[3]}" + ("" if chk else " unchecked"),
-                                dict(grouped=(v[0], v[1]), tma=bool(v[2]), occupancy=v[3] or 0, check=chk)))
+                    warps = v[5] if len(v) > 5 and v[5] else None
+                    out.append((f"grouped R{v[0]} G{v[1]} tma {v[2]} occ {v[3]}" + ("" if chk else " unchecked")
+                                + (f" warps {warps}" if warps else ""),
+                                dict(grouped=(v[0], v[1]), tma=bool(v[2]), occupancy=v[3] or 0, check=chk, warps=warps)))
             elif choose_pieces(p) is not None:
                 w = choose_pieces(p)
                 out.append((f"pieces R{v[0]} {'+'.join(str(x) for x in w if x)} tma {v[1]} occ {v[2]}",

@@ -163,14 +163,15 @@ def test_cutile_gated_norm_pieces_variants(pieces, tma, occupancy, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("grouped,tma,occupancy,check", [((1, 8), True, None, None), ((2, 4), True, 4, None),
-                                                         ((1, 2), False, 8, None), ((4, 8), True, 1, None),
-                                                         ((1, 1), False, 0, False), ((1, 4), True, 8, False),
-                                                         ((1, 2), False, 0, False)])
+@pytest.mark.parametrize("grouped,tma,occupancy,check,warps", [
+    ((1, 8), True, None, None, None), ((2, 4), True, 4, None, None), ((1, 2), False, 8, None, None),
+    ((4, 8), True, 1, None, None), ((1, 1), False, 0, False, None), ((1, 4), True, 8, False, None),
+    ((1, 2), False, 0, False, None), ((1, 1), False, 0, False, 8), ((1, 2), False, 0, False, 8),
+    ((2, 4), True, 4, None, 8)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, check, dtype):
+def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, check, warps, dtype):
     """Nemotron-H's 8 groups of 1024, G of them per block, rows (21: a partial last block) per block, both gate orders;
-    check False: loads and stores without bounds checks (one row per block)."""
+    check False: loads and stores without bounds checks (one row per block); warps 8: 256 threads per block."""
     from m2export.contract_gated_norm import validate
     from m2export.kernels.gated_norm.cutile import gated_rmsnorm_cutile
 
@@ -179,7 +180,7 @@ def test_cutile_gated_norm_grouped_variants(grouped, tma, occupancy, check, dtyp
         ref = oracle(x, z, w, 1024, 1e-5, nbg)
         out = torch.full_like(x, float("nan"))
         gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024, norm_before_gate=nbg), out=out,
-                             grouped=grouped, tma=tma, occupancy=occupancy, check=check)
+                             grouped=grouped, tma=tma, occupancy=occupancy, check=check, warps=warps)
         torch.cuda.synchronize()
         assert_close("out", ref, out.cpu(), rel=REL[dtype])
 
@@ -193,6 +194,8 @@ def test_unchecked_grouped_needs_whole_blocks():
     x, z, w = make((21,), 8192, "float32", seed=3)
     with pytest.raises(ContractError, match="check=False: 21 rows are not a multiple of BLOCK_R 2"):
         gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024), grouped=(2, 4), check=False)
+    with pytest.raises(ContractError, match="warps: expected 4 or 8"):
+        gated_rmsnorm_cutile(x, z, w, problem=validate(x, z, w, group_size=1024), grouped=(1, 4), warps=2)
 
 
 def test_pieces_decompose_the_group():

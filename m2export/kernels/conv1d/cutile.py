@@ -25,7 +25,9 @@ final conv_state (the last d_conv-1 inputs) with a bounds-checked scatter. Accum
 in both; y in x's dtype.
 
 Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the stream kernel
-320-351 us (2.0-2.1x the byte floor), stream2d 256x8x128 at occupancy 8 with the latency hint 287 us (1.75x). Read PTX built with ct.launch's constraints (extents
+320-351 us (2.0-2.1x the byte floor), stream2d 256x8x128 at occupancy 8 with the latency hint 287 us (1.75x),
+the default (token ranges fitted to whole waves, 16 rows per step, the next step's rows prefetched) 205 us
+(1.25x). Read PTX built with ct.launch's constraints (extents
 divisible by 16, tests/kernels/test_kernels_compile.py): built without them, tileiras shows one
 2-byte load per element; with them, 16-byte loads. A variant that loads one (BLOCK_T, 4, BLOCK_C)
 tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the taps
@@ -387,20 +389,20 @@ registers, 7 KB of shared memory, no spills: eight blocks of 128 threads per SM)
 STREAM_LATENCY = 10
 """The streaming prefill's row-load latency hint by default (1..10; 0: none, the compiler's own)."""
 
-STREAM_PREFETCH = False
+STREAM_PREFETCH = True
 """The 2-D streaming kernel loads the next step's rows before computing this step's (:func:`conv1d_stream2d_kernel`).
-Measured best with :data:`STREAM_FIT_WAVES` and :data:`STREAM_STEP_BYTES` 4096 (H200, bf16, 2026-12-02 18:20 UTC,
+With :data:`STREAM_FIT_WAVES` and :data:`STREAM_STEP_BYTES` 4096 (H200, bf16, 2026-12-02 18:20 UTC,
 benchmarks/NOTES_fusion.md): 204.9 / 58.6 us at mamba2-2.7b 4x8192 / 1x8192, 365.7 / 101.0 at Nemotron-H-8B, against
-283.3 / 92.2 and 478.9 / 137.8 for these defaults; off until its GPU oracle tests have run (the kernel with it
-off is the one tested: its sm_90 SASS is the previous kernel's, instruction for instruction)."""
+283.3 / 92.2 and 478.9 / 137.8 without the three (256x8x128, no prefetch). Default since its float64 GPU oracle tests
+passed (H200, 2026-12-03, NOTES_fusion.md); False: the previous kernel (its sm_90 SASS unchanged)."""
 
-STREAM_FIT_WAVES = False
-""":func:`choose_stream_tiles` fits the token range to whole waves of blocks (off: 256 tokens, halved down to 16
+STREAM_FIT_WAVES = True
+""":func:`choose_stream_tiles` fits the token range to whole waves of blocks (False: 256 tokens, halved down to 16
 while the grid has fewer than 4 blocks per SM). See :data:`STREAM_PREFETCH`."""
 
-STREAM_STEP_BYTES = None
+STREAM_STEP_BYTES = 4096
 """Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
-channels, 8 of fp32); None: 8 rows. See :data:`STREAM_PREFETCH`."""
+channels, 8 of fp32, whose 16-row build spills); None: 8 rows. See :data:`STREAM_PREFETCH`."""
 
 STREAM_KERNELS = {"stream": conv1d_stream_kernel, "stream2d": conv1d_stream2d_kernel}
 """The prefill's streaming kernels by ``impl`` name (same parameters, grid and tiles)."""

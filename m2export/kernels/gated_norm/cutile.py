@@ -236,9 +236,9 @@ def choose_grouped_small(p: GatedNormProblem, sm_count: int = 132) -> dict | Non
     return dict(grouped=(1, 1), tma=False, check=False, occupancy=0)
 
 
-GROUPED_SMALL = False
-"""The launcher takes :func:`choose_grouped_small`'s keywords for one-wave problems: off until its GPU oracle tests have
-run (test_cutile_gated_norm[nemotron_G8_1024 / G16_256_grouped], test_cutile_gated_norm_grouped_variants[... False])."""
+GROUPED_SMALL = True
+"""The launcher takes :func:`choose_grouped_small`'s keywords for one-wave problems (default since their float64 GPU
+oracle tests passed, H200, 2026-12-03, benchmarks/NOTES_fusion.md; False: the grouped chooser's G4 TMA launch)."""
 
 PIECES_TMA = True
 """Bulk copies (TMA) in the pieces kernel: on (281 vs 332 us off at mamba2-2.7b 4 x 8192 bf16 on the H200,
@@ -248,7 +248,8 @@ benchmarks/NOTES_fusion.md)."""
 def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, stream=None,
                          tiles: tuple[int, int, int] | None = None, occupancy: int | None = None,
                          pieces: tuple[int, int, int, int] | None = None, grouped: tuple[int, int] | None = None,
-                         tma: bool | None = None, check: bool | None = None) -> torch.Tensor:
+                         tma: bool | None = None, check: bool | None = None,
+                         warps: int | None = None) -> torch.Tensor:
     """cuTile GatedRMSNorm on validated arguments (see :func:`m2export.kernels.gated_norm.gated_rmsnorm`).
 
     x and z are viewed as (rows, d_inner) (a copy only if their strides do not allow a view).
@@ -259,7 +260,9 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
     runs gated_rmsnorm_kernel, ``pieces`` = (BLOCK_R, W0, W1, W2) the pieces kernel, ``grouped`` =
     (BLOCK_R, G) the grouped kernel; ``tma`` the bulk-copy flag of the last two (default
     :data:`PIECES_TMA`); ``check`` False: the grouped kernel without bounds checks (needs BLOCK_R 1 or rows a
-    multiple of it; default True); ``occupancy`` the blocks-per-SM hint (0: none).
+    multiple of it; default True); ``occupancy`` the blocks-per-SM hint (0: none); ``warps`` the grouped kernel's
+    ``num_worker_warps`` hint (4 or 8 with tileiras 13.4; None: the compiler's, 4 warps; 8 warps: 256 threads and
+    8-byte loads of a 1024-channel group).
     """
     p = problem
     dev = x.device
@@ -270,6 +273,7 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
             tma = small["tma"] if tma is None else tma
             check = small["check"] if check is None else check
             occupancy = small["occupancy"] if occupancy is None else occupancy
+            warps = small.get("warps") if warps is None else warps
         else:
             grouped = choose_grouped(p)
         w = choose_pieces(p)
@@ -308,7 +312,9 @@ def gated_rmsnorm_cutile(x, z, weight, *, problem: GatedNormProblem, out=None, s
                                 "read past the end); expected BLOCK_R 1 or a divisor of rows")
         if occupancy is None:
             occupancy = choose_occupancy((br, g * gs), x.element_size())
-        kernel = hinted(gated_rmsnorm_grouped_kernel, occupancy or None)
+        if warps is not None and warps not in (4, 8):
+            raise ContractError(f"warps: expected 4 or 8 (tileiras 13.4), got {warps!r}")
+        kernel = hinted(gated_rmsnorm_grouped_kernel, occupancy or None, warps)
         grid1 = p.ngroups // g
         consts = (br, g, gs, bool(p.norm_before_gate), use_tma, use_check)
     stream_ = launch_stream(stream, dev)
