@@ -217,7 +217,7 @@ def test_pieces_decompose_the_group():
     assert choose_pieces_rows(GatedNormProblem(rows=1, d_inner=96, group_size=48)) == 1
     from m2export.kernels.gated_norm.cutile import choose_grouped_small
 
-    small = dict(grouped=(1, 1), tma=False, check=False, occupancy=0)
+    small = dict(grouped=(1, 1), tma=False, check=False, occupancy=0, warps=8)
     assert choose_grouped_small(GatedNormProblem(rows=128, d_inner=8192, group_size=1024)) == small  # decode, 1,024
     assert choose_grouped_small(GatedNormProblem(rows=133, d_inner=8192, group_size=1024)) is None  # 1,064 blocks
     assert choose_grouped_small(GatedNormProblem(rows=128, d_inner=8192, group_size=1024), sm_count=100) is None

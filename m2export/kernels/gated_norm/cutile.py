@@ -228,12 +228,19 @@ def choose_grouped_small(p: GatedNormProblem, sm_count: int = 132) -> dict | Non
     rows * ngroups <= 8 * sm_count: decode, 128 rows of Nemotron-H), or None. Such a launch is latency-bound: one
     block per (row, group), plain loads without bounds checks (x and z then both in flight at once: with the checks
     the z load waited for the x load; sm_90 SASS read on the CPU), no bulk copies (no producer warps), no
-    occupancy hint (37 registers). H200, Nemotron-H 128 rows bf16 (2026-12-02 18:20 UTC, benchmarks/NOTES_fusion.md):
+    occupancy hint, :data:`DECODE_WARPS` warps. H200, Nemotron-H 128 rows bf16 (2026-12-02 18:20 UTC, benchmarks/NOTES_fusion.md):
     7.8-7.9 us against 9.1 for the G4 TMA default, 8.4 for G1 without TMA (checked, occupancy 16) and 7.6 for Triton
     rmsnorm_fn. The launcher uses it only with :data:`GROUPED_SMALL`."""
     if choose_grouped(p) is None or p.rows * p.ngroups > 8 * sm_count:
         return None
-    return dict(grouped=(1, 1), tma=False, check=False, occupancy=0)
+    return dict(grouped=(1, 1), tma=False, check=False, occupancy=0, warps=DECODE_WARPS)
+
+
+DECODE_WARPS = 8
+"""num_worker_warps of :func:`choose_grouped_small`'s launch: 8 (256 threads, 8-byte loads of a 1024-channel group, 25
+registers, 312 SASS instructions against 408 at the compiler's 4; sm_90 CPU build). H200, Nemotron-H 128 rows bf16
+(2026-12-03, three runs of one call, benchmarks/NOTES_fusion.md): 7.2 / 6.9 / 7.1 us against 7.3 / 7.0 / 7.1 at 4 warps
+(within the spread) and 7.8 / 7.6 / 7.6 for Triton rmsnorm_fn."""
 
 
 GROUPED_SMALL = True
