@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from m2export import backends, names
+from m2export.check.console import ProgressTask, doing
 from m2export.check.data import (TokenDataLoader, byte_tokens, check_shapes, chunk_size_of, default_shapes,
                                  read_corpus, token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
@@ -499,7 +500,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             not write (or one edited since) is refused before anything runs (OutputFolderError), unless ``force``;
             what was written is recorded (OUTDIR: m2export.json's ``files``; elsewhere :data:`REPORTS_RECORD`).
         force: replace same-named files in ``report_dir`` even if m2export did not write them.
-        progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent).
+        progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent); where the
+            returned callable has ``doing(what)`` (:class:`~m2export.check.console.ProgressTask`), it is told each
+            step as it starts: phases setup, prefill (per input and runner, the reference's past states included),
+            packed, sequence (per runtime), reports.
         polygraphy_log: let Polygraphy log its per-output details (``-v``).
         reference: "torch" (m2export's PyTorch model, fp32) or "transformers" (HF-format checkpoints only:
             transformers' model gives the logits, one full forward per call over the tokens so far, no cache;
@@ -539,8 +543,12 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     manifest = read_manifest(outdir)
     from m2export.inspect import check_graph_file
 
+    prog = progress or (lambda desc, total: ProgressTask())
+    setup = prog("setup", len(manifest.graphs) + 1)
     for g in manifest.graphs:  # SSMScan attributes must keep the contract (ORT would run them as they are),
+        doing(setup, f"reading {g.file} (contract checks)")
         check_graph_file(outdir / g.file, g)  # and each file must be the graph its entry describes
+        setup()
     cfg = manifest.model_config()
     dtype = manifest.dtype
     report_dir = _writable_report_dir(Path(report_dir) if report_dir else outdir, explicit=bool(report_dir))
@@ -579,7 +587,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if len(rts) < 2:
         raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
                              hint="keep 'onnxrt' in `runtimes`")
+    doing(setup, f"loading the reference checkpoint {ck_path} (sha256, weights checked against the export's)")
     loaded = ref_loader()  # load now: a bad checkpoint fails before any runtime starts
+    setup()
     ck = loaded.ck if reference == "transformers" else loaded
     ref_weights = ExportWeights.summary(ck.model, ck.shared) if on_cpu else {}
     scan = loaded.model.mixers[0].scan_fn
@@ -598,15 +608,14 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     del loaded, ck  # the loader keeps it until the reference's last call (release_reference)
     hist: dict[str, list[np.ndarray]] = {}
     packed_info: list[tuple[str, str]] = []  # the packed section's (pack, runner name), when it ran
-    prog = progress or (lambda desc, total: (lambda: None))
 
     severity = G_LOGGER.INFO if polygraphy_log else G_LOGGER.CRITICAL
     try:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
             # -------- prefill section: every feed through the reference, then each runtime, compared as produced
-            advance = prog(f"prefill: {len(loader)} inputs x {len(rts)} runtimes", len(loader))
+            advance = prog(f"prefill ({len(loader)} inputs x {len(rts)} runners)", len(loader) * len(rts))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
-            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec)
+            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, labels=loader.labels)
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)
             rows += _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed,
                                  max_seqlen, out_names, atol_d, rtol_d, skipped, packed_info, prog)
@@ -618,7 +627,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             if prof and prompt_len is None:  # keep the prompt inside the prefill engine's profile
                 plen = min(max(plen, min(s for _, s in prof)), max(s for _, s in prof))
             if decode_steps > 0:
-                advance = prog(f"sequence: prompt {plen} + {decode_steps} decode steps", len(rts))
+                advance = prog(f"sequence (prompt {plen} + {decode_steps} decode steps)", len(rts))
                 seq_accs, greedy = _sequence(
                     rts, cfg, dtype, corpus, plen, decode_steps, seed, atol_d.get("logits", atol_d[""]), advance,
                     lambda ref, run: Comparator.compare_accuracy([ref, run], comparisons=[(1, 0)],
@@ -652,6 +661,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     written = [REPORT_JSON, REPORT_MD]
     if not force:
         _refuse_unowned_reports(report_dir, in_outdir=in_outdir)
+    writing = prog("reports", 1)
+    doing(writing, f"writing the reports to {report_dir}")
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             written += [DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE]
@@ -665,6 +676,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         report.write_json(report_dir / REPORT_JSON)
         atomic_write_text(report_dir / REPORT_MD, report.to_markdown())
         _record_reports(report_dir, written, in_outdir=in_outdir)  # ours now: the next check may replace them
+        writing()
     except OSError as e:
         raise OutputFolderError(f"{report_dir}: cannot write the check reports ({e.strerror or e})",
                                 hint="pass a writable folder as `report_dir`") from None
@@ -796,7 +808,8 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None) -> "OrderedDict[tuple[str, str], list]":
+def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
+             labels: list[str] | None = None) -> "OrderedDict[tuple[str, str], list]":
     """The prefill section: every feed of ``loader`` through the reference's prefill runner, then through each
     runtime's in turn; each runtime's outputs are compared with the reference's (``compare_func(runtime,
     reference)``, Polygraphy's order: relative errors divide by the reference) as soon as they exist and
@@ -820,8 +833,17 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None)
     want_hist = importlib.util.find_spec("matplotlib") is not None
     runners = [r.prefill for r in rts]
     acc: OrderedDict[tuple[str, str], list] = OrderedDict(((r.name, runners[0].name), []) for r in runners[1:])
+    names = [rt.label or rt.name for rt in rts]
+    labels = list(labels or [])
+
+    def label(k):
+        return labels[k] if k < len(labels) else f"input {k + 1}"
+
     with contextlib.ExitStack() as stack:
-        active = [stack.enter_context(r) for r in runners]
+        active = []
+        for rt, r in zip(names, runners):  # ONNX Runtime builds its session here (seconds for a large graph)
+            doing(advance, f"starting {rt}")
+            active.append(stack.enter_context(r))
         metas = [r.get_input_metadata(use_numpy_dtypes=False) for r in active]
 
         def run(k, feed):
@@ -829,21 +851,31 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None)
             out = runner.infer(feed_dict=coerce_feed_dict(feed, metas[k]))
             return IterationResult(outputs=out, runtime=runner.last_inference_time(), runner_name=runner.name)
 
-        for k, feed in enumerate(loader):
+        feeds = iter(loader)
+        stack.callback(getattr(feeds, "close", lambda: None))  # the loader's own reference runner, deactivated
+        for k in range(len(loader)):
+            # a continued input's past states come from the reference, run while the loader makes the feed
+            doing(advance, f"{label(k)}: making the feed" + (" (reference past states)" if "after" in label(k) else ""))
+            feed = next(feeds, None)
+            if feed is None:
+                break
             check_feed_dict(feed)
+            doing(advance, f"{label(k)}: {names[0]}")
             ref = run(0, feed)
+            advance()
             release_freed_memory()  # the reference's freed temporaries, before the runtimes allocate theirs
             if rec is not None:
                 rec.record_outputs(k, ref)
             for i in range(1, len(active)):
+                doing(advance, f"{label(k)}: {names[i]}")
                 it = run(i, feed)
                 acc[(it.runner_name, ref.runner_name)].append(compare_func(it, ref))
                 if want_hist:
                     _sample_errors(hist, it, ref)
                 del it
                 release_freed_memory()
-            del ref
-            advance()
+                advance()
+            del ref, feed
     for (name, ref_name), matches in acc.items():
         n_ok = sum(all(bool(m) for m in match.values()) for match in matches)
         G_LOGGER.log(f"Accuracy Summary | {name} vs. {ref_name} | Passed: {n_ok}/{len(matches)} iterations",
@@ -871,10 +903,11 @@ def _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, c
         r = onnxrt_runner(path, name=name, shared=shared)
         return ModelLayoutStates(r, pio) if any(s.perm is not None for s in pio.states) else r
 
-    advance = prog(f"packed: {entry.file}", 1)
+    advance = prog(f"packed ({entry.file})", 1)
     acc, label, name = packed_section(outdir, manifest, reference, compare_func,
                                    tokens=byte_tokens(corpus, manifest.model_config().vocab_size), seed=seed,
-                                   dtype=manifest.dtype, max_seqlen=max_seqlen, runner_factory=runner)
+                                   dtype=manifest.dtype, max_seqlen=max_seqlen, runner_factory=runner,
+                                   doing=lambda what: doing(advance, what))
     advance()
     release_freed_memory()
     info.append((label, name))
@@ -1032,6 +1065,7 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
             choose(steps, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
 
         one_graph = rt.decode is None or rt.decode is rt.prefill
+        doing(advance, f"{rt.label or rt.name}: prompt {plen} + {steps} decode steps, its own states fed back")
         with rt.prefill as pre, (contextlib.nullcontext(None) if one_graph else rt.decode) as dec:
             runner = Decoder(io, pre.infer, None if dec is None else dec.infer, np_dtype=feed_dtype_of)
             if ri == 0:

@@ -54,23 +54,146 @@ def quiet_third_party(*, only_errors: bool = False, loggers: bool = False) -> It
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable[[], None]]]:
-    """Yield ``new_task(description, total) -> advance()``; a rich progress display on stderr when enabled.
+class ProgressTask:
+    """One phase of a long run: call it to advance one step; :meth:`doing` names the step now running (shown by the
+    progress display; a no-op for a silent one). What :func:`progress_bars`' ``new_task`` returns."""
 
-    Disabled (quiet, or stderr not a terminal) it yields no-op tasks.
+    def __init__(self, advance: Callable[[], None] | None = None, doing: Callable[[str], None] | None = None):
+        self._advance, self._doing = advance, doing
+
+    def __call__(self) -> None:
+        if self._advance is not None:
+            self._advance()
+
+    def doing(self, what: str) -> None:
+        if self._doing is not None:
+            self._doing(what)
+
+
+def doing(task: Callable[[], None], what: str) -> None:
+    """``task.doing(what)`` where ``task`` has it (a :class:`ProgressTask`); nothing for a caller's plain
+    ``advance()`` callable (the library's ``progress`` callbacks need only return one)."""
+    fn = getattr(task, "doing", None)
+    if callable(fn):
+        fn(what)
+
+
+#: plain-line progress (stderr not a terminal): a step is announced once it has run this long, then again every
+#: :data:`PLAIN_EVERY_S` while it runs, and its end is printed; shorter steps print nothing
+PLAIN_AFTER_S = 5.0
+PLAIN_EVERY_S = 30.0
+
+
+class _PlainLines:
+    """Progress for a stderr that is not a terminal (a log file, a pipe, CI): whole lines, only for steps that take
+    a while, so a quick run prints nothing and a long one says what it is doing at least every
+    :data:`PLAIN_EVERY_S` seconds. A daemon thread watches the step now running."""
+
+    def __init__(self, name: str, stream, after: float | None = None, every: float | None = None):
+        import threading
+        import time
+
+        self.name, self.stream = name, stream
+        self.after = PLAIN_AFTER_S if after is None else after
+        self.every = PLAIN_EVERY_S if every is None else every
+        self._clock = time.monotonic
+        self.t0 = self._clock()
+        self._lock = threading.Lock()
+        self._cur: dict | None = None  # the step now running: phase, index, total, what, start, announced, last
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="m2export-progress", daemon=True)
+        self._thread.start()
+
+    def new_task(self, desc: str, total: int) -> ProgressTask:
+        st = {"desc": desc, "total": total, "done": 0}
+        self._begin(st, None)
+        return ProgressTask(lambda: self._advance(st), lambda what: self._begin(st, what))
+
+    def _line(self, text: str) -> None:
+        t = int(self._clock() - self.t0)
+        try:
+            self.stream.write(f"{self.name} [{t // 60:d}m{t % 60:02d}s] {text}\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed stderr: progress is not worth an error
+            pass
+
+    def _step_text(self, c: dict) -> str:
+        st = c["task"]
+        head = f"{st['desc']} {min(st['done'] + 1, st['total'])}/{st['total']}" if st["total"] > 1 else st["desc"]
+        return head + (f": {c['what']}" if c["what"] else "")
+
+    def _end_step(self) -> None:
+        c, self._cur = self._cur, None
+        if c is not None and c["announced"]:
+            self._line(f"{self._step_text(c)} done in {self._clock() - c['start']:.1f}s")
+
+    def _begin(self, st: dict, what: str | None) -> None:
+        with self._lock:
+            if self._cur is not None and self._cur["task"] is st and what is not None and self._cur["what"] is None:
+                self._cur["what"] = what  # the phase's first named step: the same step, now with its name
+                return
+            self._end_step()
+            now = self._clock()
+            self._cur = {"task": st, "what": what, "start": now, "announced": False, "last": now}
+
+    def _advance(self, st: dict) -> None:
+        with self._lock:
+            if self._cur is not None and self._cur["task"] is st:
+                self._end_step()
+            st["done"] += 1
+            if st["done"] < st["total"]:
+                now = self._clock()
+                self._cur = {"task": st, "what": None, "start": now, "announced": False, "last": now}
+
+    def _watch(self) -> None:
+        while not self._stop.wait(max(0.05, min(0.5, self.every / 4))):
+            with self._lock:
+                c, now = self._cur, self._clock()
+                if c is None:
+                    continue
+                ran = now - c["start"]
+                if not c["announced"] and ran >= self.after:
+                    c["announced"], c["last"] = True, now
+                    self._line(f"{self._step_text(c)} ...")
+                elif c["announced"] and now - c["last"] >= self.every:
+                    c["last"] = now
+                    self._line(f"{self._step_text(c)}: still running ({ran:.0f}s)")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self._end_step()
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool, name: str = "m2export") -> Iterator[Callable[[str, int], ProgressTask]]:
+    """Yield ``new_task(description, total) -> ProgressTask`` (call it to advance; ``.doing(what)`` names the step
+    now running), always on stderr (results stay on stdout).
+
+    A terminal gets a rich progress display (one bar per phase, its description the step now running). Any other
+    stderr (a log, a pipe) gets plain lines from ``name`` for the steps that run longer than :data:`PLAIN_AFTER_S`
+    (:class:`_PlainLines`), so a long run is never silent. Disabled (quiet) it yields no-op tasks.
     """
-    if not enabled or not sys.stderr.isatty():
-        yield lambda desc, total: (lambda: None)
+    if not enabled:
+        yield lambda desc, total: ProgressTask()
+        return
+    if not sys.stderr.isatty():
+        plain = _PlainLines(name, sys.stderr)
+        try:
+            yield plain.new_task
+        finally:
+            plain.close()
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as prog:
-        def new_task(desc: str, total: int) -> Callable[[], None]:
+        def new_task(desc: str, total: int) -> ProgressTask:
             tid = prog.add_task(desc, total=total)
-            return lambda: prog.advance(tid)
+            return ProgressTask(lambda: prog.advance(tid),
+                                lambda what: prog.update(tid, description=f"{desc}: {what}"))
 
         yield new_task
 

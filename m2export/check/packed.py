@@ -84,10 +84,11 @@ def reference_outputs(ref, io, seqs, pasts) -> "OrderedDict[str, np.ndarray]":
 
 
 def packed_section(outdir: Path, manifest, reference, compare_func, *, tokens: np.ndarray, seed: int, dtype: str,
-                   max_seqlen: int, runner_factory) -> tuple[OrderedDict, str, str] | None:
+                   max_seqlen: int, runner_factory, doing=lambda what: None) -> tuple[OrderedDict, str, str] | None:
     """Run the pack through the reference and ``model.packed.onnx``; None when the export has no packed graph.
 
     ``runner_factory(path, name)``: the ONNX runtime's runner for the graph (the check's ONNX Runtime runner).
+    ``doing(what)`` is told each step as it starts (progress).
     Returns ({(runtime runner name, reference runner name): [match]} as :func:`~m2export.check.compare._rows`
     reads it, the pack's label, the runtime's name).
 
@@ -109,9 +110,11 @@ def packed_section(outdir: Path, manifest, reference, compare_func, *, tokens: n
     name = f"onnxrt:{path.name}"
     with contextlib.ExitStack() as stack:
         ref = stack.enter_context(reference_runner(reference, role="prefill", dtype=dtype, name="torch:per-sequence"))
+        doing(f"reference: past states and outputs of {len(lengths)} sequences, each alone")
         seqs, pasts = _pack_inputs(ref, ref.io, tokens, lengths, seed)
         want = reference_outputs(ref, ref.io, seqs, pasts)
         feed = packed_feed(seqs, pasts, pio)
+        doing(f"onnxrt/packed: {path.name}, one call")
         rt = stack.enter_context(runner_factory(path, name))
         got = rt.infer(feed_dict=coerce_feed_dict(feed, rt.get_input_metadata(use_numpy_dtypes=False)))
         match = compare_func(IterationResult(outputs=got, runtime=rt.last_inference_time(), runner_name=name),

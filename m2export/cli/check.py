@@ -144,7 +144,7 @@ def run(args) -> int:
     quiet_polygraphy(args.verbose)
     shapes = parse_shapes(args.shapes) if args.shapes else None
     runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
-    with progress_bars(not args.quiet) as prog:
+    with progress_bars(not args.quiet, "check") as prog:
         report = run_check(args.outdir, checkpoint=args.checkpoint, atol=_split(args.atol), rtol=_split(args.rtol),
                            shapes=shapes,
                            decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
