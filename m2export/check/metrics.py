@@ -139,13 +139,12 @@ class ElementwiseStats:
             self.mismatch = bool(bad.any())
 
     def _count_nonfinite(self, out0: np.ndarray, out1: np.ndarray) -> None:
-        nf = self.nonfinite
-        for side, arr in (("runtime", out0), ("reference", out1)):
-            if arr.dtype.kind == "f":
-                nan = int(np.count_nonzero(np.isnan(arr)))
-                inf = int(np.count_nonzero(np.isinf(arr)))
-                setattr(nf, f"{side}_nan", getattr(nf, f"{side}_nan") + nan)
-                setattr(nf, f"{side}_inf", getattr(nf, f"{side}_inf") + inf)
+        def counts(arr):  # (NaN, inf) elements of one side; none for an integer output
+            if arr.dtype.kind != "f":
+                return 0, 0
+            return np.count_nonzero(np.isnan(arr)), np.count_nonzero(np.isinf(arr))
+
+        self.nonfinite += NonFinite(*counts(out0), *counts(out1))  # elements are counted in add()
 
     def result(self, err_stat: str = "elemwise") -> OutputCompareResult:
         """The comparison's ``OutputCompareResult`` (medians and quantiles ``None``), verdict stored."""
