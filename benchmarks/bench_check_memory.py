@@ -136,17 +136,21 @@ def _instrument(tl: Timeline):
     import contextlib
 
     @contextlib.contextmanager
-    def bars(enabled=True):
-        with orig(enabled) as prog:
+    def bars(enabled=True, name="m2export"):
+        with orig(enabled, name) as prog:
             def wrapped(desc, total):
                 tl.mark(f"section: {desc}")
-                advance, done = prog(desc, total), [0]
+                task, done = prog(desc, total), [0]
 
                 def step():
                     done[0] += 1
                     tl.mark(f"  {desc.split(':')[0]} {done[0]}/{total} done")
-                    advance()
-                return step
+                    task()
+
+                def doing(what):
+                    tl.mark(f"  {desc.split(':')[0]}: {what}")
+                    task.doing(what)
+                return console.ProgressTask(step, doing)
             yield wrapped
 
     console.progress_bars = bars

@@ -179,7 +179,7 @@ class Packing:
         n_tok = b.op("Shape", [input_ids], {"start": 1, "end": 2}, name="packed/n_tokens", shape=[1], dtype=i64)
         n_seq = b.op("Shape", [self.ends], name="packed/n_seq", shape=[1], dtype=i64)
         one, zero = b.const(np.int64(1)), b.const(np.int64(0))
-        self.n_seq = n_seq
+        self.n_seq, self.n_tok = n_seq, n_tok
         self.t = b.op("Range", [zero, b.op("Squeeze", [n_tok], name="packed/n_tokens_scalar", shape=[], dtype=i64), one],
                       name="packed/t", shape=[T], dtype=i64)
         self.s = b.op("Range", [zero, b.op("Squeeze", [n_seq], name="packed/n_seq_scalar", shape=[], dtype=i64), one],
@@ -260,7 +260,15 @@ class Packing:
                         name=f"{p}/final_pos", shape=[S, k], dtype=i64)
             fin = self._window_index(b, fpos, self._unsq(b, self.starts, 1, f"{p}/fstart_col", [S, 1]),
                                      self._unsq(b, self.s, 1, f"{p}/s_col", [S, 1]), k, f"{p}/final_rows", [S, k])
-            self._idx[d_conv] = (win, fin)
+            flat = lambda v, what: b.op("Reshape", [v, b.const(np.array([-1], np.int64))],  # noqa: E731
+                                        name=f"{p}/{what}_flat", shape=[ir.SymbolicDim(f"{what}_rows")], dtype=i64)
+            rows = b.op("Concat", [flat(win, "win"), flat(fin, "final")], {"axis": 0}, name=f"{p}/rows",
+                        shape=[ir.SymbolicDim(f"{TOKENS} * {d_conv} + {NSEQ} * {k}")], dtype=i64)
+            mul = lambda v, c, what: b.op("Mul", [v, b.const(np.array([c], np.int64))], name=f"{p}/{what}",  # noqa: E731
+                                          shape=[1], dtype=i64)
+            split = b.op("Concat", [mul(self.n_tok, d_conv, "n_win_rows"), mul(self.n_seq, k, "n_final_rows")],
+                         {"axis": 0}, name=f"{p}/split", shape=[2], dtype=i64)
+            self._idx[d_conv] = (rows, split)
         return self._idx[d_conv]
 
     def conv(self, b, mixer, xBC, past_conv_state, p: str):
@@ -270,7 +278,13 @@ class Packing:
         f32 = ir.DataType.FLOAT
         dt = xBC.dtype
         T, S = ir.SymbolicDim(TOKENS), ir.SymbolicDim(NSEQ)
-        win, fin = self._indices(b, K)
+        rows, split = self._indices(b, K)
+        i64 = ir.DataType.INT64
+
+        def rows_shape(n, kk, what):  # (n, kk, C): n a (1,) int64 value; a 0 stays 0 (allowzero below)
+            return b.op("Concat", [n, b.const(np.array([kk, C], np.int64))], {"axis": 0}, name=f"{p}{what}_shape",
+                        shape=[3], dtype=i64)
+
         st = b.op("Transpose", [b.cast(past_conv_state, dt, f"{p}past_conv")], {"perm": [0, 2, 1]},
                   name=f"{p}past_conv_rows", shape=[S, k, C], dtype=dt)
         st = b.op("Reshape", [st, b.const(np.array([-1, C], np.int64))], name=f"{p}past_conv_flat",
@@ -278,8 +292,17 @@ class Packing:
         tok = b.op("Reshape", [xBC, b.const(np.array([-1, C], np.int64))], name=f"{p}xBC_rows", shape=[T, C], dtype=dt)
         ext = b.op("Concat", [st, tok], {"axis": 0}, name=f"{p}conv_rows",
                    shape=[ir.SymbolicDim(f"{NSEQ} * {k} + {TOKENS}"), C], dtype=dt)
-        windows = b.op("Gather", [b.cast(ext, f32, f"{p}conv_rows_float"), win], {"axis": 0}, name=f"{p}conv_windows",
-                       shape=[T, K, C], dtype=f32)
+        # every token's window and every sequence's final conv state in one Gather, split at once: a Gather of the
+        # final rows apart would keep ext alive until the present_conv_state branch runs, which ONNX Runtime's
+        # default order puts after the logits (every layer's ext at once)
+        gathered = b.op("Gather", [ext, rows], {"axis": 0}, name=f"{p}conv_gathered",
+                        shape=[ir.SymbolicDim(f"{TOKENS} * {K} + {NSEQ} * {k}"), C], dtype=dt)
+        win_rows, fin_rows = b.op("Split", [gathered, split], {"axis": 0}, name=f"{p}conv_split",
+                                  shape=[[ir.SymbolicDim(f"{TOKENS} * {K}"), C], [ir.SymbolicDim(f"{NSEQ} * {k}"), C]],
+                                  dtype=[dt, dt], outputs=2)
+        windows = b.op("Reshape", [b.cast(win_rows, f32, f"{p}conv_windows_float"),
+                                   rows_shape(self.n_tok, K, "conv_windows")], {"allowzero": 1},
+                       name=f"{p}conv_windows", shape=[T, K, C], dtype=f32)
         conv = mixer.conv1d
         taps = b.derived(("packed_conv_taps", id(conv.weight)),
                          lambda: conv.weight.detach().float().reshape(C, K).T.contiguous().numpy(), f"{p}conv_taps")
@@ -291,7 +314,8 @@ class Packing:
                        shape=[T, C], dtype=f32)
         c = b.cast(b.silu(acc, f"{p}conv_silu"), dt, f"{p}conv_out")
         ct = b.op("Unsqueeze", [c, b.const(np.array([0], np.int64))], name=f"{p}xBC_conv", shape=[1, T, C], dtype=dt)
-        present = b.op("Gather", [ext, fin], {"axis": 0}, name=f"{p}final_conv_rows", shape=[S, k, C], dtype=dt)
+        present = b.op("Reshape", [fin_rows, rows_shape(self.n_seq, k, "final_conv_rows")], {"allowzero": 1},
+                       name=f"{p}final_conv_rows", shape=[S, k, C], dtype=dt)
         present = b.op("Transpose", [present], {"perm": [0, 2, 1]}, name=f"{p}present_conv_state", shape=[S, C, k],
                        dtype=dt)
         return ct, present
@@ -333,7 +357,9 @@ def build_packed(model, io: GraphIO, opset: int):
             v = packing.poison(b, v, f"layers.{i}/{s.kind}_checked")
             v.name = s.present.name
             presents.append(v)
-    logits = packing.poison(b, build.head(b, model, h), "logits_checked")
+    # the poison on the head's input (h: NaN rows give NaN logits everywhere), not on the logits: a Where on the
+    # logits is a second vocabulary-sized tensor beside them at the run's peak
+    logits = build.head(b, model, packing.poison(b, h, "head/h_checked"))
     logits.name = "logits"
     graph.outputs.extend([logits, *presents])
     if [v.name for v in graph.inputs] != pio.input_names() or [v.name for v in graph.outputs] != pio.output_names():

@@ -539,8 +539,8 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     ``T_k`` chunk k's total log-decay): the state of sequence s before chunk e is
     ``sum_{m < e, seq(m) = s} exp(sum_{m < k < e} T_k) Z_m + exp(sum_{k < e, seq(k) = s} T_k) h0_s``, every
     exponent a masked sum of chunk totals (<= 0), masked before exp; one MatMul gives it before every chunk (the
-    state step 7 reads), one after each sequence's last chunk (``final_state``; ``h0_s``, bit for bit, for an empty
-    sequence). Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
+    state step 7 reads) and after each sequence's last chunk (``final_state``; ``h0_s``, bit for bit, for an empty
+    sequence), split at once. Step 7 as in the SSMScan body; ``y`` is gathered back from the chunks to the packed token order.
 
     Cost: the single-sequence body's on ``NL * Q`` steps (the padding of each sequence's last chunk is the only
     extra work, at most 1/8 of the tokens where a halving of Q gets there) plus ((NL + nseq) x (nseq + NL))
@@ -640,10 +640,15 @@ def _build_packed_body() -> tuple[list[onnx.NodeProto], Sequence[str], Sequence[
     Z = b.op("Reshape", b.op("Transpose", states, perm=[0, 2, 3, 1, 4, 5]),
              b.op("Concat", one, g, hpg, NL, pn, axis=0))  # (1, g, hpg, NL, p*n)
     src = b.op("Concat", b.op("Unsqueeze", b.op("Transpose", h0g, perm=[1, 2, 0, 3]), i1(0)), Z, axis=3)
-    E = b.op("MatMul", weights(lch, s_l), src)  # (1, g, hpg, NL, p*n): the state entering chunk l
-    # final_state[s]: the state after its last chunk (before chunk co_end[s]); an empty sequence keeps h0, bit for bit
-    fin = b.op("Transpose", b.op("Squeeze", b.op("MatMul", weights(co_end, si, poison=True), src), i1(0)),
-               perm=[2, 0, 1, 3])
+    # one MatMul for both row sets, split at once: E (1, g, hpg, NL, p*n), the state entering chunk l, and the
+    # final_state rows (1, g, hpg, nseq, p*n), the state after sequence s's last chunk (before chunk co_end[s]).
+    # Two MatMuls on src would leave it (nseq + NL rows of p*n) alive until the final_state branch runs, which
+    # ONNX Runtime's default order puts after the logits: every layer's src at once (24 x 26 MB on a 130m pack of
+    # 774 tokens, Q 32); the one Split frees it when E is taken
+    E, fin = b.op("Split", b.op("MatMul", b.op("Concat", weights(lch, s_l), weights(co_end, si, poison=True), axis=3),
+                                src), b.op("Concat", NL, nseq, axis=0), axis=3, outputs=2)
+    # an empty sequence keeps h0, bit for bit (below)
+    fin = b.op("Transpose", b.op("Squeeze", fin, i1(0)), perm=[2, 0, 1, 3])
     keep = b.op("And", b.op("Equal", n_s, zero_i), valid)  # an empty sequence of valid offsets: h0 itself
     fin = b.op("Where", b.op("Reshape", keep, b.const([-1, 1, 1, 1])), h0g, fin)
 

@@ -163,3 +163,62 @@ def test_std_export_with_packed_graph_checks(tmp_path, capsys):
     assert m.ssm_impls() == ["std"]
     capsys.readouterr()
     assert main(["check", str(out), "-q", "--shapes", "1x5", "--decode-steps", "1"]) == 0, capsys.readouterr().err
+
+
+def _ancestors(producer: dict, value: str) -> set:
+    """Indices of the nodes ``value`` is computed from (``producer``: value name -> (index, node))."""
+    seen, todo = set(), [value]
+    while todo:
+        k_node = producer.get(todo.pop())
+        if k_node is None or k_node[0] in seen:
+            continue
+        seen.add(k_node[0])
+        todo.extend(i for i in k_node[1].input if i)
+    return seen
+
+
+def test_output_only_branches_hold_nothing_bigger_than_their_output(tmp_path_factory):
+    """ONNX Runtime's default order runs the nodes that only a present state needs after the logits, so whatever
+    such a branch reads from the logits' path stays alive through every later layer. Each such value must be no
+    bigger than the present state it makes: on a 130m-shaped pack of 774 tokens the SSMScanPacked body's state
+    sources (nseq + NL rows of headdim x d_state per head) and the conv's rows (states + tokens) held 24 x 32 MB
+    until the end of the run (benchmarks/RESULTS.md). Sizes measured by running the inlined graph on a pack."""
+    import onnx
+    import onnx.inliner
+
+    out = _export("fp32", tmp_path_factory)
+    model = onnx.inliner.inline_local_functions(onnx.load(str(out / PACKED_FILE)))
+    graph = model.graph
+    producer = {o: (k, n) for k, n in enumerate(graph.node) for o in n.output if o}
+    declared = {o.name for o in graph.output}
+    graph.output.extend(onnx.ValueInfoProto(name=v) for v in producer if v not in declared)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    lengths = [63, 1, 64, 0, 65, 5]  # boundaries inside, on and past the 64-token chunk, an empty sequence
+    rng = np.random.default_rng(stable_seed("packed_late_branches"))
+    feeds = {"input_ids": rng.integers(0, 256, (1, sum(lengths))).astype(np.int64),
+             "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)}
+    for i in sess.get_inputs()[2:]:
+        feeds[i.name] = rng.standard_normal([len(lengths) if d == NSEQ else d for d in i.shape]).astype(np.float32)
+    nbytes = {o.name: v.nbytes for o, v in zip(sess.get_outputs(), sess.run(None, feeds))}
+    main = _ancestors(producer, "logits")
+    late_reads = 0
+    for o in declared - {"logits"}:
+        for k in _ancestors(producer, o) - main:
+            for v in graph.node[k].input:
+                if v in producer and producer[v][0] in main:
+                    late_reads += 1
+                    assert nbytes[v] <= nbytes[o], (f"{o}: its branch after the logits reads {v} "
+                                                    f"({graph.node[producer[v][0]].op_type}, {nbytes[v]} bytes; "
+                                                    f"the output is {nbytes[o]})")
+    assert late_reads >= 2 * 4  # each layer's two states read something of the main path (the test sees them)
+
+
+def test_logits_are_the_heads_matmul_itself(tmp_path_factory):
+    """The NaN poison of invalid offsets sits on the head's input (test_bad_cu_seqlens_never_give_finite_outputs
+    checks it still NaNs every logit), so the logits are never copied by a Where: one vocabulary-sized tensor at the
+    run's peak instead of two (130m, 774 tokens: 156 MB each)."""
+    import onnx
+
+    graph = onnx.load(str(_export("fp32", tmp_path_factory) / PACKED_FILE), load_external_data=False).graph
+    node = next(n for n in graph.node if "logits" in n.output)
+    assert node.op_type == "MatMul", f"logits come from a {node.op_type}"
