@@ -60,6 +60,7 @@ from m2export._paths import atomic_file, atomic_write_text
 from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, OutputFolderError,
                              ParameterError, UsageError)
 from m2export.exporter.configs import MANIFEST_FILE, GraphIO
+from m2export.exporter.packed import PACKED_ROLE
 from m2export.exporter.manifest import (CHECK_REPORT_FILES, REEXPORT_HINT, Manifest, read_manifest, record_files,
                                         refuse_unowned)
 from m2export.exporter.runtime import Decoder, feed_dtype_of
@@ -581,7 +582,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
 
     shapes = shapes or list(_engine_shapes(manifest) or default_shapes(cfg, max_seqlen))
     corpus = read_corpus(text)
-    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader)
+    # an ONNX runtime on a graph whose SSMScan runs the chunked body: its working set counts in the shapes' memory
+    onnx_scan = any(r in runtimes for r in ("onnxrt", "onnx-reference")) and any(
+        g.ssm_impl in ("ssmscan", "std") and g.role != PACKED_ROLE for g in manifest.graphs)
+    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader, onnx_scan=onnx_scan)
     rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt,
                                   shared=shared)
     if len(rts) < 2:

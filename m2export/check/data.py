@@ -159,10 +159,24 @@ def check_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int = 3) -> None:
-    """Refuse a (batch, seqlen) whose fp32 logits, held ``copies`` times (the reference's, a runtime's, the
-    comparison's), exceed this machine's physical memory: a ParameterError naming the shape instead of a
-    MemoryError (or the OOM killer) inside numpy."""
+def _scan_shapes(cfg) -> list[tuple[int, int, int, int]]:
+    """(nheads, headdim, d_state, chunk_size) of each distinct Mamba mixer of a model description."""
+    if getattr(cfg, "chunk_size", None):
+        return [(cfg.nheads, cfg.headdim, cfg.d_state, cfg.chunk_size)]
+    return sorted({(L.mamba.nheads, L.mamba.headdim, L.mamba.d_state, L.mamba.chunk_size)
+                   for L in getattr(cfg, "layers", ()) if L.mamba is not None})
+
+
+def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int = 3, *, cfg=None,
+                      onnx_scan: bool = False) -> None:
+    """Refuse a (batch, seqlen) that needs more than this machine's physical memory: a ParameterError naming the
+    shape instead of a MemoryError (or the OOM killer) inside numpy or ONNX Runtime.
+
+    What is counted: the fp32 logits, held ``copies`` times (the reference's, a runtime's, the comparison's), and,
+    with ``onnx_scan`` (an ONNX Runtime graph whose SSMScan runs the chunked body: the ssmscan or std flavour), the
+    largest working set of one layer's scan body (:class:`~m2export.exporter.ssm_scan_op.ChunkedBodySizes`: its
+    (nchunks + 1)^2 decay matrices grow with the square of seqlen) for each Mamba mixer shape of ``cfg``.
+    """
     import os
 
     from m2export.check.console import human_bytes
@@ -171,13 +185,26 @@ def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare with
         return
+    from m2export.exporter.ssm_scan_op import ChunkedBodySizes
+
+    hint = "ask for smaller shapes, e.g. `shapes=1x1,2x64`"
     for b, s in shapes:
         need = b * s * vocab * 4
         if need * copies > memory:
             raise ParameterError(f"`shapes` {b}x{s}: one input's logits alone are {human_bytes(need)} (batch x "
                                  f"seqlen x vocabulary {vocab} x 4 bytes, held {copies} times during the "
-                                 f"comparison), more than this machine's {human_bytes(memory)} of memory",
-                                 hint="ask for smaller shapes, e.g. `shapes=1x1,2x64`")
+                                 f"comparison), more than this machine's {human_bytes(memory)} of memory", hint=hint)
+        if not onnx_scan or s < 2 or cfg is None:  # one token: the body's recurrence step, no chunk matrices
+            continue
+        for nheads, headdim, d_state, chunk in _scan_shapes(cfg):
+            body = ChunkedBodySizes.of(b, s, nheads, headdim, d_state, chunk).peak
+            if need * copies + body > memory:
+                q = max(1, min(chunk, s))
+                raise ParameterError(
+                    f"`shapes` {b}x{s}: needs about {human_bytes(need * copies + body)}: its logits "
+                    f"{human_bytes(need)} x {copies} plus {human_bytes(body)} for one layer's ONNX scan body "
+                    f"((nchunks + 1)^2 decay matrices for {-(-s // q)} chunks of {q} tokens x {nheads} heads, "
+                    f"batch {b}); expected at most this machine's {human_bytes(memory)} of memory", hint=hint)
 
 
 class TokenDataLoader:
@@ -200,6 +227,11 @@ class TokenDataLoader:
             (:func:`vocab_sweep_windows`: a seeded permutation cut into (1, L) windows, fresh states), so every
             embedding row is exercised (a byte corpus reaches ids 0-255 only); every lm_head row is compared
             in every feed anyway (the whole logits). :attr:`coverage` states what was fed.
+        onnx_scan: the feeds go to an ONNX Runtime graph whose scan runs the chunked SSMScan body (the ssmscan or
+            std flavour): its working set counts in the memory check of ``shapes``.
+
+    Raises:
+        ParameterError: a shape whose logits (and ``onnx_scan``'s scan body) need more than this machine's memory.
 
     Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
     shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
@@ -208,14 +240,14 @@ class TokenDataLoader:
 
     def __init__(self, cfg: Mamba2Config, dtype: str, shapes: Sequence[tuple[int, int]], *,
                  corpus: bytes | None = None, seed: int = 0, reference=None, past_len: int | None = None,
-                 vocab_sweep: bool = True):
+                 vocab_sweep: bool = True, onnx_scan: bool = False):
         self.cfg, self.dtype, self.shapes, self.seed = cfg, dtype, list(shapes), seed
         self.sweep = vocab_sweep_windows(cfg, seed) if vocab_sweep else []
         self.tokens = byte_tokens(corpus if corpus is not None else stdlib_corpus(), cfg.vocab_size)
         if dtype not in DTYPES:
             raise M2ExportError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
         self.io = GraphIO.for_model(cfg, dtype)
-        _check_shapes_fit(self.shapes, self.io.outputs[0].shape[-1])
+        _check_shapes_fit(self.shapes, self.io.outputs[0].shape[-1], cfg=cfg, onnx_scan=onnx_scan)
         self.reference = reference
         self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
         if self.past_len < 1:

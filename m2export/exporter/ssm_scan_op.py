@@ -386,6 +386,43 @@ def _chunked_scan(b: _Body, e: dict[str, str], Q: str, final_out: str | None = N
     return b.op("Add", yl, b.op("Mul", xf, b.op("Unsqueeze", Df, i1(1)))), final
 
 
+@dataclass(frozen=True)
+class ChunkedBodySizes:
+    """Bytes of the largest float32 tensors the SSMScan body's chunked branch (:func:`_chunked_scan`, seqlen > 1)
+    allocates for one problem, from the body's own chunking: ``Q = max(1, min(chunk_size, seqlen))``
+    (:func:`_chunk_len`), ``nc = ceil(seqlen / Q)`` chunks, ``seqlen`` padded to ``nc * Q``.
+
+    decay: one (batch, nheads, nc + 1, nc + 1) matrix of step 6 (segment sums over chunks, their exp, the masked
+        weights; the (b, h, nc, nc + 1) factor Y is as large).
+    intra: one (batch, nc, nheads, Q, Q) tensor of step 4 (within-chunk segment sums, their exp, the mask, C Bᵀ ∘ it).
+    states: the (batch, nheads, nc + 1, headdim * d_state) states entering each chunk (step 6's MatMul output, and
+        its input: the initial state and the chunk states).
+    tokens: one per-token tensor (batch, nc * Q, nheads, headdim) (x, delta ∘ x, y).
+    """
+
+    decay: int
+    intra: int
+    states: int
+    tokens: int
+
+    @classmethod
+    def of(cls, batch: int, seqlen: int, nheads: int, headdim: int, d_state: int, chunk_size: int
+           ) -> "ChunkedBodySizes":
+        q = max(1, min(chunk_size, seqlen))
+        nc = max(1, -(-seqlen // q))
+        f = 4 * batch * nheads
+        return cls(decay=f * (nc + 1) ** 2, intra=f * nc * q * q, states=f * (nc + 1) * headdim * d_state,
+                   tokens=f * nc * q * headdim)
+
+    @property
+    def peak(self) -> int:
+        """What the body holds at once at its fullest (ONNX Runtime frees a tensor after its last use): step 4-5's
+        segment sums (kept for the chunk states), a masked exp and a product, or step 6's two decay matrices next
+        to the chunk states, or one decay matrix next to the states' input and output; with two per-token tensors
+        (the intra-chunk output, x) alive throughout."""
+        return 2 * self.tokens + max(3 * self.intra, 2 * self.decay + self.states, self.decay + 2 * self.states)
+
+
 #: default-domain opset of the native flavour's graphs (onnx 1.23's newest; RMSNormalization needs >= 23)
 NATIVE_OPSET = 27
 #: domain of ONNX Runtime's contrib kernels; the native flavour's LinearAttention and CausalConvWithState live

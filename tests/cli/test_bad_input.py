@@ -273,3 +273,36 @@ def test_unusable_paths_are_one_line(argv, kind, tiny_ck, tiny_out, tmp_path, ca
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
     if kind == "too_long":
         assert "File name too long" in lines[0] and "(3" in lines[0], err  # the name shortened, its length given
+
+
+def _scan_bound_seqlen(cfg) -> int:
+    """A seqlen whose logits fit this machine's memory 3 times but whose ONNX scan body (its (nchunks + 1)^2 decay
+    matrices, ChunkedBodySizes) does not (bisected on the estimate)."""
+    import os
+
+    from m2export.exporter.ssm_scan_op import ChunkedBodySizes
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    lo, hi = 2, 1 << 40
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        fits = ChunkedBodySizes.of(1, mid, cfg.nheads, cfg.headdim, cfg.d_state, cfg.chunk_size).peak \
+            + 3 * mid * cfg.vocab_size_padded * 4 <= memory
+        lo, hi = (mid, hi) if fits else (lo, mid)
+    if 3 * hi * cfg.vocab_size_padded * 4 > memory:
+        pytest.skip("on this machine the logits alone exceed memory first")
+    return hi
+
+
+def test_check_shape_whose_scan_body_exceeds_memory(tiny_out, tmp_path, capsys):
+    """A long sequence whose logits fit but whose ONNX scan body's (nchunks + 1)^2 decay matrices do not: the
+    memory pre-check counted only the logits, so the check started (and ONNX Runtime or the OOM killer ended it).
+    Now one line naming the shape, what it needs and what is expected, exit 1, before the reference loads."""
+    from m2export.exporter.manifest import read_manifest
+
+    s = _scan_bound_seqlen(read_manifest(tiny_out).model_config())
+    rc = main(["check", str(tiny_out), "--shapes", f"1x1,1x{s}", "--report-dir", str(tmp_path)])
+    line = _one_error(capsys, f"error: --shapes 1x{s}: needs about ")
+    assert "for one layer's ONNX scan body ((nchunks + 1)^2 decay matrices for" in line, line
+    assert "expected at most this machine's" in line and rc == ExitCode.USER_ERROR, line
+    assert not (tmp_path / "check_report.json").exists()

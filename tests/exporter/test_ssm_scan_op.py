@@ -288,3 +288,44 @@ def test_patcher_restores_on_error(tiny_g2):
             assert all(m.scan_fn is ssm_scan_fn for m in model.mixers)
             raise RuntimeError("boom")
     assert [m.scan_fn for m in model.mixers] == before
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 4, 2, 4, 4, 8), (1, 301, 2, 1, 8, 16, 4), (1, 37, 2, 2, 4, 8, 64)],
+                         ids=["decay_largest", "states_largest", "one_chunk"])
+def test_chunked_body_sizes_are_what_the_body_allocates(shape):
+    """ChunkedBodySizes (the check's memory estimate of the scan body, m2export/check/data.py) from the body's own
+    chunking: each of its parts is the size of a tensor the chunked branch allocates in ONNX Runtime, and the body
+    allocates nothing larger than the largest part (its (nchunks + 1)^2 decay matrices, on long sequences)."""
+    import onnx.inliner
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from m2export import contract
+    from m2export.exporter import ssm_scan_op as so
+
+    batch, L, h, g, p, n, Q = shape
+    body = so._Body()
+    e = so._entry(body)
+    nodes, ins, outs = so._finish(body, *so._chunked_scan(body, e, so._chunk_len(body, e["L"])))
+    fn = helper.make_function(contract.OP_DOMAIN, "Chunked", list(ins), list(outs), nodes,
+                              [helper.make_opsetid("", 18)], attribute_protos=so._attribute_defaults())
+    node = helper.make_node("Chunked", list(ins), list(outs), domain=contract.OP_DOMAIN,
+                            **SSMScanAttrs.make(chunk_size=Q).onnx_attributes())
+    graph = helper.make_graph([node], "chunked", [helper.make_tensor_value_info(i, TensorProto.FLOAT, None) for i in ins],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(contract.OP_DOMAIN, 1)],
+                              functions=[fn])
+    model.ir_version = 10
+    model = onnx.inliner.inline_local_functions(model)
+    declared = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.ValueInfoProto(name=o) for nd in model.graph.node for o in nd.output
+                              if o not in declared)
+    inp = make_inputs(SSMScanProblem(batch, L, h, p, g, n), seed=5)
+    feeds = {k: inp[k].numpy() for k in ins}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sizes = {v.nbytes for v in sess.run(None, feeds)}
+    parts = so.ChunkedBodySizes.of(batch, L, h, p, n, Q)
+    for name in ("decay", "intra", "states", "tokens"):
+        assert getattr(parts, name) in sizes, f"{name}: {getattr(parts, name)} bytes, no tensor of that size"
+    assert max(sizes) == max(parts.decay, parts.intra, parts.states, parts.tokens)
+    assert parts.peak >= 2 * max(sizes)
