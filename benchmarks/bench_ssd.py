@@ -136,8 +136,11 @@ def load_mamba():
     return load_mamba_triton("ssd_combined", "mamba_chunk_scan_combined")
 
 
-def load_tilegym(autotune: bool):
-    """(TileGym's ``mamba2_chunk_forward``, "") from the git-ignored copy under ANCHORS/tilegym, or (None, why not)."""
+def load_tilegym(autotune: bool, search_slice: tuple[int, int] | None = None):
+    """(TileGym's ``mamba2_chunk_forward``, "") from the git-ignored copy under ANCHORS/tilegym, or (None, why not).
+    ``search_slice`` (i, n): its autotuner searches only configs i, i+n, i+2n, ... of each search space (the
+    parallel warm-up's share: n processes compile the whole space into cuTile's disk cache, then the timed run's
+    full search finds every cubin there)."""
     import importlib
     import os
 
@@ -146,9 +149,14 @@ def load_tilegym(autotune: bool):
     os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "0" if autotune else "1"
     sys.path.insert(0, str(ANCHORS))
     try:
-        return importlib.import_module("tilegym.ops.cutile.mamba2").mamba2_chunk_forward, ""
+        mod = importlib.import_module("tilegym.ops.cutile.mamba2")
     except Exception as e:  # report, don't hide
         return None, f"import failed: {e!r}"
+    if search_slice is not None:
+        i, n = search_slice
+        full = mod.exhaustive_search
+        mod.exhaustive_search = lambda configs, *a, **kw: full(list(configs)[i::n] or list(configs)[:1], *a, **kw)
+    return mod.mamba2_chunk_forward, ""
 
 
 def append_results(text: str, path: str) -> None:
@@ -184,7 +192,8 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def cutile_variants(spec: str):
-    """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families) or comma list of
+    """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families), 'none' (no cuTile
+    row: the anchors only) or comma list of
     chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:cb_pre]]]]]]]]
     (chunk/block_p empty: choose_config's; nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM;
     occupancy empty: choose_config's default hint (plan.DEFAULT_OCCUPANCY), 0: no hint; worker_warps empty: no hint;
@@ -195,6 +204,8 @@ def cutile_variants(spec: str):
 
     out = []
     for item in spec.split(","):
+        if item == "none":  # no cuTile row (anchors only)
+            continue
         if item == "auto":
             out.append(("cutile", None))
             continue
@@ -246,20 +257,34 @@ def warm_up_parallel(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = [(sh, v, i == 0) for sh in args.shapes.split(",") for i, v in enumerate(args.variants.split(","))]
+    sliced = args.tilegym_autotune and args.tilegym_slices > 1 and not args.no_tilegym
 
     def one(job):
         sh, v, first = job  # TileGym's kernels compile once per shape (the first variant's job)
         tg = ["--anchors", args.anchors] + (["--tilegym-autotune"] if args.tilegym_autotune else []) \
-            if first and not args.no_tilegym else ["--no-tilegym"]
+            if first and not args.no_tilegym and not sliced else ["--no-tilegym"]
         init = ["--initial-state"] if args.initial_state else []
         r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference", *tg, *init,
                             "--results", "", "--shapes", sh, "--variants", v], capture_output=True, text=True)
         return f"  warm-up {sh} {v}: rc {r.returncode} {r.stdout.strip().splitlines()[-1:] if r.returncode else ''}" \
             + (r.stderr[-400:] if r.returncode else "")
 
+    def tilegym_share(i):  # TileGym's search space, 1/n of it per process (compiles only)
+        r = subprocess.run([sys.executable, __file__, "--warmup-only", "--no-mamba", "--no-reference", "--anchors",
+                            args.anchors, "--tilegym-autotune", "--tilegym-slice", f"{i}/{args.tilegym_slices}",
+                            *(["--initial-state"] if args.initial_state else []), "--results", "", "--shapes",
+                            args.shapes, "--variants", "none"], capture_output=True, text=True)
+        return f"  warm-up TileGym search share {i}/{args.tilegym_slices}: rc {r.returncode}" \
+            + (r.stderr[-400:] if r.returncode else "")
+
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as ex:
+        shares = [ex.submit(tilegym_share, i) for i in range(args.tilegym_slices)] if sliced else []
         for line in ex.map(one, jobs):
             print(line, flush=True)
+        for f in shares:
+            print(f.result(), flush=True)
+    print(f"  warm-up done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main(argv=None):
@@ -270,6 +295,10 @@ def main(argv=None):
     ap.add_argument("--no-mamba", action="store_true")
     ap.add_argument("--no-tilegym", action="store_true")
     ap.add_argument("--tilegym-autotune", action="store_true", help="let TileGym search its configs (slow)")
+    ap.add_argument("--tilegym-slices", type=int, default=1,
+                    help="with --tilegym-autotune and --jobs > 1: compile TileGym's search space first in this many "
+                         "parallel processes (cuTile's disk cache); the timed run still searches every config")
+    ap.add_argument("--tilegym-slice", default="", help=argparse.SUPPRESS)  # i/n: the warm-up's share
     ap.add_argument("--anchors", default=str(ANCHORS), help="folder holding mamba_ssm_triton/ and tilegym/")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--initial-state", action="store_true",
@@ -294,7 +323,9 @@ def main(argv=None):
     if args.jobs > 1 and not args.warmup_only:
         warm_up_parallel(args)
     mamba, why_no_mamba = (None, "--no-mamba") if args.no_mamba else load_mamba()
-    tilegym, why_no_tilegym = (None, "--no-tilegym") if args.no_tilegym else load_tilegym(args.tilegym_autotune)
+    share = tuple(int(v) for v in args.tilegym_slice.split("/")) if args.tilegym_slice else None
+    tilegym, why_no_tilegym = (None, "--no-tilegym") if args.no_tilegym else load_tilegym(args.tilegym_autotune,
+                                                                                          share)
     variants, choose_config = cutile_variants(args.variants)
     dev = torch.cuda.get_device_name()
     sm = torch.cuda.get_device_properties(0).multi_processor_count

@@ -11,7 +11,8 @@ Implementations, in the same run: ``ssm_step`` (cuTile); the TensorRT JIT plugin
 ``ssm_scan``); mamba_ssm's Triton ``selective_state_update`` (the Mamba-2 layer's decode call:
 per-head dt/A/D/dt_bias broadcast over headdim and d_state as stride-0 views), from a git-ignored
 copy of state-spaces/mamba under ``.devcarry/mamba_ssm_triton`` (skipped with a note when absent);
-``--block-p`` sweeps headdim tiles through the step kernel's launch description.
+``--block-p`` sweeps headdim tiles through the step kernel's launch description (``rN``: the flat-row kernel
+for head dims that are not powers of two, N-row tiles).
 
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd_step.py --results $OUT/results.md
 """
@@ -43,6 +44,8 @@ SHAPES = {  # name: (batch, nheads, headdim, ngroups, d_state)
     "B128_H128_P80_G8": (128, 128, 80, 8, 128),
     "B64_H24_P128_N256": (64, 24, 128, 1, 256),   # Falcon-H1-7B
     "B128_H24_P128_N256": (128, 24, 128, 1, 256),
+    "B64_H128_P80_G8_N256": (64, 128, 80, 8, 256),   # head dim 80 at d_state 256 (no model of the list: coverage)
+    "B128_H128_P80_G8_N256": (128, 128, 80, 8, 256),
     "B64_H128_P64_G8": (64, 128, 64, 8, 128),     # Nemotron-H-8B
 }
 HBM = 4.3e12
@@ -68,13 +71,14 @@ def main(argv=None):
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--block-p", default="auto",
-                    help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic)")
+                    help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic; "
+                         "rN = the flat-row kernel with N-row tiles, head dims that are not powers of two)")
     args = ap.parse_args(argv)
     import triton
     import cuda.tile as ct
 
     from m2export.contract import INPUT_NAMES, SSMScanAttrs, validate
-    from m2export.kernels.ssd_step.cutile import step_launch
+    from m2export.kernels.ssd_step.cutile import _rows_views, rows_launch, step_launch
     from m2export.plugins.ssm_scan_trt import run_jit
 
     ssu, why = load_selective_state_update()
@@ -106,6 +110,16 @@ def main(argv=None):
             if bp == "auto":
                 impls.append(("cutile ssm_step", lambda: ssm_step(x, dt, A, B, C, D, bias, state, out=y,
                                                                    state_out=state), lambda: y))
+            elif bp.startswith("r"):  # "rN" or "rN:occupancy": the flat-row kernel with N-row tiles (sweep)
+                tile, _, occ = bp[1:].partition(":")
+                launch = rows_launch(prob, block_r=int(tile), occupancy=int(occ) if occ else None, dt_softplus=True,
+                                     dt_limit=(0.0, math.inf))
+                bound = launch.bind(_rows_views(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=bias, ssm_state=state,
+                                                     y=y, state_out=state)))
+                impls.append((f"cutile rows[block_r={tile}{', occupancy=' + occ if occ else ''}]",
+                              lambda launch=launch, bound=bound: ct.launch(torch.cuda.current_stream().cuda_stream,
+                                                                           launch.grid, launch.kernel, bound),
+                              lambda: y))
             else:  # "block_p" or "block_p:occupancy": the launch description with another tile (sweep)
                 tile, _, occ = bp.partition(":")
                 launch = step_launch(prob, block_p=int(tile), occupancy=int(occ) if occ else None, dt_softplus=True,

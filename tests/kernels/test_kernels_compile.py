@@ -290,6 +290,16 @@ def test_step_kernel_compiles(block_p, d_state, occupancy):
     assert _export_launch(launch)[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("block_r,d_state,has_state", [(64, 128, True), (32, 256, False)])
+def test_step_rows_kernel_compiles(block_r, d_state, has_state):
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd_step.cutile import rows_launch
+
+    launch = rows_launch(SSMScanProblem(64, 1, 8, 80, 2, d_state, dtype="bfloat16"), block_r=block_r, occupancy=2,
+                         dt_softplus=True, dt_limit=(0.0, float("inf")), has_state=has_state)
+    assert _export_launch(launch)[:4] == b"\x7fELF"
+
+
 def _shaped(dt: str, ndim: int):
     """_arr with every extent but the first divisible by 16, as ct.launch derives it for 8192 tokens x
     5376 channels (with it tileiras emits 16-byte loads; without it, one 2-byte load per element)."""

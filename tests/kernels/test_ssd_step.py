@@ -72,7 +72,12 @@ CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64))
          ("B48_H8_tile64_occ2", (48, 1, 8, 64, 1, 128)),  # enough blocks for the 64-row tile at 2 blocks/SM
          # head dims that are not powers of two (issue 15): 16/32-row tiles dividing them
          ("B3_H8_P80_N128", (3, 1, 8, 80, 2, 128)), ("B2_H4_P96_N256", (2, 1, 4, 96, 1, 256)),
-         ("B2_H4_P48_N64", (2, 1, 4, 48, 2, 64)), ("B64_H8_P80_N256", (64, 1, 8, 80, 8, 256))]
+         ("B2_H4_P48_N64", (2, 1, 4, 48, 2, 64)), ("B64_H8_P80_N256", (64, 1, 8, 80, 8, 256)),
+         # enough rows for ssd_step_rows_kernel (flat-row tiles spanning two heads): 64-row tiles at P80 N128, a
+         # partial last tile (rows not a multiple of the tile: 67*3*80 rows in 32-row tiles; 45*7*96 in 64-row
+         # tiles), one head per group and 7 groups
+         ("B64_H8_P80_N128_rows64", (64, 1, 8, 80, 2, 128)), ("B67_H3_P80_N128_rows32_tail", (67, 1, 3, 80, 1, 128)),
+         ("B45_H7_P96_N64_G7_rows64_tail", (45, 1, 7, 96, 7, 64))]
 
 
 @pytest.mark.gpu
@@ -88,6 +93,37 @@ def test_step(case, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_in_place(dtype):
     _check(SSMScanProblem(4, 1, 8, 64, 2, 128, dtype=dtype), seed=31, in_place=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_rows_in_place(dtype):
+    _check(SSMScanProblem(64, 1, 8, 80, 2, 256, dtype=dtype), seed=34, in_place=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_step_rows_dt_limit_no_state_no_D():
+    _check(SSMScanProblem(64, 1, 8, 80, 4, 128, dtype="float16"), seed=35, dt_limit=(0.05, 0.2), init_state=False,
+           no_D=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_step_rows_non_contiguous_x_falls_back():
+    """x a view with a row stride wider than headdim (not flat-viewable) takes the per-head kernel, read in place."""
+    p = SSMScanProblem(64, 1, 8, 80, 2, 128, dtype="bfloat16")
+    inp, step = _step_inputs(p, 36)
+    ref = ssm_scan_recurrent(**inp)
+    dev = {k: v.cuda() for k, v in step.items()}
+    wide = torch.full((64, 8, 160), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[..., :80] = dev["x"]
+    dev["x"] = wide[..., :80]
+    res = ssm_step(**dev)
+    assert_close("y", ref.y[:, 0], res.y.cpu(), rel=Y_REL["bfloat16"],
+                 atol=MAXABS_Y["bfloat16"] * ref.y.abs().max().item())
+    assert_close("state", ref.final_state, res.final_state.cpu(), rel=STATE_REL)
 
 
 @pytest.mark.gpu
@@ -122,6 +158,17 @@ def test_step_cutile_unavailable_on_cpu():
     _, step = _step_inputs(SSMScanProblem(1, 1, 2, 32, 1, 32), 0)
     with pytest.raises(BackendUnavailable):
         ssm_step(**step, backend="cutile")
+
+
+def test_step_rows_tile_choice():
+    """Flat-row tiles only where they beat the per-head kernel's power-of-two tile dividing headdim."""
+    from m2export.kernels.ssd_step.cutile import choose_block_p, choose_block_rows
+
+    assert choose_block_rows(64, 128, 80, 128) == 64 and choose_block_p(64, 128, 80, 128) == 16
+    assert choose_block_rows(64, 128, 80, 256) == 32
+    assert choose_block_rows(1, 128, 80, 128) == 32  # 320 tiles of 32 rows: >= 2 per SM
+    assert choose_block_rows(64, 24, 128, 256) is None  # a power of two: whole 32-row tiles already
+    assert choose_block_rows(3, 8, 80, 128) is None  # too few rows for more than 8-row tiles
 
 
 def test_step_torch_backend_in_place():

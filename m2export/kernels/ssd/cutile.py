@@ -740,6 +740,11 @@ def _packed_arrays(packed: bool) -> tuple:
     return L.array("cu_seqlens", "float32", 1, source="A"), L.array("seq_idx", "float32", 1, source="A")
 
 
+#: occupancy hint of ssd_dt_kernel (None: unhinted, 128 registers x 128 threads and 67.7 KB shared memory at chunk 64,
+#: three blocks per SM; 4: 122 registers, 50.3 KB, four; sm_90 builds, benchmarks/NOTES_ssd.md). Benchmark A/B only.
+DT_OCCUPANCY: int | None = None
+
+
 def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus, dt_limit, has_dt_bias,
                packed: bool = False) -> Launch:
     block_h = min(32, 1 << (p.nheads - 1).bit_length())
@@ -750,7 +755,7 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_H", block_h),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("PACKED", bool(packed)))
-    return Launch(ssd_dt_kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
+    return Launch(hinted(ssd_dt_kernel, DT_OCCUPANCY), args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
 #: occupancy hint of ssd_cb_kernel (unhinted it builds at 255 registers x 256 threads: one block per SM)

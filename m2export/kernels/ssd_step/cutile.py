@@ -31,6 +31,10 @@ from m2export.kernels.ssd.naive import SSMScanOutput
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
+# Head dims that are not powers of two run :func:`ssd_step_rows_kernel` (flat-row tiles) where every tensor is
+# contiguous; False: always :func:`ssd_step_kernel` (benchmarks' A/B, benchmarks/NOTES_ssd.md).
+ROWS = True
+
 
 @ct.kernel
 def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min: float, dt_max: float,
@@ -69,6 +73,77 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
         yv = yv + ct.load(D, index=(h,), shape=(1,)).astype(f32) * x_t
     ct.store(state_out, index=(b, h, pt, 0), tile=st.reshape((1, 1, BLOCK_P, D_STATE)))
     ct.store(y, index=(b, h, pt), tile=yv.astype(y.dtype).reshape((1, 1, BLOCK_P)))
+
+
+def _ct_rows_head(A, dt, B, C, D, dt_bias, bh, nheads: int, ngroups: int, heads_per_group: int, dt_min: float,
+                  dt_max: float, D_STATE: ConstInt, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, DT_SOFTPLUS: ConstBool):
+    """(step size, decay, D, B row (1, D_STATE), C row) of flat (batch, head) index ``bh``, fp32; past the last
+    head (a tile's second head at the end of the array) the loads are padding and nothing of it is stored."""
+    f32 = ct.float32
+    h = bh % nheads
+    bg = (bh // nheads) * ngroups + h // heads_per_group
+    v = ct.load(dt, index=(bh,), shape=(1,)).astype(f32)
+    if HAS_DT_BIAS:
+        v = v + ct.load(dt_bias, index=(h,), shape=(1,)).astype(f32)
+    delta = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)
+    decay = ct.exp(delta * ct.load(A, index=(h,), shape=(1,)).astype(f32))
+    if HAS_D:
+        d_h = ct.load(D, index=(h,), shape=(1,)).astype(f32)
+    else:
+        d_h = ct.full((1,), 0.0, dtype=f32)
+    b_r = ct.load(B, index=(bg, 0), shape=(1, D_STATE)).astype(f32)
+    c_r = ct.load(C, index=(bg, 0), shape=(1, D_STATE)).astype(f32)
+    return delta, decay, d_h, b_r, c_r
+
+
+@ct.kernel
+def ssd_step_rows_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min: float, dt_max: float,
+                         nheads: int, headdim: int, ngroups: int, heads_per_group: int,
+                         BLOCK_R: ConstInt, D_STATE: ConstInt,
+                         HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_STATE: ConstBool, DT_SOFTPLUS: ConstBool):
+    """One decode step over flat state rows, for head dims that are not powers of two (80, 96, ...): the
+    (batch, nheads, headdim) rows are one axis cut into BLOCK_R-row tiles (BLOCK_R <= headdim, so a tile holds
+    rows of at most two heads), instead of the largest power-of-two tile dividing headdim (16 rows at 80).
+    Grid: (ceil(batch*nheads*headdim / BLOCK_R), 1, 1).
+
+    Views (contiguous tensors): x, y (batch*nheads*headdim,); dt (batch*nheads,); B, C (batch*ngroups, d_state);
+    ssm_state, state_out (batch*nheads*headdim, d_state) fp32. Each row takes its head's step size, decay, D and
+    its group's B/C row (selected between the tile's two heads); rows past the end are dropped by the stores.
+    """
+    t = ct.bid(0)
+    f32 = ct.float32
+    r0 = t * BLOCK_R
+    bh0 = r0 // headdim
+    dl0, dc0, d0, b0, c0 = _ct_rows_head(A, dt, B, C, D, dt_bias, bh0, nheads, ngroups, heads_per_group, dt_min,
+                                         dt_max, D_STATE, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS)
+    dl1, dc1, d1, b1, c1 = _ct_rows_head(A, dt, B, C, D, dt_bias, bh0 + 1, nheads, ngroups, heads_per_group,
+                                         dt_min, dt_max, D_STATE, HAS_D, HAS_DT_BIAS, DT_SOFTPLUS)
+    second = (r0 + ct.arange(BLOCK_R, dtype=ct.int32)) >= (bh0 + 1) * headdim  # (BLOCK_R,) row of head bh0 + 1
+    delta = ct.where(second, dl1, dl0)
+    d_r = ct.where(second, d1, d0)
+    sec2 = second.reshape((BLOCK_R, 1))
+    B_t = ct.where(sec2, b1, b0)  # (BLOCK_R, D_STATE)
+    C_t = ct.where(sec2, c1, c0)
+    x_t = ct.load(x, index=(t,), shape=(BLOCK_R,)).astype(f32)
+    upd = (delta * x_t).reshape((BLOCK_R, 1)) * B_t
+    if HAS_STATE:
+        st = ct.load(ssm_state, index=(t, 0), shape=(BLOCK_R, D_STATE))
+        st = st * ct.where(second, dc1, dc0).reshape((BLOCK_R, 1)) + upd
+    else:
+        st = upd
+    yv = ct.sum(st * C_t, axis=1) + d_r * x_t
+    ct.store(state_out, index=(t, 0), tile=st)
+    ct.store(y, index=(t,), tile=yv.astype(y.dtype))
+
+
+def choose_block_rows(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int | None:
+    """The flat-row tile of :func:`ssd_step_rows_kernel`: the largest power of two <= headdim with <= 8192 state
+    elements that still gives >= 2 blocks per SM, or None where it is no larger than :func:`choose_block_p`'s tile
+    (power-of-two head dims: that kernel's tiles are already whole)."""
+    r = 1 << (headdim.bit_length() - 1)
+    while r > 8 and (r * d_state > 8192 or -(-batch * nheads * headdim // r) < 2 * sm_count):
+        r //= 2
+    return r if r > choose_block_p(batch, nheads, headdim, d_state, sm_count) else None
 
 
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
@@ -110,14 +185,56 @@ def step_launch(p: SSMScanProblem, *, block_p: int, occupancy: int | None, dt_so
     return Launch(hinted(ssd_step_kernel, occupancy), args, grid, block_p)
 
 
-def _plan(p: SSMScanProblem, dev: torch.device, dt_softplus, dt_limit, has_D, has_dt_bias, has_state) -> Launch:
+def rows_launch(p: SSMScanProblem, *, block_r: int, occupancy: int | None, dt_softplus: bool,
+                dt_limit: tuple[float, float], has_D: bool = True, has_dt_bias: bool = True,
+                has_state: bool = True) -> Launch:
+    """:func:`ssd_step_rows_kernel` for ``p`` with ``block_r``-row tiles of the flat state rows (bind the flat views
+    of :func:`_rows_views`); config ``("rows", block_r)``."""
+    dtn = p.dtype
+    args = (L.array("x", dtn, 1), L.array("dt", dtn, 1), L.array("A", "float32", 1), L.array("B", dtn, 2),
+            L.array("C", dtn, 2), L.array("D", "float32", 1, source=None if has_D else "A"),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("ssm_state", "float32", 2, source=None if has_state else "state_out", alias=("state",)),
+            L.array("y", dtn, 1), L.array("state_out", "float32", 2, alias=("state",)),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            L.scalar("nheads", "int32", p.nheads), L.scalar("headdim", "int32", p.headdim),
+            L.scalar("ngroups", "int32", p.ngroups), L.scalar("heads_per_group", "int32", p.heads_per_group),
+            L.constant("BLOCK_R", block_r), L.constant("D_STATE", p.d_state),
+            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
+            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+    grid = (-(-p.batch * p.nheads * p.headdim // block_r), 1, 1)
+    return Launch(hinted(ssd_step_rows_kernel, occupancy), args, grid, ("rows", block_r))
+
+
+def _rows_views(tensors: dict) -> dict | None:
+    """The flat views :func:`ssd_step_rows_kernel` reads, or None where a tensor is not contiguous (then the
+    per-head kernel runs)."""
+    if not all(t is None or t.is_contiguous() for t in tensors.values()):
+        return None
+    out = dict(tensors)
+    for k in ("x", "y", "dt"):
+        out[k] = tensors[k].reshape(-1)
+    for k in ("B", "C"):
+        out[k] = tensors[k].reshape(-1, tensors[k].shape[-1])
+    for k in ("ssm_state", "state_out"):
+        if tensors[k] is not None:
+            out[k] = tensors[k].reshape(-1, tensors[k].shape[-1])
+    return out
+
+
+def _plan(p: SSMScanProblem, dev: torch.device, dt_softplus, dt_limit, has_D, has_dt_bias, has_state,
+          rows: bool = True) -> Launch:
     def make():
+        br = choose_block_rows(p.batch, p.nheads, p.headdim, p.d_state, sm_count(dev)) if rows else None
+        if br is not None:
+            return rows_launch(p, block_r=br, occupancy=choose_occupancy(br, p.d_state), dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
         bp = choose_block_p(p.batch, p.nheads, p.headdim, p.d_state, sm_count(dev))
         return step_launch(p, block_p=bp, occupancy=choose_occupancy(bp, p.d_state), dt_softplus=dt_softplus,
                            dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
 
     key = ("step", p, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus), has_D, has_dt_bias, has_state,
-           dev.index)
+           rows, dev.index)
     return cached_plan(key, make)
 
 
@@ -125,7 +242,8 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
                     dt_limit: tuple[float, float], out=None, state_out=None, stream=None) -> SSMScanOutput:
     """cuTile decode step on validated arguments (see :func:`m2export.kernels.ssd_step.ssm_step`).
 
-    ``problem`` has seqlen 1; the tile and occupancy hint come from :func:`choose_block_p` and
+    ``problem`` has seqlen 1; the tile and occupancy hint come from :func:`choose_block_rows` (head dims that are
+    not powers of two, contiguous tensors: :func:`ssd_step_rows_kernel`) or :func:`choose_block_p`, and
     :func:`choose_occupancy` (the launch is cached per problem signature)."""
     dev = x.device
     ls = launch_stream(stream, dev)
@@ -141,10 +259,13 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
                                    allocate=True)
         if p.batch == 0:
             return SSMScanOutput(y, new_state)
-        launch = _plan(p, dev, dt_softplus, dt_limit, D is not None, dt_bias is not None, ssm_state is not None)
+        tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state, y=y,
+                       state_out=new_state)
+        flat = _rows_views(tensors) if ROWS else None
+        launch = _plan(p, dev, dt_softplus, dt_limit, D is not None, dt_bias is not None, ssm_state is not None,
+                       rows=flat is not None)
         ct.launch(int(ls.cuda_stream), launch.grid, launch.kernel,
-                  launch.bind(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state, y=y,
-                                   state_out=new_state)))
+                  launch.bind(flat if isinstance(launch.config, tuple) else tensors))
     return SSMScanOutput(y, new_state)
 
 
