@@ -43,9 +43,9 @@ from typing import Any, Callable
 import numpy as np
 
 from m2export import backends, names
-from m2export.check.console import ProgressTask, doing
-from m2export.check.data import (TokenDataLoader, byte_tokens, check_shapes, chunk_size_of, default_shapes,
-                                 read_corpus, token_windows)
+from m2export.check.console import ProgressTask
+from m2export.check.data import (FeedInfo, TokenDataLoader, byte_tokens, check_shapes, chunk_size_of,
+                                 default_shapes, read_corpus, token_windows)
 from m2export.check.report import command_block, greedy_line, reproduce_intro, runner_label, verdict
 from m2export.check.repro import DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE
 from m2export.check.repro import (RecordingLoader, left_out_note, reproduction_commands, ssmscan_build_note,
@@ -501,10 +501,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             not write (or one edited since) is refused before anything runs (OutputFolderError), unless ``force``;
             what was written is recorded (OUTDIR: m2export.json's ``files``; elsewhere :data:`REPORTS_RECORD`).
         force: replace same-named files in ``report_dir`` even if m2export did not write them.
-        progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent); where the
-            returned callable has ``doing(what)`` (:class:`~m2export.check.console.ProgressTask`), it is told each
-            step as it starts: phases setup, prefill (per input and runner, the reference's past states included),
-            packed, sequence (per runtime), reports.
+        progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent); where it
+            returns a :class:`~m2export.check.console.ProgressTask`, its ``doing(what)`` is told each step as it
+            starts: phases setup, prefill (per input and runner, the reference's past states included), packed,
+            sequence (per runtime), reports (a plain ``advance`` callable is wrapped in one, its steps unnamed).
         polygraphy_log: let Polygraphy log its per-output details (``-v``).
         reference: "torch" (m2export's PyTorch model, fp32) or "transformers" (HF-format checkpoints only:
             transformers' model gives the logits, one full forward per call over the tokens so far, no cache;
@@ -544,10 +544,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     manifest = read_manifest(outdir)
     from m2export.inspect import check_graph_file
 
-    prog = progress or (lambda desc, total: ProgressTask())
+    prog = _new_task(progress)
     setup = prog("setup", len(manifest.graphs) + 1)
     for g in manifest.graphs:  # SSMScan attributes must keep the contract (ORT would run them as they are),
-        doing(setup, f"reading {g.file} (contract checks)")
+        setup.doing(f"reading {g.file} (contract checks)")
         check_graph_file(outdir / g.file, g)  # and each file must be the graph its entry describes
         setup()
     cfg = manifest.model_config()
@@ -591,7 +591,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if len(rts) < 2:
         raise ParameterError(f"{outdir}: nothing to compare with the reference (`runtimes`={list(runtimes)})",
                              hint="keep 'onnxrt' in `runtimes`")
-    doing(setup, f"loading the reference checkpoint {ck_path} (sha256, weights checked against the export's)")
+    setup.doing(f"loading the reference checkpoint {ck_path} (sha256, weights checked against the export's)")
     loaded = ref_loader()  # load now: a bad checkpoint fails before any runtime starts
     setup()
     ck = loaded.ck if reference == "transformers" else loaded
@@ -619,7 +619,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             # -------- prefill section: every feed through the reference, then each runtime, compared as produced
             advance = prog(f"prefill ({len(loader)} inputs x {len(rts)} runners)", len(loader) * len(rts))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
-            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, labels=loader.labels)
+            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, feeds=loader.feeds)
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)
             rows += _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed,
                                  max_seqlen, out_names, atol_d, rtol_d, skipped, packed_info, prog)
@@ -666,7 +666,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if not force:
         _refuse_unowned_reports(report_dir, in_outdir=in_outdir)
     writing = prog("reports", 1)
-    doing(writing, f"writing the reports to {report_dir}")
+    writing.doing(f"writing the reports to {report_dir}")
     try:
         if dtype != "bf16" and write_saved(report_dir, rec, rts[0].name):  # JSON has no bf16; ORT CPU neither
             written += [DATA_LOADER_SCRIPT, INPUTS_FILE, REFERENCE_FILE]
@@ -812,8 +812,20 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
-             labels: list[str] | None = None) -> "OrderedDict[tuple[str, str], list]":
+def _new_task(progress: Callable | None) -> Callable[[str, int], ProgressTask]:
+    """``new_task(description, total) -> ProgressTask`` from run_check's ``progress`` callback (None: silent), whose
+    ``advance`` may be a plain callable (then the steps' names go nowhere)."""
+    if progress is None:
+        return lambda desc, total: ProgressTask()
+
+    def new_task(desc: str, total: int) -> ProgressTask:
+        task = progress(desc, total)
+        return task if isinstance(task, ProgressTask) else ProgressTask(task)
+    return new_task
+
+
+def _prefill(rts: list[_Runtime], loader, compare_func, advance: ProgressTask, hist, rec=None,
+             feeds: "list[FeedInfo] | None" = None) -> "OrderedDict[tuple[str, str], list]":
     """The prefill section: every feed of ``loader`` through the reference's prefill runner, then through each
     runtime's in turn; each runtime's outputs are compared with the reference's (``compare_func(runtime,
     reference)``, Polygraphy's order: relative errors divide by the reference) as soon as they exist and
@@ -838,15 +850,18 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
     runners = [r.prefill for r in rts]
     acc: OrderedDict[tuple[str, str], list] = OrderedDict(((r.name, runners[0].name), []) for r in runners[1:])
     names = [rt.label or rt.name for rt in rts]
-    labels = list(labels or [])
+    infos = list(feeds or [])
+
+    def info(k) -> FeedInfo:  # what the loader says of its k-th feed (a plain loader: nothing)
+        return infos[k] if k < len(infos) else FeedInfo(f"input {k + 1}")
 
     def label(k):
-        return labels[k] if k < len(labels) else f"input {k + 1}"
+        return info(k).label
 
     with contextlib.ExitStack() as stack:
         active = []
         for rt, r in zip(names, runners):  # ONNX Runtime builds its session here (seconds for a large graph)
-            doing(advance, f"starting {rt}")
+            advance.doing(f"starting {rt}")
             active.append(stack.enter_context(r))
         metas = [r.get_input_metadata(use_numpy_dtypes=False) for r in active]
 
@@ -859,19 +874,19 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance, hist, rec=None,
         stack.callback(getattr(feeds, "close", lambda: None))  # the loader's own reference runner, deactivated
         for k in range(len(loader)):
             # a continued input's past states come from the reference, run while the loader makes the feed
-            doing(advance, f"{label(k)}: making the feed" + (" (reference past states)" if "after" in label(k) else ""))
+            advance.doing(f"{label(k)}: making the feed" + (" (reference past states)" if info(k).continues else ""))
             feed = next(feeds, None)
             if feed is None:
                 break
             check_feed_dict(feed)
-            doing(advance, f"{label(k)}: {names[0]}")
+            advance.doing(f"{label(k)}: {names[0]}")
             ref = run(0, feed)
             advance()
             release_freed_memory()  # the reference's freed temporaries, before the runtimes allocate theirs
             if rec is not None:
                 rec.record_outputs(k, ref)
             for i in range(1, len(active)):
-                doing(advance, f"{label(k)}: {names[i]}")
+                advance.doing(f"{label(k)}: {names[i]}")
                 it = run(i, feed)
                 acc[(it.runner_name, ref.runner_name)].append(compare_func(it, ref))
                 if want_hist:
@@ -911,7 +926,7 @@ def _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, c
     acc, label, name = packed_section(outdir, manifest, reference, compare_func,
                                    tokens=byte_tokens(corpus, manifest.model_config().vocab_size), seed=seed,
                                    dtype=manifest.dtype, max_seqlen=max_seqlen, runner_factory=runner,
-                                   doing=lambda what: doing(advance, what))
+                                   doing=advance.doing)
     advance()
     release_freed_memory()
     info.append((label, name))
@@ -1022,7 +1037,7 @@ def _sequence_batch(manifest: Manifest) -> int:
 
 
 def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: int, seed: int, logits_atol: float,
-              advance, compare: Callable, batch: int = 2,
+              advance: ProgressTask, compare: Callable, batch: int = 2,
               release_reference: Callable[[], None] | None = None) -> tuple[list[Any], dict[str, dict[str, Any]]]:
     """Run prefill + ``steps`` decode steps per runtime, one runtime at a time; return (one Polygraphy
     ``AccuracyResults`` per runtime after the reference, greedy agreement per runtime).
@@ -1069,7 +1084,7 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
             choose(steps, np.asarray(st.outputs["logits"], dtype=np.float32)[:, -1])
 
         one_graph = rt.decode is None or rt.decode is rt.prefill
-        doing(advance, f"{rt.label or rt.name}: prompt {plen} + {steps} decode steps, its own states fed back")
+        advance.doing(f"{rt.label or rt.name}: prompt {plen} + {steps} decode steps, its own states fed back")
         with rt.prefill as pre, (contextlib.nullcontext(None) if one_graph else rt.decode) as dec:
             runner = Decoder(io, pre.infer, None if dec is None else dec.infer, np_dtype=feed_dtype_of)
             if ri == 0:

@@ -70,14 +70,6 @@ class ProgressTask:
             self._doing(what)
 
 
-def doing(task: Callable[[], None], what: str) -> None:
-    """``task.doing(what)`` where ``task`` has it (a :class:`ProgressTask`); nothing for a caller's plain
-    ``advance()`` callable (the library's ``progress`` callbacks need only return one)."""
-    fn = getattr(task, "doing", None)
-    if callable(fn):
-        fn(what)
-
-
 #: plain-line progress (stderr not a terminal): a step is announced once it has run this long, then again every
 #: :data:`PLAIN_EVERY_S` while it runs, and its end is printed; shorter steps print nothing
 PLAIN_AFTER_S = 5.0

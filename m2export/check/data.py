@@ -18,6 +18,7 @@ import contextlib
 import sysconfig
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -207,6 +208,16 @@ def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int
                     f"batch {b}); expected at most this machine's {human_bytes(memory)} of memory", hint=hint)
 
 
+@dataclass(frozen=True)
+class FeedInfo:
+    """One feed of a :class:`TokenDataLoader`, in iteration order: its ``label`` ("2x17", "2x17 after 19",
+    "vocab sweep 1/3 (1x333)") and whether it ``continues`` a sequence (its past states are the reference's own,
+    which the reference computes while the loader makes the feed)."""
+
+    label: str
+    continues: bool = False
+
+
 class TokenDataLoader:
     """Polygraphy data loader: real tokens per (batch, seqlen) in ``shapes``, fresh and (optionally) continued.
 
@@ -235,7 +246,8 @@ class TokenDataLoader:
 
     Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
     shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
-    :attr:`labels` names each feed ("2x17"; "2x17 after 19" for a continued one).
+    :attr:`feeds` describes each feed (:class:`FeedInfo`), :attr:`labels` names them ("2x17"; "2x17 after 19" for a
+    continued one).
     """
 
     def __init__(self, cfg: Mamba2Config, dtype: str, shapes: Sequence[tuple[int, int]], *,
@@ -254,15 +266,20 @@ class TokenDataLoader:
             raise ParameterError(f"`past_len` {self.past_len}: expected >= 1")
 
     @property
-    def labels(self) -> list[str]:
-        """One label per feed dict, in iteration order."""
+    def feeds(self) -> list[FeedInfo]:
+        """One :class:`FeedInfo` per feed dict, in iteration order."""
         out = []
         for b, s in self.shapes:
-            out.append(f"{b}x{s}")
+            out.append(FeedInfo(f"{b}x{s}"))
             if self.reference is not None:
-                out.append(f"{b}x{s} after {self.past_len}")
+                out.append(FeedInfo(f"{b}x{s} after {self.past_len}", continues=True))
         n = len(self.sweep)
-        return out + [f"vocab sweep {i + 1}/{n} (1x{w.shape[1]})" for i, w in enumerate(self.sweep)]
+        return out + [FeedInfo(f"vocab sweep {i + 1}/{n} (1x{w.shape[1]})") for i, w in enumerate(self.sweep)]
+
+    @property
+    def labels(self) -> list[str]:
+        """One label per feed dict, in iteration order."""
+        return [f.label for f in self.feeds]
 
     @property
     def coverage(self) -> str:

@@ -208,14 +208,25 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
         for c in report.polygraphy_commands:
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
     if report.reproduce_note:
-        console.print(Text(f"note: {report.reproduce_note}"), soft_wrap=False)
+        _print_prose(console, f"note: {report.reproduce_note}")
     if report.tensorrt_commands:
         console.print(Text("with TensorRT, in the copied folder (trtexec builds the std flavour with the profile "
                            "'m2export build' uses):"), soft_wrap=False)
         for c in report.tensorrt_commands:
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
     if report.tensorrt_note:
-        console.print(Text(f"note: {report.tensorrt_note}"), soft_wrap=False)
+        _print_prose(console, f"note: {report.tensorrt_note}")
+
+
+def _print_prose(console, text: str) -> None:
+    """``text`` wrapped at the console's width between words, every line without a trailing space (rich's own
+    wrap of a Text keeps the space it broke at at the end of each line); a word longer than the width stays whole."""
+    import textwrap
+
+    from rich.text import Text
+
+    for line in textwrap.wrap(text, width=console.width, break_long_words=False, break_on_hyphens=False):
+        console.print(Text(line), soft_wrap=True, crop=False)
 
 
 def _num(x: float) -> str:

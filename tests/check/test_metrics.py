@@ -15,6 +15,7 @@ from polygraphy.common import TensorMetadata
 from polygraphy.comparator.compare import SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 
+from m2export.check.console import ProgressTask
 from m2export.check.compare import _prefill, _rows, _Runtime, make_compare_func
 from m2export.check.metrics import SlicedCompareFunc, sliced_elementwise
 
@@ -161,7 +162,7 @@ def test_prefill_keeps_at_most_the_reference_and_one_runtime_output():
     alive, seen = [], []
     rts = [_Runtime(n, "", _Fake(n, alive, seen, off), None) for n, off in (("ref", 0.0), ("a", 1e-6), ("b", 5.0))]
     feeds = [OrderedDict(input_ids=np.full((1, 1), k, np.int64)) for k in range(4)]
-    acc = _prefill(rts, feeds, make_compare_func({"": 1e-4}, {"": 1e-3}), lambda: None, {})
+    acc = _prefill(rts, feeds, make_compare_func({"": 1e-4}, {"": 1e-3}), ProgressTask(), {})
     assert list(acc) == [("a", "ref"), ("b", "ref")]
     assert [bool(m["logits"]) for m in acc[("a", "ref")]] == [True] * 4
     assert [bool(m["logits"]) for m in acc[("b", "ref")]] == [False] * 4

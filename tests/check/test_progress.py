@@ -67,3 +67,16 @@ def test_cli_progress_on_stderr_when_not_a_terminal(tiny_out, tmp_path, capsys, 
     out, err = capsys.readouterr()
     assert "check [" in err and "prefill (3 inputs x 3 runners)" in err and "sequence (prompt" in err, err
     assert "check [" not in out and out.splitlines()[-1].startswith("PASSED | m2export check")
+
+
+def test_a_plain_advance_callable_is_enough(tiny_out, tmp_path):
+    """run_check's progress callback may return a plain advance() (no ProgressTask): run_check wraps it once, its
+    steps unnamed; every bar still ends full and the check runs as with named steps."""
+    counts: dict[str, list[int]] = {}
+
+    def progress(desc, total):
+        counts[desc] = [total, 0]
+        return lambda: counts[desc].__setitem__(1, counts[desc][1] + 1)
+
+    assert run_check(tiny_out, shapes=[(1, 3)], decode_steps=1, report_dir=tmp_path, progress=progress).passed
+    assert counts and all(total == done for total, done in counts.values()), counts

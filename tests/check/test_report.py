@@ -111,3 +111,21 @@ def test_command_block_splits_between_arguments(width):
         toks = shlex.split(ln.rstrip("\\"))
         assert len(ln) <= width or len(toks) <= 2, ln  # only a single over-long argument may overflow
     assert "--load-inputs check_inputs.json" in block  # a flag stays with its value
+
+
+def test_wrapped_notes_keep_no_trailing_space():
+    """The console's 'note:' lines wrapped at the terminal width: each line ended with the space it was broken at
+    ("... 'm2export build OUTDIR --plugin aot' there, " on the 130m check). Now no line ends with a space, every
+    line fits the width, and the words are the note's, in order."""
+    rep = _report([_row(1e-5, 1e-4, True)])
+    rep.reproduce_note = ("graphs with SSMScan nodes build with the m2export::SSMScan plugin (a Python plugin: no "
+                          "library for trtexec): 'm2export build OUTDIR --plugin aot' there, after which the AOT engine "
+                          "runs in trtexec and polygraphy without m2export")
+    rep.tensorrt_note = "TensorRT is not installed here: " + " ".join(["the engines are built elsewhere"] * 6)
+    for width in (80, 101, WIDE_MIN_WIDTH):
+        buf = io.StringIO()
+        print_console(rep, "out", Console(file=buf, width=width, highlight=False), json_name="r.json", md_name="r.md")
+        text = buf.getvalue()
+        notes = text[text.index("note: "):].splitlines()
+        assert len(notes) > 2 and all(ln == ln.rstrip() and len(ln) <= width for ln in notes), notes
+        assert " ".join(notes) == f"note: {rep.reproduce_note} note: {rep.tensorrt_note}"

@@ -88,6 +88,8 @@ def test_data_loader_continued_feeds_carry_reference_states(tiny_ck):
     feeds = list(loader)
     assert len(loader) == len(feeds) == 4 and loader.past_len == cfg.chunk_size + 3
     assert loader.labels == ["1x5", "1x5 after 19", "2x17", "2x17 after 19"]
+    # the loader says which feeds continue (the check's progress read it from "after" in the label)
+    assert [f.continues for f in loader.feeds] == [False, True, False, True]
     fresh = list(TokenDataLoader(cfg, "fp32", shapes, seed=4, vocab_sweep=False))  # the fresh feeds are unchanged
     for a, b in zip(feeds[::2], fresh):
         assert all(np.array_equal(a[k], b[k]) for k in b)
