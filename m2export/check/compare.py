@@ -81,8 +81,9 @@ def tolerance_items(values: list[str] | None, param: str) -> list[tuple[str | No
     tolerance. Checked before any file is read.
 
     Raises:
-        UsageError: a malformed value, or one that is inf, nan or negative (exit 2, like every malformed flag value:
-            m2export.errors.ExitCode.USAGE); the message names ``param`` ("atol" / "rtol") and the value.
+        UsageError: a malformed value, or one that is inf, nan or negative, or more than one VALUE without a NAME
+            (two defaults: which one holds is not ours to pick) (exit 2, like every malformed flag value:
+            m2export.errors.ExitCode.USAGE); the message names ``param`` ("atol" / "rtol") and the value(s).
     """
     out = []
     for v in values or []:
@@ -95,6 +96,10 @@ def tolerance_items(values: list[str] | None, param: str) -> list[tuple[str | No
             what = "nan" if math.isnan(x) else "infinite" if math.isinf(x) else "negative"
             raise UsageError(f"`{param}` {v!r}: {num.strip()} is {what}; expected a finite number >= 0")
         out.append((name if sep else None, x))
+    defaults = [v for v, (name, _) in zip(values or [], out) if name is None]
+    if len(defaults) > 1:  # "later wins" would drop one silently: which one the user meant is not ours to pick
+        raise UsageError(f"`{param}` {', '.join(map(repr, defaults))}: more than one default value",
+                         hint="give one VALUE (the default) and NAME:VALUE for each output that differs")
     return out
 
 
@@ -103,7 +108,7 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
     """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.
 
     NAME may be a glob (``present_ssm_state.*``); it is expanded to the exact output names Polygraphy
-    needs. Later values win.
+    needs. Later NAME:VALUE values win; a second default is refused (:func:`tolerance_items`).
 
     Raises:
         UsageError: a malformed, infinite, NaN or negative value (:func:`tolerance_items`); ParameterError: a NAME

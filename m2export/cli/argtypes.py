@@ -44,3 +44,22 @@ def non_negative_float(text: str) -> float:
     if not (math.isfinite(v) and v >= 0):
         raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0")
     return v
+
+
+def comma_items(text: str, flag: str) -> list[str]:
+    """``"a, b,c"`` -> ``["a", "b", "c"]`` (items stripped); ``""`` (or blanks) -> ``[]``.
+
+    Raises:
+        UsageError: an empty item (``1,,2``, a trailing ``1,2,``): ``error: FLAG '1,,2': empty item at position
+            2`` (exit 2); a list that silently dropped it would be another list than the one typed.
+    """
+    from m2export.errors import UsageError
+
+    if not text.strip():
+        return []
+    items = [v.strip() for v in text.split(",")]
+    for i, v in enumerate(items, 1):
+        if not v:
+            raise UsageError(f"{flag} {text!r}: empty item at position {i}",
+                             hint="separate the items with single commas")
+    return items

@@ -145,7 +145,8 @@ def run(args) -> int:
     shapes = parse_shapes(args.shapes) if args.shapes else None
     runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
     with progress_bars(not args.quiet, "check") as prog:
-        report = run_check(args.outdir, checkpoint=args.checkpoint, atol=_split(args.atol), rtol=_split(args.rtol),
+        report = run_check(args.outdir, checkpoint=args.checkpoint, atol=_split(args.atol, "--atol"),
+                           rtol=_split(args.rtol, "--rtol"),
                            shapes=shapes,
                            decode_steps=args.decode_steps, prompt_len=args.prompt_len, text=args.text,
                            seed=args.seed, runtimes=runtimes, require_trt="trt" in (args.runtimes or ()),
@@ -168,9 +169,11 @@ def run(args) -> int:
                               "if the error is expected (e.g. fp16)")
 
 
-def _split(values: list[str] | None) -> list[str] | None:
-    """``--atol a,b --atol c`` -> ``[a, b, c]``."""
-    return None if values is None else [v.strip() for item in values for v in item.split(",") if v.strip()]
+def _split(values: list[str] | None, flag: str) -> list[str] | None:
+    """``--atol a,b --atol c`` -> ``[a, b, c]``; an empty item (``a,,b``) is refused (UsageError, exit 2)."""
+    from m2export.cli.argtypes import comma_items
+
+    return None if values is None else [v for item in values for v in comma_items(item, flag)]
 
 
 def _print_report(report, report_dir, json_name, md_name) -> None:

@@ -78,8 +78,11 @@ def run(args) -> int:
         print(f"note: --top-k {args.top_k} has no effect with greedy decoding (--temperature 0, the default); "
               "pass --temperature T > 0 to sample among the top-k", file=sys.stderr)
     if args.prompt_ids is not None:  # its syntax first: a malformed value is exit 2 before anything is read
+        from m2export.cli.argtypes import comma_items
+
+        items = comma_items(args.prompt_ids, "--prompt-ids")
         try:
-            ids = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
+            ids = [int(v) for v in items]
         except ValueError:
             raise UsageError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
     src = Path(args.source)

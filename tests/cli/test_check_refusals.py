@@ -61,3 +61,19 @@ def test_report_dir_files_m2export_did_not_write_are_refused(tiny_out, tmp_path,
     assert main(["check", str(tiny_out), "-q", "--report-dir", str(rep), *QUICK]) == ExitCode.USER_ERROR
     assert "check_report.json" in capsys.readouterr().err.splitlines()[0]
     assert (rep / "notes.txt").read_text() == "unrelated\n"
+
+
+@pytest.mark.parametrize("values,shown", [(["--atol", "1e-3,1e-4"], "'1e-3', '1e-4'"),
+                                          (["--rtol", "1e-3", "--rtol", "logits:1e-2,2e-3"], "'1e-3', '2e-3'")])
+def test_two_default_tolerances_are_refused(tmp_path, capsys, values, shown):
+    """Two VALUEs without a NAME: one would silently win; refused (exit 2) before any file is read."""
+    rc = main(["check", str(tmp_path / "nope"), *values])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == ExitCode.USAGE, err
+    assert err[0] == f"error: {values[0]} {shown}: more than one default value", err
+
+
+def test_empty_tolerance_item_is_refused(tmp_path, capsys):
+    rc = main(["check", str(tmp_path / "nope"), "--atol", "logits:1e-3,,1e-4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == ExitCode.USAGE and err[0] == "error: --atol 'logits:1e-3,,1e-4': empty item at position 2", err

@@ -400,3 +400,11 @@ def test_inspect_warns_of_a_graph_reading_an_unlisted_weights_file(tiny_out, tmp
     assert ("warning: model.onnx reads weights from ['../../../etc/passwd'], not from the file(s) m2export.json lists "
             "for it: this export is damaged") in err, err
     assert main(["inspect", str(tiny_out)]) == 0 and "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids,pos", [("1,,2", 2), ("1,2,", 3), (",1", 1)])
+def test_generate_prompt_ids_empty_item_is_refused(tmp_path, capsys, ids, pos):
+    """``1,,2`` was read as ``1,2``: an empty item is refused (exit 2) before the source is read."""
+    rc = main(["generate", str(tmp_path / "nope"), "--prompt-ids", ids])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[0] == f"error: --prompt-ids {ids!r}: empty item at position {pos}", err
