@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -851,13 +852,30 @@ def _check_layer_count(names, n_layer: int, where: str) -> None:
 _NARROW = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+#: the largest ``A_log`` whose ``A = -exp(A_log)`` is finite in float32 (about 88.72): the export bakes A in
+#: float32 (exporter/build.py) and the model computes it so (models/mamba2.py); above it A is -inf, and the
+#: chunked scans' (ssmscan, std) segment sums subtract -inf from -inf: NaN logits
+A_LOG_MAX = math.log(torch.finfo(torch.float32).max)
+
+
 def check_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, where: str) -> None:
-    """Refuse NaN/Inf weights and, for an fp16/bf16 ``dtype``, values whose cast overflows to inf.
+    """Refuse NaN/Inf weights, an ``A_log`` whose ``A = -exp(A_log)`` overflows float32 to -inf (a tensor named
+    ``...A_log``, every family's name for it: > :data:`A_LOG_MAX`), and, for an fp16/bf16 ``dtype``, values whose
+    cast overflows to inf.
 
     Raises:
         CheckpointError: naming the tensor, its first bad index and the value.
     """
     for k, v in sd.items():
+        if k.rsplit(".", 1)[-1] == "A_log" and v.is_floating_point():
+            with torch.no_grad():
+                over = torch.isinf(torch.exp(v.float())) & torch.isfinite(v)  # the export's own op; NaN/inf: below
+            if bool(over.any()):
+                idx = [int(i) for i in over.nonzero()[0]]
+                raise CheckpointError(f"{where}: tensor {k!r} has a value at index {idx}: {v[tuple(idx)].item()!r} "
+                                      f"whose A = -exp(A_log) is -inf in float32; expected A_log <= "
+                                      f"{A_LOG_MAX:.4f} (A finite)",
+                                      hint="fix the checkpoint (or export it anyway with `allow_nonfinite=True`)")
         if _weights_ok(v, dtype):
             continue
         bad = ~torch.isfinite(v)

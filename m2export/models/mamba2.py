@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2export.errors import ContractError
 from m2export.kernels.ssd.naive import ssm_scan_chunked
 from m2export.models.config import Mamba2Config
 from m2export.models.layers import MLP, Attention, MoE, Router, SharedBlock
@@ -144,11 +145,14 @@ class Mamba2Mixer(nn.Module):
             xBC = F.silu(F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
         x, B, C = torch.split(xBC, [s.d_inner, s.ngroups * s.d_state, s.ngroups * s.d_state], dim=-1)
         A = -torch.exp(_compute(self.A_log))  # fp32 (or float64): A_log in bf16 would lose the decay's precision
-        y, new_ssm_state = (_cutile_scan if cutile else self.scan_fn)(
-            x.reshape(batch, seqlen, s.nheads, s.headdim), dt,
-            A, B.reshape(batch, seqlen, s.ngroups, s.d_state), C.reshape(batch, seqlen, s.ngroups, s.d_state),
-            _compute(self.D), _compute(self.dt_bias), None if ssm_state is None else _compute(ssm_state),
-            chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit)
+        try:
+            y, new_ssm_state = (_cutile_scan if cutile else self.scan_fn)(
+                x.reshape(batch, seqlen, s.nheads, s.headdim), dt,
+                A, B.reshape(batch, seqlen, s.ngroups, s.d_state), C.reshape(batch, seqlen, s.ngroups, s.d_state),
+                _compute(self.D), _compute(self.dt_bias), None if ssm_state is None else _compute(ssm_state),
+                chunk_size=s.chunk_size, dt_softplus=True, dt_limit=s.dt_limit)
+        except ContractError as e:  # e.g. an A_log loaded with allow_nonfinite: say which layer's
+            raise ContractError(f"layer {self.layer_idx}'s mixer: {e.raw_message}", hint=e.raw_hint) from None
         y = y.reshape(batch, seqlen, s.d_inner)
         if s.norm == "gated_rms" and cutile:
             from m2export.kernels.gated_norm import gated_rmsnorm

@@ -306,3 +306,21 @@ def test_check_shape_whose_scan_body_exceeds_memory(tiny_out, tmp_path, capsys):
     assert "for one layer's ONNX scan body ((nchunks + 1)^2 decay matrices for" in line, line
     assert "expected at most this machine's" in line and rc == ExitCode.USER_ERROR, line
     assert not (tmp_path / "check_report.json").exists()
+
+
+def test_export_refuses_an_a_log_whose_a_overflows(tiny_ck, tmp_path, capsys):
+    """A_log 89 (A = -exp(89) = -inf in float32): was exit 0 and graphs whose ssmscan/std logits were all NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ck, ck)
+    sd = load_file(ck / "model.safetensors")
+    sd["backbone.layers.0.mixer.A_log"][0] = 89.0
+    save_file(sd, ck / "model.safetensors", metadata={"format": "pt"})
+    rc = main(["export", str(ck), "-o", str(tmp_path / "out"), "-q"])
+    line = _one_error(capsys, "tensor 'backbone.layers.0.mixer.A_log' has a value at index [0]: 89.0 whose "
+                              "A = -exp(A_log) is -inf in float32; expected A_log <= 88.7228")
+    assert rc == ExitCode.USER_ERROR and str(ck / "model.safetensors") in line, line
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -302,6 +303,33 @@ def test_non_finite_and_out_of_range_weights_are_refused(tmp_path, value, dtype,
     assert not torch.isfinite(ck.model.backbone.embedding.weight[77, 3])
     if dtype is not None:
         load_checkpoint(path) if value == 1e5 else None  # in range for fp32: accepted
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_an_a_log_whose_a_overflows_float32_is_refused(tmp_path, mapped):
+    """A_log = 89 is finite, but A = -exp(A_log) is -inf in float32 (the export bakes A so): the ssmscan/std
+    graphs gave all-NaN logits and the export exited 0. Refused like a NaN weight, naming the tensor, index and
+    value; 88.7 (A finite) loads; allow_nonfinite lets it through and the reference then names the layer."""
+    from m2export.errors import ContractError
+    from m2export.models.checkpoint import A_LOG_MAX
+
+    assert 88.72 < A_LOG_MAX < 88.73 and math.isfinite(-math.exp(A_LOG_MAX))
+    name = "backbone.layers.1.mixer.A_log"
+
+    def put(v):
+        return lambda sd: sd[name].__setitem__(2, v)
+
+    path = _tampered_ckpt(tmp_path / "a", put(89.0))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, mapped=mapped)
+    assert str(e.value) == (f"{path / 'model.safetensors'}: tensor {name!r} has a value at index [2]: 89.0 whose "
+                            "A = -exp(A_log) is -inf in float32; expected A_log <= 88.7228 (A finite)")
+    assert "allow_nonfinite=True" in e.value.hint
+    ck = load_checkpoint(path, allow_nonfinite=True)
+    with pytest.raises(ContractError, match=r"^layer 1's mixer: A: expected A <= 0 and finite"):
+        ck.model(torch.tensor([[1, 2, 3]]))
+    ok = load_checkpoint(_tampered_ckpt(tmp_path / "b", put(88.7)), mapped=mapped)
+    assert torch.isfinite(-torch.exp(ok.model.backbone.layers[1].mixer.A_log.float())).all()
 
 
 def test_large_finite_weights_whose_sum_overflows_are_accepted(tmp_path):
