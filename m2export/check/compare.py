@@ -196,6 +196,7 @@ class CheckReport:
     versions: dict[str, str] = field(default_factory=dict)
     past_len: int = 0  # prefill sizes are also fed continuing this many reference tokens (0: fresh only)
     vocab_coverage: str = ""  # which token ids the prefill feeds hold (TokenDataLoader.coverage)
+    vocab_sweep_inputs: int = 0  # prefill feeds of the vocabulary sweep (TokenDataLoader.sweep; 0: skipped)
     packed: str = ""  # the packed section's pack (m2export.check.packed), "" when it did not run
     #: where the reference's tensors were (ExportWeights.summary: views of the export's mapped weights, each
     #: bit-equal to the checkpoint's, or the checkpoint's own copy)
@@ -484,7 +485,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
               prompt_len: int | None = None, text: str | Path | None = None, seed: int = 0,
               runtimes=RUNTIMES, require_trt: bool = False, report_dir: str | Path | None = None,
               max_seqlen: int = 512, progress: Callable | None = None, polygraphy_log: bool = False,
-              reference: str = REFERENCE, reference_backend: str = "torch", force: bool = False) -> CheckReport:
+              reference: str = REFERENCE, reference_backend: str = "torch", force: bool = False,
+              vocab_sweep: bool = True) -> CheckReport:
     """Compare every runtime of an export with the reference (m2export's PyTorch model, or transformers'); write
     the reports.
 
@@ -506,6 +508,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             not write (or one edited since) is refused before anything runs (OutputFolderError), unless ``force``;
             what was written is recorded (OUTDIR: m2export.json's ``files``; elsewhere :data:`REPORTS_RECORD`).
         force: replace same-named files in ``report_dir`` even if m2export did not write them.
+        vocab_sweep: after the corpus feeds, feed every token id once (fresh states; TokenDataLoader's
+            ``vocab_sweep``: ceil(vocab_size / L) inputs of 1 x L, L = 333 on a 50k vocabulary, so most of a large
+            vocabulary's check time); False skips it, and the report's vocabulary line says which ids were fed.
         progress: callback ``progress(description, total) -> advance()`` for progress bars (None: silent); where it
             returns a :class:`~m2export.check.console.ProgressTask`, its ``doing(what)`` is told each step as it
             starts: phases setup, prefill (per input and runner, the reference's past states included), packed,
@@ -590,7 +595,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     # an ONNX runtime on a graph whose SSMScan runs the chunked body: its working set counts in the shapes' memory
     onnx_scan = any(r in runtimes for r in ("onnxrt", "onnx-reference")) and any(
         g.ssm_impl in ("ssmscan", "std") and g.role != PACKED_ROLE for g in manifest.graphs)
-    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader, onnx_scan=onnx_scan)
+    loader = TokenDataLoader(cfg, dtype, shapes, corpus=corpus, seed=seed, reference=ref_loader, onnx_scan=onnx_scan,
+                             vocab_sweep=vocab_sweep)
     rts, skipped = build_runtimes(outdir, manifest, ref_loader, runtimes=runtimes, require_trt=require_trt,
                                   shared=shared)
     if len(rts) < 2:
@@ -622,7 +628,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     try:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
             # -------- prefill section: every feed through the reference, then each runtime, compared as produced
-            advance = prog(f"prefill ({len(loader)} inputs x {len(rts)} runners)", len(loader) * len(rts))
+            sweep = f", {len(loader.sweep)} of them the vocabulary sweep" if loader.sweep else ""
+            advance = prog(f"prefill ({len(loader)} inputs{sweep} x {len(rts)} runners)", len(loader) * len(rts))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
             prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, feeds=loader.feeds)
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)
@@ -666,7 +673,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
-        vocab_coverage=loader.coverage, reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
+        vocab_coverage=loader.coverage, vocab_sweep_inputs=len(loader.sweep), reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
     written = [REPORT_JSON, REPORT_MD]
     if not force:
         _refuse_unowned_reports(report_dir, in_outdir=in_outdir)

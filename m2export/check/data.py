@@ -285,11 +285,12 @@ class TokenDataLoader:
     def coverage(self) -> str:
         """Which token ids the feeds hold, in words (for the report)."""
         v = self.cfg.vocab_size
-        if self.sweep:
-            return (f"every token id 0..{v - 1} fed at least once ({len(self.sweep)} vocabulary-sweep input(s) of up "
-                    f"to {max(w.shape[1] for w in self.sweep)} tokens after the corpus windows); every lm_head row "
-                    "compared in every input")
         distinct = len(np.unique(self.tokens))
+        if self.sweep:
+            return (f"every token id 0..{v - 1} fed at least once: a vocabulary sweep of {len(self.sweep)} input(s) "
+                    f"(1 x up to {max(w.shape[1] for w in self.sweep)} tokens; {v} tokens in all, zero past states) "
+                    f"after the corpus windows, so that every embedding row is exercised (the corpus holds {distinct} distinct "
+                    f"of {v} ids); every lm_head row compared in every input")
         return (f"only the ids of the corpus windows (the corpus holds {distinct} distinct of {v} ids; no "
                 "vocabulary sweep): embedding rows of other ids are not exercised")
 

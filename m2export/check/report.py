@@ -152,6 +152,9 @@ def _header(report) -> list[str]:
     out += list(report.skipped)
     out.append("inputs: " + report.corpus + "; prefill " + ", ".join(f"{b}x{s}" for b, s in report.shapes)
                + report.continued_note())
+    if report.vocab_coverage:  # the sweep can be most of the run (a 50k vocabulary): say it, and how to skip it
+        out.append("vocabulary: " + report.vocab_coverage
+                   + ("; 'check --no-vocab-sweep' skips the sweep" if report.vocab_sweep_inputs else ""))
     if report.decode_steps:  # a line of its own: wrapped after "; " it left the separator dangling at a line end
         out.append(f"sequence: prompt {report.prompt_len} + {report.decode_steps} decode steps")
     out.append("rule: an element fails where abs error > atol and rel error > rtol (Polygraphy elemwise)")
@@ -165,8 +168,8 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
     from rich.text import Text
 
     groups = group_rows(report.rows, report)
-    for line in _header(report):
-        console.print(Text(line), soft_wrap=False)
+    for line in _header(report):  # wrapped between words, no trailing space (the inputs and vocabulary lines are long)
+        _print_prose(console, line)
     wide = console.width >= WIDE_MIN_WIDTH
     for section in dict.fromkeys(g["section"] for g in groups):
         rows = [g for g in groups if g["section"] == section]
@@ -197,28 +200,28 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
                                  Text("FAIL", style="red"), g["why"])
             console.print(grid)
     for name, g in report.greedy.items():
-        console.print(Text(greedy_line(report, name, g), style=None if g["passed"] else "red"), soft_wrap=False)
+        _print_prose(console, greedy_line(report, name, g), style=None if g["passed"] else "red")
     if report.histogram:
-        console.print(Text(f"error histogram: {report.histogram}"), soft_wrap=False)
-    console.print(Text(f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}"), soft_wrap=False)
+        _print_prose(console, f"error histogram: {report.histogram}")
+    _print_prose(console, f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}")
     width = min(console.width, 100)
     if report.polygraphy_commands:
-        console.print(Text(reproduce_intro(report) + ":"), soft_wrap=False)
+        _print_prose(console, reproduce_intro(report) + ":")
         console.print(Text(f"cd {shlex.quote(report.commands_dir)}"), soft_wrap=True, crop=False)
         for c in report.polygraphy_commands:
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
     if report.reproduce_note:
         _print_prose(console, f"note: {report.reproduce_note}")
     if report.tensorrt_commands:
-        console.print(Text("with TensorRT, in the copied folder (trtexec builds the std flavour with the profile "
-                           "'m2export build' uses):"), soft_wrap=False)
+        _print_prose(console, "with TensorRT, in the copied folder (trtexec builds the std flavour with the profile "
+                              "'m2export build' uses):")
         for c in report.tensorrt_commands:
             console.print(Text(command_block(c, width=width)), soft_wrap=True, crop=False)
     if report.tensorrt_note:
         _print_prose(console, f"note: {report.tensorrt_note}")
 
 
-def _print_prose(console, text: str) -> None:
+def _print_prose(console, text: str, style: str | None = None) -> None:
     """``text`` wrapped at the console's width between words, every line without a trailing space (rich's own
     wrap of a Text keeps the space it broke at at the end of each line); a word longer than the width stays whole."""
     import textwrap
@@ -226,7 +229,7 @@ def _print_prose(console, text: str) -> None:
     from rich.text import Text
 
     for line in textwrap.wrap(text, width=console.width, break_long_words=False, break_on_hyphens=False):
-        console.print(Text(line), soft_wrap=True, crop=False)
+        console.print(Text(line, style=style), soft_wrap=True, crop=False)
 
 
 def _num(x: float) -> str:

@@ -207,3 +207,53 @@ def test_check_refuses_a_report_that_appears_while_it_runs(tiny_out, tmp_path, c
     assert "holds file(s) m2export did not write (check_report.md)" in capsys.readouterr().err
     assert (d / "check_report.md").read_text() == "mine\n"
     assert not any(p.name.startswith("check_") and p.name != "check_report.md" for p in d.iterdir())
+
+
+def test_check_names_the_vocabulary_sweep_and_skips_it_on_request(tiny_out, tmp_path, capsys):
+    """The vocabulary sweep (every token id fed once; ~25 minutes of a 130m check on 2 cores) is named on stdout with
+    its inputs and why, --help describes it, and --no-vocab-sweep (a plain switch: no value, no abbreviation) skips
+    it: fewer inputs, and the report says which ids were fed instead."""
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path / "a"), *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    line = " ".join(out.split("\nvocabulary: ", 1)[1].split("\nsequence: ")[0].split())
+    assert "vocabulary sweep of 1 input(s)" in line and "so that every embedding row is exercised" in line, line
+    assert line.endswith("'check --no-vocab-sweep' skips the sweep"), line
+    with_sweep = json.loads((tmp_path / "a" / "check_report.json").read_text())
+    assert with_sweep["vocab_sweep_inputs"] == 1
+
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path / "b"), "--no-vocab-sweep", *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    line = " ".join(out.split("\nvocabulary: ", 1)[1].split("\nsequence: ")[0].split())
+    assert "no vocabulary sweep" in line and "--no-vocab-sweep" not in line, line
+    rep = json.loads((tmp_path / "b" / "check_report.json").read_text())
+    assert rep["vocab_sweep_inputs"] == 0 and "no vocabulary sweep" in rep["vocab_coverage"]
+    assert ({r["iterations"] for r in rep["rows"] if r["section"] == "prefill"} == {4}  # 1x5, 2x17: fresh + continued
+            and {r["iterations"] for r in with_sweep["rows"] if r["section"] == "prefill"} == {5})
+    assert "no vocabulary sweep" in (tmp_path / "b" / "check_report.md").read_text()
+
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "--no-vocab-sweep" in capsys.readouterr().out.split("Reference and runtimes")[0]  # in the description too
+    assert_usage_error(["check", str(tiny_out), "--no-vocab-sweep=1"], "ignored explicit argument '1'", capsys)
+    assert_usage_error(["check", str(tiny_out), "--no-vocab"], "unrecognized arguments: --no-vocab", capsys)
+
+
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_check_console_lines_never_end_in_a_space(tiny_out, tmp_path, capsys, monkeypatch, columns):
+    """Every prose line of the console report (header, greedy lines, 'reproduce anywhere ...', notes) wraps between
+    words with no trailing space: rich's own wrap of a long Text left the space it broke at at the line end
+    ("... 'm2export build OUTDIR --plugin aot' there, " then "after which ..."), at 160 columns (a pipe) and at 80."""
+    if columns:
+        monkeypatch.setenv("COLUMNS", columns)
+    else:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    rc = main(["check", str(tiny_out), "--report-dir", str(tmp_path), *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    width = int(columns or 160)
+    assert [ln for ln in out.splitlines() if ln != ln.rstrip()] == []
+    assert "after which the AOT engine runs in trtexec" in " ".join(out.split())
+    prose = [ln for ln in out.splitlines() if not ln.startswith(("polygraphy ", "trtexec ", "    ", "cd ", "PASSED "))]
+    assert all(len(ln) <= width for ln in prose if " " in ln), [ln for ln in prose if len(ln) > width]
