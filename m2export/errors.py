@@ -176,7 +176,7 @@ class BackendUnavailable(M2ExportError):
 
 class StdoutError(M2ExportError):
     """Writing the results to stdout failed: its reader closed the pipe (exit 141, like a tool stopped by
-    SIGPIPE) or the file behind it cannot take more (``> /dev/full``, a full disk: exit 1).
+    SIGPIPE; the CLI prints nothing for it unless -v) or the file behind it cannot take more (``> /dev/full``, a full disk: exit 1).
 
     Args:
         error: the OSError of the failed write or flush.

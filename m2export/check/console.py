@@ -209,7 +209,7 @@ def human_bytes(n: int) -> str:
 
 def write_stdout(text: str) -> None:
     """Print ``text`` and flush. Under the CLI (:func:`m2export.cli.main.main`) a closed pipe
-    (``m2export inspect ... | head``) or a full device is :class:`~m2export.errors.StdoutError`: one line,
-    exit 141 or 1, stdout silenced so the interpreter's final flush cannot raise again."""
+    (``m2export inspect ... | head``) or a full device is :class:`~m2export.errors.StdoutError`: exit 141
+    (silent) or 1 (one line), stdout silenced so the interpreter's final flush cannot raise again."""
     sys.stdout.write(text)
     sys.stdout.flush()

@@ -7,7 +7,8 @@ A verb whose module fails to import is listed as unavailable with the reason, so
 Exit codes: the table :class:`m2export.errors.ExitCode` (``--help`` prints it). Library errors name
 parameters in backquotes (:func:`m2export.errors.render`); :func:`flag_mapper` shows them as the
 verb's flags (``text`` -> ``--text``). Never a traceback for what is not a bug: results that cannot be
-written to stdout (a closed pipe, a full device: :class:`~m2export.errors.StdoutError`) and a
+written to stdout (:class:`~m2export.errors.StdoutError`: a full device is one error line; a reader that closed
+the pipe, ``| head``, exits 141 without a word, as Unix tools do, with the line under -v) and a
 MemoryError (sizes beyond the machine) are one line each too.
 """
 
@@ -121,7 +122,7 @@ def _version() -> str:
 
 class _GuardedStdout:
     """``sys.stdout`` while a verb runs: an OSError of a write or flush (a closed pipe, ``> /dev/full``)
-    becomes :class:`~m2export.errors.StdoutError` (one line, exit 141 or 1) instead of a traceback, and
+    becomes :class:`~m2export.errors.StdoutError` (exit 141 silently, or one line and exit 1) instead of a traceback, and
     stdout is pointed at devnull so that nothing (the interpreter's final flush included) writes there again.
     Everything else is the wrapped stream's (``isatty``, ``fileno``, ``encoding``, ...)."""
 
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a failed final flush is this verb's error, not the interpreter's at exit
         return rc
     except M2ExportError as e:
+        if isinstance(e, StdoutError) and e.exit_code == ExitCode.BROKEN_PIPE and not args.verbose:
+            return int(e.exit_code)  # the reader left (| head): silent, as Unix tools are; -v says so
         if args.verbose:
             import traceback
             traceback.print_exc()
