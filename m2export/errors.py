@@ -46,7 +46,8 @@ _MEANINGS = {
     ExitCode.BACKEND_UNAVAILABLE: "a required backend (TensorRT, CUDA, cuTile) is unavailable",
     ExitCode.INTERNAL: "internal error (a bug: traceback printed, please report it)",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C, SIGINT; an output being written is left as it was)",
-    ExitCode.BROKEN_PIPE: "stdout closed by its reader (a pipe such as | head): the output stopped there",
+    ExitCode.BROKEN_PIPE: "stdout closed by its reader (a pipe such as | head): the output stopped there, "
+                          "silently (-v says so)",
     ExitCode.TERMINATED: "terminated (SIGTERM; an output being written is left as it was)",
 }
 
