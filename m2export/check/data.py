@@ -169,14 +169,17 @@ def _scan_shapes(cfg) -> list[tuple[int, int, int, int]]:
 
 
 def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int = 3, *, cfg=None,
-                      onnx_scan: bool = False) -> None:
+                      onnx_scan: bool = False, past_len: int | None = None) -> None:
     """Refuse a (batch, seqlen) that needs more than this machine's physical memory: a ParameterError naming the
     shape instead of a MemoryError (or the OOM killer) inside numpy or ONNX Runtime.
 
     What is counted: the fp32 logits, held ``copies`` times (the reference's, a runtime's, the comparison's), and,
     with ``onnx_scan`` (an ONNX Runtime graph whose SSMScan runs the chunked body: the ssmscan or std flavour), the
     largest working set of one layer's scan body (:class:`~m2export.exporter.ssm_scan_op.ChunkedBodySizes`: its
-    (nchunks + 1)^2 decay matrices grow with the square of seqlen) for each Mamba mixer shape of ``cfg``.
+    (nchunks + 1)^2 decay matrices grow with the square of seqlen) for each Mamba mixer shape of ``cfg``. With
+    ``past_len`` (the shapes are also fed continued: the reference first prefills ``past_len`` tokens per row,
+    :func:`default_past_len` = chunk_size + 3, whatever the shapes), that prefill too: its logits and one layer's
+    chunked scan (the same estimate: its within-chunk matrices grow with the square of chunk_size).
     """
     import os
 
@@ -206,6 +209,21 @@ def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int
                     f"{human_bytes(need)} x {copies} plus {human_bytes(body)} for one layer's ONNX scan body "
                     f"((nchunks + 1)^2 decay matrices for {-(-s // q)} chunks of {q} tokens x {nheads} heads, "
                     f"batch {b}); expected at most this machine's {human_bytes(memory)} of memory", hint=hint)
+    # then the reference's prefill before each continued input (its own length, not the shapes')
+    for b in sorted({b for b, _ in shapes}) if past_len and cfg is not None else ():
+        pre = b * past_len * vocab * 4
+        for nheads, headdim, d_state, chunk in _scan_shapes(cfg):
+            scan = ChunkedBodySizes.of(b, past_len, nheads, headdim, d_state, chunk).peak
+            if pre * copies + scan > memory:
+                why = (f"chunk_size {chunk} + 3: its states come out of a chunk boundary" if past_len == chunk + 3
+                       else f"`past_len`; chunk_size {chunk}")
+                raise ParameterError(
+                    f"`shapes` batch {b}: a continued input needs the reference to prefill {past_len} tokens first "
+                    f"({why}), about {human_bytes(pre * copies + scan)} (its logits {human_bytes(pre)} x {copies} "
+                    f"and one layer's chunked scan, {min(chunk, past_len)}^2 within-chunk matrices x {nheads} "
+                    f"heads); expected at most this machine's {human_bytes(memory)} of memory",
+                    hint=f"chunk_size {chunk} (the export's config) is too large to check on this machine; check on "
+                         "one with more memory, or export with a smaller chunk_size" if scan > pre * copies else hint)
 
 
 @dataclass(frozen=True)
@@ -242,7 +260,8 @@ class TokenDataLoader:
             std flavour): its working set counts in the memory check of ``shapes``.
 
     Raises:
-        ParameterError: a shape whose logits (and ``onnx_scan``'s scan body) need more than this machine's memory.
+        ParameterError: a shape whose logits (and ``onnx_scan``'s scan body, and with ``reference`` the prefill of
+            ``past_len`` tokens) need more than this machine's memory.
 
     Iterating twice yields the same feed dicts (a fresh generator each time), so the loader can be
     shared by runners and by the Polygraphy data-loader script ``m2export check`` writes.
@@ -259,11 +278,12 @@ class TokenDataLoader:
         if dtype not in DTYPES:
             raise M2ExportError(f"dtype {dtype!r}: expected one of {list(DTYPES)}")
         self.io = GraphIO.for_model(cfg, dtype)
-        _check_shapes_fit(self.shapes, self.io.outputs[0].shape[-1], cfg=cfg, onnx_scan=onnx_scan)
         self.reference = reference
         self.past_len = int(past_len) if past_len is not None else default_past_len(cfg)
         if self.past_len < 1:
             raise ParameterError(f"`past_len` {self.past_len}: expected >= 1")
+        _check_shapes_fit(self.shapes, self.io.outputs[0].shape[-1], cfg=cfg, onnx_scan=onnx_scan,
+                          past_len=self.past_len if reference is not None else None)
 
     @property
     def feeds(self) -> list[FeedInfo]:

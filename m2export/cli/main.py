@@ -248,14 +248,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def runtime_out_of_memory(e: BaseException) -> str | None:
     """What an ONNX Runtime allocation failure (its arena's "Failed to allocate memory for requested buffer of size
-    N", or a kernel's std::bad_alloc) says, for ``e`` or an exception it was raised from; None for anything else
-    (a bug stays a bug). ORT raises its own exception types for these, not MemoryError."""
+    N", or a kernel's std::bad_alloc) or a PyTorch one (its CPU allocator's RuntimeError "DefaultCPUAllocator: can't
+    allocate memory: you tried to allocate N bytes", "... not enough memory ..." on Windows; torch.OutOfMemoryError
+    on a GPU) says, for ``e`` or an exception it was raised from; None for anything else (a bug stays a bug). Both
+    raise their own exception types for these, not MemoryError."""
     import re
 
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         msg = str(e)
+        torch_cpu = isinstance(e, RuntimeError) and re.search(r"DefaultCPUAllocator: (can't allocate|not enough) memory",
+                                                             msg)
+        if torch_cpu or type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"):
+            size = re.search(r"tried to allocate (\d+) bytes", msg)
+            return ("PyTorch could not allocate " + (f"{int(size.group(1)) / 1e9:.2f} GB" if size else
+                                                     msg.strip().splitlines()[0][:200]))
         if type(e).__module__.startswith("onnxruntime") and ("Failed to allocate memory" in msg or "bad_alloc" in msg):
             size = re.search(r"buffer of size (\d+)", msg)
             return ("ONNX Runtime could not allocate " + (f"a buffer of {int(size.group(1)) / 1e9:.2f} GB" if size

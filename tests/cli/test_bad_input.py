@@ -224,9 +224,17 @@ ORT_BAD_ALLOC = ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status c
                  "Name:'' Status Message: std::bad_alloc")
 
 
-@pytest.mark.parametrize("kind,msg,said", [("Fail", ORT_ARENA, "a buffer of 1.07 GB"),
-                                           ("RuntimeException", ORT_BAD_ALLOC, "memory (std::bad_alloc)"),
-                                           ("wrapped", ORT_ARENA, "a buffer of 1.07 GB")])
+TORCH_CPU = ("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+             "allocate 4000000000000 bytes. Error code 12 (Cannot allocate memory)")
+TORCH_WIN = "[enforce fail at alloc_cpu.cpp:72] data. DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes."
+
+
+@pytest.mark.parametrize("kind,msg,said", [("Fail", ORT_ARENA, "ONNX Runtime could not allocate a buffer of 1.07 GB"),
+                                           ("RuntimeException", ORT_BAD_ALLOC,
+                                            "ONNX Runtime could not allocate memory (std::bad_alloc)"),
+                                           ("wrapped", ORT_ARENA, "ONNX Runtime could not allocate a buffer of 1.07 GB"),
+                                           ("torch", TORCH_CPU, "PyTorch could not allocate 4000.00 GB"),
+                                           ("torch", TORCH_WIN, "PyTorch could not allocate 0.00 GB")])
 def test_runtime_out_of_memory_is_one_line(kind, msg, said, tiny_out, monkeypatch, capsys):
     """ONNX Runtime's allocation failures (a 65,536-token prompt or --shapes 1x65536 under a 6 GB limit: its arena's
     'Failed to allocate memory', a kernel's std::bad_alloc) were 'internal error ... this is a bug' with ORT's
@@ -237,6 +245,8 @@ def test_runtime_out_of_memory_is_one_line(kind, msg, said, tiny_out, monkeypatc
     import m2export.generate as G
 
     def boom(*a, **k):
+        if kind == "torch":  # torch's CPU allocator: a plain RuntimeError (check's reference prefill: exit 70)
+            raise RuntimeError(msg)
         err = getattr(ort_errors, "Fail" if kind == "wrapped" else kind)(msg)
         if kind == "wrapped":  # as a runner would re-raise it
             raise RuntimeError("the prefill failed") from err
@@ -247,7 +257,7 @@ def test_runtime_out_of_memory_is_one_line(kind, msg, said, tiny_out, monkeypatc
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == ExitCode.USER_ERROR and len(lines) == 2 and "Traceback" not in err, err
-    assert lines[0] == f"error: out of memory in 'm2export generate': ONNX Runtime could not allocate {said}", err
+    assert lines[0] == f"error: out of memory in 'm2export generate': {said}", err
     monkeypatch.setattr(G, "generate", lambda *a, **k: (_ for _ in ()).throw(ort_errors.Fail("some other failure")))
     assert main(["generate", str(tiny_out), "--prompt-ids", "1,2", "--ids"]) == ExitCode.INTERNAL
 
@@ -324,3 +334,21 @@ def test_export_refuses_an_a_log_whose_a_overflows(tiny_ck, tmp_path, capsys):
                               "A = -exp(A_log) is -inf in float32; expected A_log <= 88.7228")
     assert rc == ExitCode.USER_ERROR and str(ck / "model.safetensors") in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_check_refuses_a_chunk_size_whose_continued_prefix_exceeds_memory(tmp_path, capsys):
+    """Continued inputs follow a reference prefill of chunk_size + 3 tokens whatever --shapes says: with chunk_size
+    10^6 its within-chunk matrices (10^12 elements per head) made torch's allocator raise, a traceback and exit 70.
+    Now refused before anything runs, one line naming chunk_size, exit 1."""
+    from m2export.exporter import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    ck = random_checkpoint(tmp_path / "ck", seed=4, d_model=16, n_layer=1, vocab_size=32, d_state=8, headdim=8,
+                           chunk_size=10 ** 6)
+    export_model(ck, tmp_path / "out", check=False)
+    rc = main(["check", str(tmp_path / "out"), "--shapes", "1x5", "--decode-steps", "0", "--report-dir",
+               str(tmp_path / "rep")])
+    line = _one_error(capsys, "error: --shapes batch 1: a continued input needs the reference to prefill 1000003 "
+                              "tokens first (chunk_size 1000000 + 3: its states come out of a chunk boundary), about ")
+    assert "expected at most this machine's" in line and rc == ExitCode.USER_ERROR, line
+    assert not (tmp_path / "rep" / "check_report.json").exists()
