@@ -79,6 +79,12 @@ def detect_format(cfg: dict, source: str = "config.json") -> str:
     return "hf" if fam == "mamba2" else fam
 
 
+#: what a checkpoint is, for a path that is none (a file of another kind, a folder without config.json)
+_NO_CHECKPOINT_HINT = ("pass a checkpoint folder (mamba_ssm or HF format): config.json and the weights, model.safetensors "
+                       "(or model.safetensors.index.json and its shards) or pytorch_model.bin; 'm2export "
+                       "random-checkpoint --preset tiny-mamba2 -o DIR' writes one to try")
+
+
 def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
     """(directory, weight files, sharded index or None) for a checkpoint directory or a weight file path."""
     p = Path(path)
@@ -91,11 +97,11 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, list[Path], Path | None]:
         else:
             if p.suffix not in (".safetensors", ".bin", ".pt", ".json"):
                 raise CheckpointError(f"{p}: not a checkpoint weight file (expected .safetensors, .bin or "
-                                      "a .safetensors.index.json)")
+                                      "a .safetensors.index.json)", hint=_NO_CHECKPOINT_HINT)
             return (p.parent, _index_files(p), p) if p.name.endswith(".index.json") else (p.parent, [p], None)
     if not (p / "config.json").is_file():  # say what is missing first: a folder without it is no checkpoint
         raise CheckpointError(f"{p / 'config.json'}: missing; {p} is not a checkpoint directory",
-                              hint="pass a directory with config.json and model.safetensors (mamba_ssm or HF format)")
+                              hint=_NO_CHECKPOINT_HINT)
     for name in WEIGHT_FILES:
         f = p / name
         if f.is_file():

@@ -286,3 +286,17 @@ def test_quiet_check_against_transformers_prints_nothing_but_the_verdict(tmp_pat
                        env=dict(env, PYTHONPATH=str(repo)), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr == "", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("what", ["text_file", "empty_folder"])
+def test_export_of_something_that_is_no_checkpoint_says_what_one_is(tmp_path, capsys, what):
+    """'m2export export README.md -o out/y' was 'error: README.md: not a checkpoint weight file (...)' without the
+    'hint:' line every other error has: the hint says what a checkpoint folder holds and how to make one."""
+    src = tmp_path / ("README.md" if what == "text_file" else "empty")
+    src.write_text("# hi\n") if what == "text_file" else src.mkdir()
+    assert main(["export", str(src), "-o", str(tmp_path / "y")]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: {src}"), lines
+    assert lines[1].startswith("hint: pass a checkpoint folder (mamba_ssm or HF format): config.json and the weights"), lines
+    assert "'m2export random-checkpoint --preset tiny-mamba2 -o DIR'" in lines[1]
+    assert not (tmp_path / "y").exists()
