@@ -18,9 +18,10 @@ examples:
   m2export random-checkpoint --config ckpt/tiny-hf/config.json -o ckpt/same-shape
   m2export random-checkpoint --preset tiny-nemotron-h -o ckpt/tiny-nemotron-h
 
-Test shapes (no published model; 0.3 to 1.5 MB each in fp32): tiny-mamba2 (pure Mamba-2, 2 layers, ngroups 2,
-mamba_ssm format), tiny-nemotron-h (attention, MoE, MLP and Mamba layers), tiny-granite-4.0-h, tiny-bamba,
-tiny-falcon-h1 (muP multipliers), tiny-zamba2 (shared blocks, adapters).
+Test shapes (no published model; the written folder's size in fp32): tiny-mamba2 (0.3 MB; pure Mamba-2, 2 layers,
+ngroups 2, mamba_ssm format), tiny-nemotron-h (0.6 MB; attention, MoE, MLP and Mamba layers), tiny-granite-4.0-h
+(1.0 MB), tiny-bamba (0.6 MB), tiny-falcon-h1 (0.8 MB; muP multipliers), tiny-zamba2 (1.4 MB; shared blocks,
+adapters).
 Published shapes: --preset mamba2-130m -o ckpt/m2-130m (0.5 GB of fp32 weights), --preset nemotron-nano-9b-v2
 --dtype bf16 (a 9B hybrid). Hybrid presets (Nemotron-H, Granite 4.0-H, Bamba, ...) write the family's HF format; the
 numbers' sources, and the fields whose published value was not found (a warning names them), are in

@@ -114,3 +114,26 @@ def test_weights_beyond_memory_are_one_line_before_anything_is_built(tmp_path, c
     assert main(["random-checkpoint", "--config", str(tmp_path / "big.json"), "-q", "-o", str(out)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error: random checkpoint: its weights alone are" in err and not out.exists()
+
+
+def test_tiny_preset_sizes_in_help_and_readme_are_measured(tmp_path):
+    """'random-checkpoint --help' states each test shape's size (it said '0.3 to 1.5 MB' where README said the hybrids
+    are '0.6-1.4 MB'): each is the written folder's size in fp32 to 0.1 MB, and README's hybrid range is theirs."""
+    import re
+    from pathlib import Path
+
+    from m2export.cli import random_checkpoint as verb
+
+    help_text = " ".join(verb.DESCRIPTION.split())
+    stated = dict(re.findall(r"(tiny-[a-z0-9.-]+) \((\d+\.\d) MB", help_text))
+    assert set(stated) == {"tiny-mamba2", "tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-bamba", "tiny-falcon-h1",
+                           "tiny-zamba2"}, stated
+    for name, mb in stated.items():
+        assert main(["random-checkpoint", "--preset", name, "-o", str(tmp_path / name), "-q"]) == 0
+        size = sum(f.stat().st_size for f in (tmp_path / name).iterdir())
+        assert f"{size / 1e6:.1f}" == mb, (name, size)
+    hybrids = sorted(float(v) for k, v in stated.items() if k != "tiny-mamba2")
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert f"(HF format, {hybrids[0]}-{hybrids[-1]} MB)" in readme
+    assert f"(mamba_ssm format, {stated['tiny-mamba2']} MB)" in readme
+    assert f"a hybrid test shape ({stated['tiny-zamba2']} MB)" in readme
