@@ -10,8 +10,10 @@ One home for the output logic of ``export`` (OUTDIR), ``save_checkpoint``/``rand
   and only if ``owned(folder)`` says m2export wrote it (``force_foreign=True`` overrides that, never the
   protected paths). A symlinked target is refused (never followed); nothing the ``protect`` paths resolve
   into (a checkpoint's files through their symlinks), nor the current directory, is ever deleted; a
-  mount point (cannot be renamed over) is written in place when empty and refused before anything is
-  deleted otherwise. Stale marked siblings of killed runs are cleaned (their previous folder restored when
+  mount point (cannot be renamed over) and the current directory (renaming onto it would leave the
+  caller's shell in a deleted directory) are written in place when empty, staged inside them and moved in
+  at the end with interrupts held (only SIGKILL there can leave part of the files), and refused before
+  anything is deleted otherwise. Stale marked siblings of killed runs are cleaned (their previous folder restored when
   the kill hit the swap); parent folders created for a failed write are removed again.
 * :func:`atomic_write_text` / :func:`atomic_file` — temp file in the same folder + fsync + ``os.replace``.
 * :func:`loads_json` — the reading side of m2export's JSON files: ``json.loads`` refusing duplicate keys
@@ -256,6 +258,15 @@ def _is_mount(p: Path) -> bool:
     return p.is_dir() and os.path.ismount(p)
 
 
+def _is_cwd(p: Path) -> bool:
+    """``p`` is an existing folder and the current directory: renaming another folder onto it would leave the
+    caller's shell in a deleted directory (``export -o .``), so it is written in place like a mount point."""
+    try:
+        return p.is_dir() and os.path.samefile(p, os.getcwd())
+    except OSError:  # the current directory was deleted (or is unreadable): nothing to keep
+        return False
+
+
 def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Iterable[Path],
                  owned: Callable[[Path], str | None], error: type[M2ExportError] = OutputFolderError) -> None:
     """Refuse a target folder before any work (see :func:`staged_output`). Raises ``error``."""
@@ -351,7 +362,8 @@ def staged_output(target: str | os.PathLike, *, force: bool = False, force_forei
             except OSError:
                 pass
         check_target(target, force=force, force_foreign=force_foreign, protect=protect, owned=owned, error=error)
-        in_place = _is_mount(target)  # empty (check_target refused a non-empty one): write inside it
+        # empty (check_target refused a non-empty one) and not to be renamed: write inside it, move in at the end
+        in_place = _is_mount(target) or _is_cwd(target)
         made: list[Path] = []
         staging = None
         done = False

@@ -68,7 +68,7 @@ def is_complete_export(d: Path, ssm_impl: str) -> bool:
     return True
 
 
-def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240, ignore_sigint=False):
+def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240, ignore_sigint=False, cwd=None):
     """m2export in a subprocess (through the kill driver when ``point`` is given); ``ignore_sigint``: started with
     SIGINT ignored (as ``cmd &`` in a non-interactive shell starts it)."""
     cmd = [sys.executable, str(DRIVER), point, sig, *args] if point else [sys.executable, "-m", "m2export.cli.main",
@@ -81,7 +81,7 @@ def run_cli(*args, point=None, sig="SIGTERM", limit_fsize=None, timeout=240, ign
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=pre, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=pre, env=env, cwd=cwd)
 
 
 def test_force_refuses_current_directory(tmp_path, monkeypatch, capsys, ck):
@@ -94,6 +94,30 @@ def test_force_refuses_current_directory(tmp_path, monkeypatch, capsys, ck):
     monkeypatch.chdir(work / "..")
     assert main(["export", str(ck), "-o", str(tmp_path), "--force", "-q"]) == 1  # an ancestor of the cwd
     assert (work / "precious.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("spelling", [".", "abs"])
+def test_export_into_the_empty_current_directory_keeps_that_directory(tmp_path, monkeypatch, ck, spelling):
+    """`export -o .` in an empty current directory renamed the staged folder onto it: a new inode, the caller's
+    shell left in a deleted directory (it saw no files; the next m2export there failed). It is written in place
+    now, like an empty mount point: same inode, a complete export, no staging folder left."""
+    work = tmp_path / "work"
+    work.mkdir()
+    inode = work.stat().st_ino
+    monkeypatch.chdir(work)
+    assert main(["export", str(ck), "-o", "." if spelling == "." else str(work), "-q"]) == 0
+    assert work.stat().st_ino == inode and os.stat(".").st_nlink > 0 and os.path.samefile(".", work)
+    assert is_complete_export(work, "ssmscan")
+
+
+@posix
+def test_interrupted_export_into_the_current_directory_leaves_it_empty(tmp_path, ck):
+    work = tmp_path / "work"
+    work.mkdir()
+    inode = work.stat().st_ino
+    r = run_cli("export", str(ck), "-o", ".", "-q", point="manifest", sig="SIGTERM", cwd=work)
+    assert "fired=True" in r.stderr and r.returncode == 143, r.stderr[-2000:]
+    assert work.stat().st_ino == inode and list(work.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------ item 7: --force
