@@ -218,7 +218,7 @@ def _check_shapes_fit(shapes: Sequence[tuple[int, int]], vocab: int, copies: int
                 why = (f"chunk_size {chunk} + 3: its states come out of a chunk boundary" if past_len == chunk + 3
                        else f"`past_len`; chunk_size {chunk}")
                 raise ParameterError(
-                    f"`shapes` batch {b}: a continued input needs the reference to prefill {past_len} tokens first "
+                    f"a continued input of batch {b} needs the reference to prefill {past_len} tokens first "
                     f"({why}), about {human_bytes(pre * copies + scan)} (its logits {human_bytes(pre)} x {copies} "
                     f"and one layer's chunked scan, {min(chunk, past_len)}^2 within-chunk matrices x {nheads} "
                     f"heads); expected at most this machine's {human_bytes(memory)} of memory",

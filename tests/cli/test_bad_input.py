@@ -348,7 +348,7 @@ def test_check_refuses_a_chunk_size_whose_continued_prefix_exceeds_memory(tmp_pa
     export_model(ck, tmp_path / "out", check=False)
     rc = main(["check", str(tmp_path / "out"), "--shapes", "1x5", "--decode-steps", "0", "--report-dir",
                str(tmp_path / "rep")])
-    line = _one_error(capsys, "error: --shapes batch 1: a continued input needs the reference to prefill 1000003 "
+    line = _one_error(capsys, "error: a continued input of batch 1 needs the reference to prefill 1000003 "
                               "tokens first (chunk_size 1000000 + 3: its states come out of a chunk boundary), about ")
     assert "expected at most this machine's" in line and rc == ExitCode.USER_ERROR, line
     assert not (tmp_path / "rep" / "check_report.json").exists()
