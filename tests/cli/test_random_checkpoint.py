@@ -118,7 +118,7 @@ def test_weights_beyond_memory_are_one_line_before_anything_is_built(tmp_path, c
 
 def test_tiny_preset_sizes_in_help_and_readme_are_measured(tmp_path):
     """'random-checkpoint --help' states each test shape's size (it said '0.3 to 1.5 MB' where README said the hybrids
-    are '0.6-1.4 MB'): each is the written folder's size in fp32 to 0.1 MB, and README's hybrid range is theirs."""
+    are '0.6-1.4 MB'), every tiny preset: each is the written folder's size in fp32 to 0.1 MB, and README's hybrid range is theirs."""
     import re
     from pathlib import Path
 
@@ -126,8 +126,10 @@ def test_tiny_preset_sizes_in_help_and_readme_are_measured(tmp_path):
 
     help_text = " ".join(verb.DESCRIPTION.split())
     stated = dict(re.findall(r"(tiny-[a-z0-9.-]+) \((\d+\.\d) MB", help_text))
-    assert set(stated) == {"tiny-mamba2", "tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-bamba", "tiny-falcon-h1",
-                           "tiny-zamba2"}, stated
+    from m2export.models.config import PRESETS
+    from m2export.models.presets import HYBRID_PRESETS
+
+    assert sorted(stated) == sorted(n for n in [*PRESETS, *HYBRID_PRESETS] if n.startswith("tiny-")), stated
     for name, mb in stated.items():
         assert main(["random-checkpoint", "--preset", name, "-o", str(tmp_path / name), "-q"]) == 0
         size = sum(f.stat().st_size for f in (tmp_path / name).iterdir())
