@@ -22,9 +22,10 @@ engine file in OUTDIR that m2export.json does not list (never replaced: a user's
 SSMScan plugin cannot be registered.
 
 examples:
-  m2export build out/tiny
-  m2export build out/tiny --plugin aot --max-batch 16 --max-seq 4096
-  m2export build out/tiny-fp16/model.std.onnx --opt-batch 8 --workspace 8G --opt-level 5
+  m2export build out/tiny --skip-if-unavailable   # where TensorRT may be missing: a note and exit 0 instead of 4
+  m2export build out/tiny        # needs TensorRT and an NVIDIA GPU (exit 4 without)
+  m2export build out/tiny --plugin aot --max-batch 16 --max-seq 4096   # needs TensorRT and a GPU
+  m2export build out/tiny-fp16/model.std.onnx --opt-batch 8 --workspace 8G --opt-level 5   # needs TensorRT and a GPU
 """
 
 

@@ -67,9 +67,9 @@ examples:
   m2export check out/tiny
   m2export check out/tiny --shapes 1x1,2x40 --decode-steps 16
   m2export check out/tiny-fp16 --atol logits:0.1 --rtol 0.02
-  m2export check out/tiny --runtime trt      # fail (exit 4) instead of skipping TensorRT
+  m2export check out/tiny --runtime trt      # needs TensorRT and an NVIDIA GPU: exit 4 without (not a "skipped" line)
   m2export check out/tiny --checkpoint ckpt/tiny   # where the reference is now, if it moved
-  m2export check out/tiny-hf --reference transformers   # HF-format checkpoints: transformers' logits
+  m2export check out/tiny-hf --reference transformers   # needs transformers (pip install transformers): its logits
 """
 
 

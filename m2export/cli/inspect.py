@@ -19,7 +19,7 @@ examples:
   m2export inspect out/tiny
   m2export inspect out/tiny/model.onnx
   m2export inspect out/tiny --json
-  m2export inspect out/tiny/model.plan      # after 'm2export build out/tiny'
+  m2export inspect out/tiny/model.plan      # after 'm2export build out/tiny' (needs TensorRT): exit 1 without the engine
 """
 
 
