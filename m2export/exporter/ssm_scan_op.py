@@ -62,6 +62,11 @@ from m2export.kernels.ssd.naive import ssm_scan_chunked
 TORCH_OP = "m2export::ssm_scan"
 PLUGIN_ATTRIBUTES = {"plugin_namespace": contract.PLUGIN_NAMESPACE, "plugin_version": contract.PLUGIN_VERSION}
 
+#: The floor of every dt*A in the chunked bodies. exp(-1e30) is 0 in float32, as exp(-inf) is, so a floored step
+#: decays the state to exactly 0 as the float64 recurrence does; and 1e8 floored steps sum to -1e38, above
+#: -FLT_MAX (3.4e38), so no segment or chunk sum overflows to -inf and no masked MatMul meets -inf * 0.
+DA_FLOOR = -1e30
+
 
 # --------------------------------------------------------------------------- torch custom op
 @torch.library.custom_op(TORCH_OP, mutates_args=())
@@ -292,7 +297,11 @@ def _within_chunks(b: _Body, xc: str, dc: str, Bc: str, Cc: str, A3: str, Q: str
     causal = b.op("GreaterOrEqual", r_col, r_row)  # [i, j] = i >= j
     strict = b.op("Greater", r_col, r_row)  # [k, j] = k > j
     upper = b.op("Cast", b.op("LessOrEqual", r_col, r_row), to=F)  # [j, i] = j <= i
+    # dt*A floored at DA_FLOOR (NaN kept: Where, not Max): a step whose product overflows float32 to -inf would
+    # make the 0/1 masked MatMuls below (cs, and the chunk-level Y) compute -inf * 0 = NaN
     dA = b.op("Mul", dc, A3)  # (b, nc, g, hpg, Q)
+    floor = b.const(DA_FLOOR, np.float32)
+    dA = b.op("Where", b.op("Less", dA, floor), floor, dA)
     cs = b.op("MatMul", dA, upper)  # cs_i = sum_{j <= i} dA_j
 
     # 4. segment sums seg[i, j] = sum_{j < k <= i} dA_k from their own terms: dA_k masked to k > j, summed

@@ -329,3 +329,29 @@ def test_chunked_body_sizes_are_what_the_body_allocates(shape):
         assert getattr(parts, name) in sizes, f"{name}: {getattr(parts, name)} bytes, no tensor of that size"
     assert max(sizes) == max(parts.decay, parts.intra, parts.states, parts.tokens)
     assert parts.peak >= 2 * max(sizes)
+
+
+def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` where dt*A overflows float32 to -inf on some steps of head 0 (A -1e30, finite;
+    dt + dt_bias 1e10 on every third token, softplus passes it through) while the other heads keep their
+    ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer."""
+    inp = make_inputs(p, seed=seed, init_state=True)
+    inp["A"][0] = -1e30
+    inp["dt"][:, ::3, 0] = 1e10
+    return inp
+
+
+@pytest.mark.parametrize("seqlen", [1, 7, 26])
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_decay_overflowing_to_minus_inf(inline, seqlen):
+    """A step whose dt*A is -inf in float32 decays the state to exactly 0 (as float64 says), never NaN: the body
+    floors dt*A at a finite value before its 0/1 masked MatMuls (-inf * 0 = NaN) and its sums."""
+    p = SSMScanProblem(2, seqlen, 4, 8, 2, 16)
+    sess = _session(ssm_scan_node_model([SSMScanAttrs(chunk_size=8)], inline=inline))
+    inp = overflowing_decay_inputs(p, seed=11)
+    assert torch.isinf(inp["dt"].float()[:, ::3, 0] * inp["A"][0]).all()
+    y, final = sess.run(None, _feeds(inp))
+    ref = ssm_scan_recurrent(**inp)
+    assert np.isfinite(y).all() and np.isfinite(final).all()
+    assert_close("y", ref.y, torch.from_numpy(y), rel=FP32_REL)
+    assert_close("final_state", ref.final_state, torch.from_numpy(final), rel=FP32_REL)

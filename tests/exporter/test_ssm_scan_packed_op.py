@@ -205,3 +205,18 @@ def test_packs_of_short_sequences_with_a_smaller_chunk(lengths):
     y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=64))).run(None, _feeds(inp, cu))
     assert_close("y", ref.y, torch.from_numpy(y), rel=REL["float32"])
     assert_close("final_state", ref.final_state, torch.from_numpy(fs), rel=REL["float32"])
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["function", "inlined"])
+def test_packed_decay_overflowing_to_minus_inf(inline):
+    """dt*A = -inf in float32 on some steps of head 0 (A -1e30, dt 1e10): exactly the float64 decay to 0, never
+    NaN (the packed body shares the unpacked one's floor of dt*A)."""
+    p, inp, cu = _packed_inputs([20, 1, 37], "float32", seed=13)
+    inp["A"][0] = -1e30
+    inp["dt"][:, ::3, 0] = 1e10
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    y, fs = _session(ssm_scan_packed_node_model(SSMScanAttrs(chunk_size=16), inline=inline)).run(
+        None, _feeds(inp, cu))
+    assert np.isfinite(y).all() and np.isfinite(fs).all()
+    assert_close("y", ref.y, torch.from_numpy(y), rel=2e-5)
+    assert_close("final_state", ref.final_state, torch.from_numpy(fs), rel=2e-5)
