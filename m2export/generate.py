@@ -289,7 +289,11 @@ def generate(source: str | Path, prompt_ids: Sequence[int], *, runtime: str = "o
     new: list[int] = []
 
     def choose(k: int, last: np.ndarray) -> np.ndarray:
-        logits = last[0, :cfg.vocab_size]
+        logits = last[0]
+        if logits.shape[-1] != cfg.vocab_size:  # the graphs' logits are vocab_size wide (GraphIO.for_model)
+            raise ExportFolderError(f"{s.label}: the logits are {logits.shape[-1]} wide but the model has vocab_size "
+                                    f"{cfg.vocab_size} (an export by an older m2export of a padded vocabulary)",
+                                    hint="export the checkpoint again")
         if not np.isfinite(logits).all():  # argmax/softmax would turn NaN into token 0
             step = "the prefill" if k == 0 else f"decode step {k}"
             raise M2ExportError(f"{s.label}: non-finite logits (NaN/inf) after {step}; no token can be chosen",

@@ -1080,7 +1080,6 @@ def _sequence(rts: list[_Runtime], cfg, dtype, corpus: bytes, plen: int, steps: 
 
     for ri, rt in enumerate(rts):
         def choose(k: int, last: np.ndarray, ri=ri, rt=rt) -> np.ndarray:
-            last = last[:, :cfg.vocab_size]
             if ri == 0:
                 ref_logits.append(last)
                 ref_tokens.append(last.argmax(-1))

@@ -344,9 +344,9 @@ class TokenDataLoader:
 
 def vocab_sweep_windows(cfg: Mamba2Config, seed: int, logits_bytes: int = SWEEP_LOGITS_BYTES) -> list[np.ndarray]:
     """A seeded permutation of every token id 0..vocab_size-1 cut into (1, L) int64 windows, L as large as
-    keeps one feed's fp32 logits (L x vocab_size_padded x 4 bytes) under ``logits_bytes`` (at least 16)."""
+    keeps one feed's fp32 logits (L x vocab_size x 4 bytes) under ``logits_bytes`` (at least 16)."""
     ids = np.random.default_rng([seed, 2]).permutation(cfg.vocab_size).astype(np.int64)
-    L = max(16, min(cfg.vocab_size, logits_bytes // (4 * cfg.vocab_size_padded)))
+    L = max(16, min(cfg.vocab_size, logits_bytes // (4 * cfg.vocab_size)))
     return [np.ascontiguousarray(ids[None, i:i + L]) for i in range(0, len(ids), L)]
 
 

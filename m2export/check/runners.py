@@ -108,7 +108,7 @@ class TorchRunner(BaseRunner):
         name: runner name in reports (default "torch").
 
     Outputs: ``OrderedDict`` in graph order (:class:`GraphIO` of the model in ``dtype``): ``logits`` (batch,
-    seqlen, vocab_size_padded), then every ``present`` state.
+    seqlen, vocab_size), then every ``present`` state.
     """
 
     def __init__(self, model, *, role: str = "prefill", dtype: str = "fp32", name: str | None = None):

@@ -28,7 +28,7 @@ Attention names and axes follow optimum (``OnnxConfigWithPast.add_past_key_value
 are (batch_size, num_key_value_heads, past_sequence_length, head_dim) in and
 (batch_size, num_key_value_heads, past_sequence_length + sequence_length, head_dim) out. Mamba states have
 no sequence axis. ``input_ids`` is (batch_size, sequence_length) int64; ``logits`` (batch_size,
-sequence_length, vocab_size_padded) in the model dtype. A fresh sequence feeds zeros (KV caches with
+sequence_length, vocab_size) in the model dtype. A fresh sequence feeds zeros (KV caches with
 past_sequence_length 0).
 
 sequence_length >= 1: an empty prompt has no token to continue from, and m2export's runners
@@ -242,7 +242,7 @@ class GraphIO:
                             for d in shape)
             states.append(StateIO(s.layer, s.kind, TensorIO(past_name, shape, dt),
                                   TensorIO(present_name, present, dt), layout))
-        vocab = getattr(cfg, "vocab_size_padded", None) or cfg.vocab_size  # a ModelSpec's vocab_size is padded
+        vocab = cfg.vocab_size  # the true vocabulary (Mamba2Config and ModelSpec alike), not the padded rows
         ins = (TensorIO("input_ids", (BATCH, seq), "int64"), *(s.past for s in states))
         outs = (TensorIO("logits", (BATCH, seq, vocab), model_dt), *(s.present for s in states))
         return cls(ins, outs, tuple(states))

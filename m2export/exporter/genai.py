@@ -85,7 +85,7 @@ def genai_config(manifest, graph, *, checkpoint_config: dict[str, Any] | None = 
             groups.append({"kind": group, "layer_ids": sorted(ins[kind][1])})
 
     spec = manifest.model_spec()
-    vocab = spec.vocab_size  # the embedding's (padded) row count = the logits' width
+    vocab = spec.vocab_size  # the logits' width (the lm_head's padding rows are not in the graph)
     at = next((spec.layers[i].attention_in(spec.shared_blocks) for i in spec.attention_layers), None)
     mb = spec.layers[spec.mamba_layers[0]].mamba if spec.mamba_layers else None
 

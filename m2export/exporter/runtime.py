@@ -181,7 +181,7 @@ class Decoder:
         """Prefill ``prompt`` (batch, seqlen), then ``steps`` decode steps, each fed the previous call's states.
 
         ``choose(index, last_logits)`` returns the (batch,) tokens to feed after call ``index``, from that call's
-        last-position logits (batch, vocab_size_padded) as float32; default greedy (argmax). Yields a
+        last-position logits (batch, vocab_size) as float32; default greedy (argmax). Yields a
         :class:`Step` per call (``steps + 1`` in all), its ``next_tokens`` set unless it is the last.
         """
         choose = choose or (lambda k, logits: logits.argmax(-1))
@@ -239,7 +239,7 @@ def ort_generate_greedy(outdir: str | os.PathLike, input_ids, max_new_tokens: in
     Args:
         input_ids: (batch, seqlen) int (numpy, list or torch tensor).
         ssm_impl: "ssmscan" | "std" | None (the primary flavour of the export).
-        return_logits: also return the (batch, max_new_tokens, vocab_padded) logits each token was chosen from.
+        return_logits: also return the (batch, max_new_tokens, vocab_size) logits each token was chosen from.
     Returns:
         (batch, max_new_tokens) int64 numpy array of new tokens, or ``(tokens, logits)``.
     Raises:

@@ -104,9 +104,10 @@ class Mamba2Config:
     def to_spec(self) -> ModelSpec:
         """This model as a layer stack: n_layer pure Mamba-2 layers (family "mamba2")."""
         layer = LayerSpec(mixer=self.mamba_spec, norm_epsilon=self.norm_epsilon)
-        return ModelSpec(family="mamba2", d_model=self.d_model, vocab_size=self.vocab_size_padded,
+        return ModelSpec(family="mamba2", d_model=self.d_model, vocab_size=self.vocab_size,
                          layers=(layer,) * self.n_layer, norm_epsilon=self.norm_epsilon,
-                         tie_embeddings=self.tie_embeddings, residual_in_fp32=self.residual_in_fp32)
+                         tie_embeddings=self.tie_embeddings, residual_in_fp32=self.residual_in_fp32,
+                         pad_vocab_size_multiple=self.pad_vocab_size_multiple)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -8,7 +8,8 @@ outputs from :meth:`ModelSpec.states` without restating any of it.
 API (the names other modules build on)::
 
     ModelSpec(family, d_model, vocab_size, layers, norm_epsilon, tie_embeddings, residual_in_fp32=False,
-              embedding_multiplier=1.0, logits_multiplier=1.0, shared_blocks=())
+              embedding_multiplier=1.0, logits_multiplier=1.0, shared_blocks=(), pad_vocab_size_multiple=1)
+        .vocab_size_padded -> int                 # the embedding's / lm_head's row count (logits: vocab_size)
         shared_blocks: tuple[SharedBlockSpec, ...]   # Zamba2: stored once, called by layers with ``shared``
         .n_layer -> int
         .states() -> tuple[StateSpec, ...]        # the flat runtime-state order of HybridLM.forward
@@ -375,7 +376,10 @@ class LayerSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     """A language model: embedding (x embedding_multiplier), ``layers``, final RMSNorm, lm_head
-    (x logits_multiplier; Granite's 1/logits_scaling). ``vocab_size`` is the embedding's row count (padded).
+    (x logits_multiplier; Granite's 1/logits_scaling). ``vocab_size``: the token ids and the logits' width.
+    ``pad_vocab_size_multiple``: the embedding and lm_head weights have :attr:`vocab_size_padded` rows (mamba_ssm
+    rounds vocab_size up to a multiple of it); the rows past ``vocab_size`` are never read (mamba_ssm's own
+    generation slices its logits to ``vocab_size``; here the head multiplies by the first ``vocab_size`` rows only).
     ``residual_in_fp32``: the residual stream is kept in float32 (mamba_ssm)."""
 
     family: str
@@ -388,9 +392,11 @@ class ModelSpec:
     embedding_multiplier: float = 1.0
     logits_multiplier: float = 1.0
     shared_blocks: tuple[SharedBlockSpec, ...] = field(default=())
+    pad_vocab_size_multiple: int = 1
 
     def __post_init__(self):
-        _pos_int(self.family, d_model=self.d_model, vocab_size=self.vocab_size)
+        _pos_int(self.family, d_model=self.d_model, vocab_size=self.vocab_size,
+                 pad_vocab_size_multiple=self.pad_vocab_size_multiple)
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ConfigError(f"{self.family}: the model has no layers")
@@ -402,9 +408,10 @@ class ModelSpec:
 
     @property
     def vocab_size_padded(self) -> int:
-        """The logits' width: ``vocab_size`` (already the embedding's padded row count; the name matches
-        :attr:`m2export.models.config.Mamba2Config.vocab_size_padded` so check and generate read either)."""
-        return self.vocab_size
+        """The embedding's and lm_head's row count: ``vocab_size`` rounded up to a multiple of
+        ``pad_vocab_size_multiple`` (as :attr:`m2export.models.config.Mamba2Config.vocab_size_padded`)."""
+        m = self.pad_vocab_size_multiple
+        return -(-self.vocab_size // m) * m
 
     def layer_states(self, i: int) -> tuple[StateSpec, ...]:
         return self.layers[i].state_specs(i, self.shared_blocks)

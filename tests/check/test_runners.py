@@ -28,7 +28,7 @@ def test_torch_runner_matches_model_and_names(tiny_ck):
     ref = ck.model(torch.from_numpy(feed["input_ids"]))
     np.testing.assert_array_equal(out["logits"], ref.logits.detach().numpy())
     np.testing.assert_array_equal(out["present_ssm_state.1"], ref.ssm_states[1].detach().numpy())
-    assert out["logits"].shape == (2, 19, cfg.vocab_size_padded)
+    assert out["logits"].shape == (2, 19, cfg.vocab_size)  # not the padded lm_head rows (112)
 
 
 def test_torch_runner_decode_continues_prefill(tiny_ck):

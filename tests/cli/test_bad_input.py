@@ -297,9 +297,9 @@ def _scan_bound_seqlen(cfg) -> int:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         fits = ChunkedBodySizes.of(1, mid, cfg.nheads, cfg.headdim, cfg.d_state, cfg.chunk_size).peak \
-            + 3 * mid * cfg.vocab_size_padded * 4 <= memory
+            + 3 * mid * cfg.vocab_size * 4 <= memory
         lo, hi = (mid, hi) if fits else (lo, mid)
-    if 3 * hi * cfg.vocab_size_padded * 4 > memory:
+    if 3 * hi * cfg.vocab_size * 4 > memory:
         pytest.skip("on this machine the logits alone exceed memory first")
     return hi
 

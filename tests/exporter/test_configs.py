@@ -20,9 +20,9 @@ VOCAB = 16
 
 
 class _Stack:
-    """What a layer-stack description offers the exporter: ``states()`` and ``vocab_size_padded``."""
+    """What a layer-stack description offers the exporter: ``states()`` and ``vocab_size`` (the logits' width)."""
 
-    vocab_size_padded = VOCAB
+    vocab_size = VOCAB
 
     def states(self):
         return (StateSpec(0, "conv_state", (BATCH, 6, 3), "model"), StateSpec(0, "ssm_state", (BATCH, 2, 4, 8), "float32"),
@@ -65,7 +65,8 @@ def test_pure_mamba2_config():
     assert [s.kind for s in io.states] == ["conv_state", "ssm_state"] * 3
     assert io.input("past_conv_state.2").shape == ("batch_size", cfg.conv_dim, cfg.d_conv - 1)
     assert io.input("past_ssm_state.1").shape == ("batch_size", cfg.nheads, cfg.headdim, cfg.d_state)
-    assert io.output("logits").shape == ("batch_size", 1, cfg.vocab_size_padded)
+    assert cfg.vocab_size_padded == 64  # the lm_head's rows; the logits have the true vocabulary's width
+    assert io.output("logits").shape == ("batch_size", 1, cfg.vocab_size)
 
 
 def test_state_layout_per_flavour():

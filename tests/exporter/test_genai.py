@@ -84,3 +84,54 @@ def test_tiny_transformers_checkpoint_greedy_equals_transformers(tmp_path, ssm_i
     got = genai_greedy(out, prompt, 16)
     assert got == _cut_at_eos(ref, eos), f"{ssm_impl}: genai {got} != transformers {ref}"
     assert np.asarray(got).size > 0
+
+
+def _padded_checkpoint(tmp_path: Path, tie: bool) -> Path:
+    """A mamba_ssm checkpoint, vocab_size 100 padded to 112 rows, whose padding rows would win every argmax
+    (rows 100+2j, 101+2j = +-50 x row j: one of them scores 50 |logit_j|) if any runtime read them."""
+    from m2export.models.checkpoint import random_checkpoint, save_checkpoint
+
+    ck = load_checkpoint(random_checkpoint(tmp_path / "rand", d_model=64, n_layer=2, vocab_size=100, d_state=16,
+                                           headdim=16, chunk_size=8, seed=4, tie_embeddings=tie))
+    assert ck.config.vocab_size_padded == 112
+    with torch.no_grad():
+        for W in {id(w): w for w in (ck.model.backbone.embedding.weight, ck.model.lm_head.weight)}.values():
+            for j in range(6):
+                W[100 + 2 * j], W[101 + 2 * j] = 50 * W[j], -50 * W[j]
+    return save_checkpoint(ck.model, tmp_path / "padded", format="mamba_ssm")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_padded_vocabulary_never_yields_a_padding_row(tmp_path, tie):
+    """mamba_ssm pads the lm_head to pad_vocab_size_multiple rows and slices its logits to vocab_size; the export's
+    logits are vocab_size wide (every graph), genai_config says vocab_size, and genai (greedy and hot sampling)
+    never yields an id >= vocab_size; greedy equals m2export generate's; m2export check passes."""
+    import onnx
+
+    from m2export.cli.main import main
+    from m2export.generate import generate
+
+    ck = _padded_checkpoint(tmp_path, tie)
+    out = tmp_path / "out"
+    export_model(ck, out, ssm_impl="all")
+    assert json.loads((out / GENAI_CONFIG_FILE).read_text())["model"]["vocab_size"] == 100
+    graphs = sorted(out.glob("*.onnx"))
+    assert len(graphs) >= 3
+    for g in graphs:
+        dims = onnx.load(str(g), load_external_data=False).graph.output[0].type.tensor_type.shape.dim
+        assert dims[-1].dim_value == 100, g.name
+    prompt = [1, 2, 3]
+    ref = generate(out, prompt, max_new_tokens=24).new_ids
+    assert genai_greedy(out, prompt, 24) == ref and max(ref) < 100
+    model = og.Model(str(out))
+    seen = []
+    for seed in range(3):
+        p = og.GeneratorParams(model)
+        p.set_search_options(max_length=120, do_sample=True, temperature=5.0, random_seed=seed)
+        gen = og.Generator(model, p)
+        gen.append_tokens(np.array(prompt, np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        seen += list(gen.get_sequence(0))[len(prompt):]
+    assert len(seen) > 100 and max(seen) < 100 and len(set(seen)) > 20
+    assert main(["check", str(out), "--checkpoint", str(ck), "--report-dir", str(tmp_path / "rep")]) == 0
