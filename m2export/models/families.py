@@ -366,11 +366,20 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
     each layer is ``h + mixer(norm(h))``. Mamba: d_inner = mamba_num_heads * mamba_head_dim; attention
     without positional encoding; MLP relu2 non-gated; MoE sigmoid-grouped routing + one shared expert.
     MTP layers (num_nextn_predict_layers > 0) are ignored, with a log line.
+
+    Fields transformers 5.24's ``modeling_nemotron_h.py`` never reads are ignored as it ignores them (its
+    ``save_pretrained`` writes some whatever the model is): ``mamba_proj_bias`` (in_proj/out_proj take
+    ``use_bias``), ``attention_bias`` (q/k/v/o have no bias), ``residual_in_fp32`` (the residual stream stays in
+    the model dtype) and ``tie_word_embeddings`` (``_tied_weights_keys`` is empty: lm_head.weight is always its
+    own tensor, so a checkpoint without one is refused as missing it).
     """
     r = FieldReader(raw, source, harmless={"expand", "moe_shared_expert_overlap", "mamba_ssm_cache_dtype",
                                            "mtp_layers_block_type", "mtp_hybrid_override_pattern",
                                            # transformers' Nemotron-H attention has no RoPE: these change nothing
-                                           "rope_theta", "partial_rotary_factor"},
+                                           "rope_theta", "partial_rotary_factor",
+                                           # never read by transformers 5.24's Nemotron-H (see above)
+                                           "mamba_proj_bias", "attention_bias", "residual_in_fp32",
+                                           "tie_word_embeddings"},
                     aliases=_NEMOTRON_ALIASES)
     _no_quantization(r)
     lists = [(k, _layer_kinds(r, k, ("mamba", "attention", "mlp", "moe"))) for k in ("layers_block_type",
@@ -406,9 +415,6 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
     if "mamba" in kinds:
         r.expect("mamba_hidden_act", ("silu", "swish"), "silu")
         use_bias = r.bool("use_bias", False)
-        if r.bool("mamba_proj_bias", use_bias) != use_bias:
-            raise r.error(f"mamba_proj_bias={r.raw['mamba_proj_bias']} conflicts with use_bias={use_bias} "
-                          "(transformers' Nemotron-H mixer uses use_bias for in_proj/out_proj)")
         mamba = _with(r, lambda: MambaSpec(
             d_model=d, nheads=r.int("mamba_num_heads", 128), headdim=r.int("mamba_head_dim", 64),
             d_state=r.int("ssm_state_size", 128), ngroups=r.int("n_groups", 8), d_conv=r.int("conv_kernel", 4),
@@ -417,8 +423,6 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
     act = r.expect("mlp_hidden_act", ("relu2",), "relu2") if ("mlp" in kinds or "moe" in kinds) else None
     mlp_bias = r.bool("mlp_bias", False)
     if "attention" in kinds:
-        if r.bool("attention_bias", False):
-            raise r.error("attention_bias=true is not supported (transformers' Nemotron-H attention has no bias)")
         _no_sliding_window(r)
         attn = _with(r, lambda: _attention(r, d, scale=None, rope=False, qkv_bias=False, o_bias=False,
                                            kv_default=8, head_dim_default=128))
@@ -443,14 +447,13 @@ def read_nemotron_h(raw: dict[str, Any], source: str = "config.json") -> ModelSp
     by_kind = {"mamba": lambda: mamba, "attention": lambda: attn, "mlp": lambda: mlp, "moe": lambda: moe}
     layers = tuple(LayerSpec(mixer=by_kind[k](), norm_epsilon=eps) for k in kinds)
     r.known("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size",
-            "time_step_limit", "use_conv_bias", "use_bias", "mamba_proj_bias", "mamba_hidden_act", "mlp_hidden_act",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias", "sliding_window",
+            "time_step_limit", "use_conv_bias", "use_bias", "mamba_hidden_act", "mlp_hidden_act",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
             "intermediate_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "moe_shared_expert_intermediate_size", "moe_latent_size", "n_shared_experts", "routed_scaling_factor",
             "n_group", "topk_group", "norm_topk_prob")
     spec = _with(r, lambda: ModelSpec(
-        family="nemotron_h", d_model=d, vocab_size=r.int("vocab_size", 131072), layers=layers, norm_epsilon=eps,
-        tie_embeddings=r.bool("tie_word_embeddings", False), residual_in_fp32=r.bool("residual_in_fp32", False)))
+        family="nemotron_h", d_model=d, vocab_size=r.int("vocab_size", 131072), layers=layers, norm_epsilon=eps))
     r.finish()
     return spec
 

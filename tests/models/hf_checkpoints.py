@@ -36,6 +36,14 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         ssm_state_size=16, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
         moe_shared_expert_intermediate_size=12, moe_latent_size=16, n_group=1, topk_group=1, mlp_bias=True,
         norm_topk_prob=False)),
+    # Nemotron-H with the fields transformers 5.24 writes but never reads: in_proj/out_proj biases from use_bias
+    # (save_pretrained writes mamba_proj_bias false anyway), attention_bias and residual_in_fp32 true (ignored),
+    # tie_word_embeddings true (not tied: lm_head.weight is its own tensor); MLP bias too
+    "nemotron_h_bias": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=64, hidden_size=32, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
+        ssm_state_size=8, chunk_size=8, intermediate_size=32, use_bias=True, mlp_bias=True, attention_bias=True,
+        residual_in_fp32=True, tie_word_embeddings=True)),
     # Granite 4.0-H: attention first, RoPE, all multipliers non-unit, MoE top-2 of 4 + shared MLP, ngroups 2
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=4,

@@ -157,7 +157,6 @@ def _edited(tmp_path, name, edit):
 @pytest.mark.parametrize("name,edit,match", [
     ("nemotron_h", lambda c: c.update(hybrid_override_pattern="*EMM-M"), r"hybrid_override_pattern conflicts"),
     ("nemotron_h", lambda c: c.update(num_hidden_layers=5), r"num_hidden_layers=5 conflicts"),
-    ("nemotron_h", lambda c: c.update(attention_bias=True), r"attention_bias=true is not supported"),
     ("nemotron_h", lambda c: c.update(mlp_hidden_act="gelu"), r"'mlp_hidden_act'='gelu' is not supported"),
     ("nemotron_h", lambda c: c.update(layers_block_type=["mamba2"] * 6), r"'mamba2' is not a supported layer"),
     ("nemotron_h", lambda c: c.update(mamba_n_groups=3), r"conflicting 'mamba_n_groups'=3 and 'n_groups'=2"),
@@ -426,3 +425,23 @@ def test_part2_refusal_through_the_cli_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "ffn_hidden_size (now intermediate_size)" in err and "Traceback" not in err
     assert not (tmp_path / "ck").exists()
+
+
+def test_nemotron_follows_the_fields_transformers_reads(tmp_path):
+    """transformers 5.24's Nemotron-H reads use_bias (not mamba_proj_bias, which save_pretrained writes false
+    beside use_bias true), never ties lm_head to the embedding (tie_word_embeddings true: lm_head.weight is its
+    own tensor) and ignores attention_bias and residual_in_fp32: m2export loads such a checkpoint as
+    transformers runs it (refused before: 'mamba_proj_bias=False conflicts with use_bias=True')."""
+    path, hf = make("nemotron_h_bias", tmp_path / "n")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["use_bias"] and cfg["mamba_proj_bias"] is False and cfg["tie_word_embeddings"]
+    assert cfg["attention_bias"] and cfg["residual_in_fp32"]
+    assert not torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)
+    assert hf.model.layers[0].mixer.in_proj.bias.abs().min() > 0
+    ck = load_checkpoint(path)
+    m = ck.spec.layers[0].mamba
+    assert m.bias and not ck.spec.tie_embeddings and not ck.spec.residual_in_fp32
+    ids = _ids(ck.spec.vocab_size, 2, 13)
+    with torch.no_grad():
+        err = (ck.model.forward_states(ids).logits - hf_logits(hf, ids)).abs().max().item()
+    assert err <= ATOL
