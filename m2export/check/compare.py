@@ -628,8 +628,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     try:
         with G_LOGGER.verbosity(severity), _no_eager_log_stats(enabled=not polygraphy_log):
             # -------- prefill section: every feed through the reference, then each runtime, compared as produced
-            sweep = f", {len(loader.sweep)} of them the vocabulary sweep" if loader.sweep else ""
-            advance = prog(f"prefill ({len(loader)} inputs{sweep} x {len(rts)} runners)", len(loader) * len(rts))
+            sweep = f"; the vocabulary sweep: the last {len(loader.sweep)}" if loader.sweep else ""
+            advance = prog(f"prefill ({len(loader)} inputs x {len(rts)} runners{sweep})", len(loader) * len(rts))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
             prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, feeds=loader.feeds)
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)

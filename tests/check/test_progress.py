@@ -39,7 +39,7 @@ def test_every_phase_and_runner_is_named(tiny_out, tmp_path):
 
     assert run_check(tiny_out, shapes=[(1, 3)], decode_steps=1, report_dir=tmp_path, progress=progress).passed
     tasks = {e[1]: e[2] for e in events if e[0] == "task"}
-    assert list(tasks) == ["setup", "prefill (3 inputs x 3 runners)", "sequence (prompt 13 + 1 decode steps)",
+    assert list(tasks) == ["setup", "prefill (3 inputs x 3 runners; the vocabulary sweep: the last 1)", "sequence (prompt 13 + 1 decode steps)",
                            "reports"], tasks
     for desc, total in tasks.items():  # each bar ends full
         assert sum(1 for e in events if e == ("advance", desc)) == total, desc
@@ -65,7 +65,7 @@ def test_cli_progress_on_stderr_when_not_a_terminal(tiny_out, tmp_path, capsys, 
     monkeypatch.setattr(console._PlainLines, "_begin", slow_begin)
     assert main(["check", str(tiny_out), "--shapes", "1x3", "--decode-steps", "1", "--report-dir", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
-    assert "check [" in err and "prefill (3 inputs x 3 runners)" in err and "sequence (prompt" in err, err
+    assert "check [" in err and "prefill (3 inputs x 3 runners; the vocabulary sweep: the last 1)" in err and "sequence (prompt" in err, err
     assert "check [" not in out and out.splitlines()[-1].startswith("PASSED | m2export check")
 
 
