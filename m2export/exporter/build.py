@@ -168,38 +168,29 @@ def embed(b: Builder, model, ids):
     """``(h, emb)`` of :meth:`HybridLM.embed` for the graph input ``ids`` (batch, seq) int64.
 
     Tied embeddings read the lm_head's transposed weight (``Gather(W.T, ids, axis=1)``, then a Transpose),
-    so the tied weight is stored once, as the head's (d_model, vocab_size) matrix; untied ones ``Gather(W, ids)``.
-    Only the first ``vocab_size`` rows are stored (a padded checkpoint's other rows are never read).
+    so the tied weight is stored once, as the head's (d_model, vocab) matrix; untied ones ``Gather(W, ids)``.
     """
     ir = _ir()
-    W, V = model.backbone.embedding.weight, model.spec.vocab_size
+    W = model.backbone.embedding.weight
     dt = dtype_of(W)
     d = W.shape[1]
     out = [*ids.shape, d]
     if model.spec.tie_embeddings:
-        g = b.op("Gather", [head_weight_t(b, model), ids], {"axis": 1}, name="embed.gather_t",
+        g = b.op("Gather", [b.transposed(W, "lm_head.weight_t"), ids], {"axis": 1}, name="embed.gather_t",
                  shape=[d, *ids.shape], dtype=dt)
         emb = b.op("Transpose", [g], {"perm": [1, 2, 0]}, name="emb", shape=out, dtype=dt)
     else:
-        rows = b.weight(W) if W.shape[0] == V else b.derived(("rows", id(W), V), lambda: W.detach()[:V].numpy(),
-                                                              "backbone.embedding.weight")
-        emb = b.op("Gather", [rows, ids], {"axis": 0}, name="emb", shape=out, dtype=dt)
+        emb = b.op("Gather", [b.weight(W), ids], {"axis": 0}, name="emb", shape=out, dtype=dt)
     h = b.cast(emb, ir.DataType.FLOAT, "h") if model.spec.residual_in_fp32 else emb
     return h, emb
 
 
-def head_weight_t(b: Builder, model):
-    """The lm_head's first ``vocab_size`` rows, transposed: (d_model, vocab_size), one initializer."""
-    W, V = model.lm_head.weight, model.spec.vocab_size
-    return b.derived(("T", id(W), V), lambda: W.detach()[:V].numpy().T, "lm_head.weight_t")
-
-
 def head(b: Builder, model, h):
-    """Logits of :meth:`HybridLM.head`: ``lm_head(norm_f(h))`` in the model dtype, (..., vocab_size)."""
+    """Logits of :meth:`HybridLM.head`: ``lm_head(norm_f(h))`` in the model dtype."""
     W = model.lm_head.weight
     x = b.rms_norm(h, model.backbone.norm_f, dtype_of(W), "head/norm_f")
-    return b.op("MatMul", [x, head_weight_t(b, model)], name="logits",
-                shape=[*h.shape[:-1], model.spec.vocab_size], dtype=dtype_of(W))
+    return b.op("MatMul", [x, b.transposed(W, "lm_head.weight_t")], name="logits", shape=[*h.shape[:-1], W.shape[0]],
+                dtype=dtype_of(W))
 
 
 def mamba_layer(b: Builder, layer, h, states: list, prefix: str, packing=None):

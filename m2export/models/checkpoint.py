@@ -342,6 +342,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     try:  # shapes only: no memory, whatever config.json claims; the same meta model receives the tensors below
         model = _meta_model(spec, cfg, dtype)
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        for k in VOCAB_ROWS:  # stored with the padding rows (mamba_ssm), which the model does not hold
+            if k in expected:
+                expected[k] = (spec.vocab_size_padded, *expected[k][1:])
     except (RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: config.json declares sizes no model can have ({str(e).splitlines()[0]})",
                               hint="compare its d_model/hidden_size, d_state, vocab_size with the weight files") \
@@ -416,6 +419,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         shared: dict[str, str] = {}
         for k, src in plan.sources.items():
             t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
+            if k in VOCAB_ROWS:
+                t = t[:spec.vocab_size]  # a view: the padding rows are never read (no logits, no token ids)
             new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
             del t
             if share is not None:
@@ -444,6 +449,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         if pages is not None:
             pages.close()
         raise
+
+
+#: the tensors of vocab_size_padded rows in a checkpoint, of which the model holds the first vocab_size
+VOCAB_ROWS = ("backbone.embedding.weight", "lm_head.weight")
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor, slice_elements: int = 1 << 22) -> bool:
@@ -1048,6 +1057,10 @@ def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str =
     sd = dict(model.state_dict())
     if spec.tie_embeddings:
         sd.pop("lm_head.weight", None)
+    pad = spec.vocab_size_padded - spec.vocab_size
+    for k in VOCAB_ROWS if pad else ():  # the rows the format's vocab_size_padded asks for, as zeros
+        if k in sd:
+            sd[k] = torch.cat([sd[k].detach(), sd[k].new_zeros(pad, *sd[k].shape[1:])])
     if hybrid:
         sd = to_checkpoint_names(format, spec, sd)
         conf = config_json

@@ -305,13 +305,13 @@ class HybridLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.backbone = nn.Module()
-        self.backbone.embedding = nn.Embedding(spec.vocab_size_padded, spec.d_model)
+        self.backbone.embedding = nn.Embedding(spec.vocab_size, spec.d_model)  # not the padding rows
         if spec.shared_blocks:
             self.backbone.shared_blocks = nn.ModuleList(SharedBlock(b) for b in spec.shared_blocks)
         shared = list(self.backbone.shared_blocks) if spec.shared_blocks else []
         self.backbone.layers = nn.ModuleList(Layer(L, spec.d_model, i, shared) for i, L in enumerate(spec.layers))
         self.backbone.norm_f = RMSNorm(spec.d_model, eps=spec.norm_epsilon)
-        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size_padded, bias=False)
+        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
         self._n_states = [len(spec.layer_states(i)) for i in range(spec.n_layer)]
@@ -389,18 +389,14 @@ class HybridLM(nn.Module):
         """``(h, emb)`` of ``input_ids`` (batch, seqlen) int64: the residual stream entering layer 0 (float32
         under ``residual_in_fp32``, else the model dtype) and the scaled embeddings (Zamba2's shared blocks read
         them), both (batch, seqlen, d_model). :meth:`forward_states` is ``head(layers(embed(input_ids)))``."""
-        W, V = self.backbone.embedding.weight, self.spec.vocab_size
-        h = self.backbone.embedding(input_ids) if W.shape[0] == V else F.embedding(input_ids, W[:V])  # not padding
+        h = self.backbone.embedding(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             h = h * self.spec.embedding_multiplier
         return (_compute(h) if self.spec.residual_in_fp32 else h), h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seqlen, vocab_size) in the model dtype of the last layer's residual stream ``h``: the
-        lm_head's first ``vocab_size`` rows (the rows padding it to ``vocab_size_padded`` give no logits)."""
-        x = self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype)
-        V = self.spec.vocab_size
-        logits = self.lm_head(x) if V == self.lm_head.weight.shape[0] else F.linear(x, self.lm_head.weight[:V])
+        """Logits (batch, seqlen, vocab_size) in the model dtype of the last layer's residual stream ``h``."""
+        logits = self.lm_head(self.backbone.norm_f(h, out_dtype=self.lm_head.weight.dtype))
         if self.spec.logits_multiplier != 1.0:
             logits = logits * self.spec.logits_multiplier
         return logits

@@ -9,7 +9,7 @@ API (the names other modules build on)::
 
     ModelSpec(family, d_model, vocab_size, layers, norm_epsilon, tie_embeddings, residual_in_fp32=False,
               embedding_multiplier=1.0, logits_multiplier=1.0, shared_blocks=(), pad_vocab_size_multiple=1)
-        .vocab_size_padded -> int                 # the embedding's / lm_head's row count (logits: vocab_size)
+        .vocab_size_padded -> int                 # a checkpoint's embedding/lm_head rows (the model: vocab_size)
         shared_blocks: tuple[SharedBlockSpec, ...]   # Zamba2: stored once, called by layers with ``shared``
         .n_layer -> int
         .states() -> tuple[StateSpec, ...]        # the flat runtime-state order of HybridLM.forward
@@ -377,9 +377,10 @@ class LayerSpec:
 class ModelSpec:
     """A language model: embedding (x embedding_multiplier), ``layers``, final RMSNorm, lm_head
     (x logits_multiplier; Granite's 1/logits_scaling). ``vocab_size``: the token ids and the logits' width.
-    ``pad_vocab_size_multiple``: the embedding and lm_head weights have :attr:`vocab_size_padded` rows (mamba_ssm
-    rounds vocab_size up to a multiple of it); the rows past ``vocab_size`` are never read (mamba_ssm's own
-    generation slices its logits to ``vocab_size``; here the head multiplies by the first ``vocab_size`` rows only).
+    ``pad_vocab_size_multiple``: a checkpoint's embedding and lm_head weights have :attr:`vocab_size_padded` rows
+    (mamba_ssm rounds vocab_size up to a multiple of it); the rows past ``vocab_size`` are never read (mamba_ssm's
+    own generation slices its logits to ``vocab_size``): HybridLM holds ``vocab_size`` rows, the checkpoint loader
+    drops the others and save_checkpoint writes zero rows in their place.
     ``residual_in_fp32``: the residual stream is kept in float32 (mamba_ssm)."""
 
     family: str
@@ -408,7 +409,7 @@ class ModelSpec:
 
     @property
     def vocab_size_padded(self) -> int:
-        """The embedding's and lm_head's row count: ``vocab_size`` rounded up to a multiple of
+        """A checkpoint's embedding and lm_head row count: ``vocab_size`` rounded up to a multiple of
         ``pad_vocab_size_multiple`` (as :attr:`m2export.models.config.Mamba2Config.vocab_size_padded`)."""
         m = self.pad_vocab_size_multiple
         return -(-self.vocab_size // m) * m

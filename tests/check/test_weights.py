@@ -152,3 +152,23 @@ def test_streamed_read_refuses_non_finite_weights_as_before(tmp_path):
     for share in (None, lambda k, t: iter(())):
         with pytest.raises(ckmod.CheckpointError, match=r"in_proj.weight.*non-finite value at index \[3, 4\]"):
             load_checkpoint(ck, dtype=torch.float32, share=share)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_padded_vocabulary_shares_its_embedding(tmp_path, tie):
+    """A mamba_ssm checkpoint's vocab_size 100 stored as 112 rows: the model holds the first 100 (the loader's
+    view), the export stores those, so the reference's embedding and lm_head are still the export's pages."""
+    from m2export.exporter import export_model
+
+    ck = random_checkpoint(tmp_path / "ck", d_model=32, n_layer=1, vocab_size=100, d_state=8, headdim=16,
+                           chunk_size=8, seed=3, tie_embeddings=tie)
+    out = tmp_path / "out"
+    export_model(ck, out, ssm_impl="both")
+    shared = SharedInitializers()
+    got = ModelFromCheckpoint(ck, share=ExportWeights(shared, _graphs(out)))()
+    plain = load_checkpoint(ck, dtype=torch.float32)
+    mapped = list(shared.arrays(out / "model.onnx").values())
+    for k in ("backbone.embedding.weight", "lm_head.weight"):
+        t = got.model.state_dict()[k]
+        assert t.shape == (100, 32) and bit_equal(t, plain.model.state_dict()[k]), k
+        assert (k in got.shared or tie) and _inside(t, mapped), k
