@@ -147,3 +147,20 @@ def test_padded_vocabulary_never_yields_a_padding_row(tmp_path, tie):
         seen += list(gen.get_sequence(0))[len(prompt):]
     assert len(seen) > 300 and max(seen) < 100 and len(set(seen)) > 50
     assert main(["check", str(out), "--checkpoint", str(ck), "--report-dir", str(tmp_path / "rep")]) == 0
+
+
+def test_generate_refuses_logits_wider_than_the_vocabulary(tmp_path):
+    """An export whose logits are wider than its config's vocab_size (what an older m2export wrote for a padded
+    vocabulary) is refused by generate with one line, not sampled from (the padding ids are not tokens)."""
+    import dataclasses
+
+    from m2export.errors import ExportFolderError
+    from m2export.generate import generate, open_runtime
+
+    ck = _padded_checkpoint(tmp_path, True)
+    out = tmp_path / "out"
+    export_model(ck, out, ssm_impl="ssmscan")
+    s = open_runtime(out, "onnxrt")
+    s.cfg = dataclasses.replace(s.cfg, vocab_size=90)  # the logits stay 100 wide: as an old 112-wide export
+    with pytest.raises(ExportFolderError, match=r"logits are 100 wide but the model has vocab_size 90"):
+        generate(out, [1, 2], max_new_tokens=3, session=s)
