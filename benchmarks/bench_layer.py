@@ -154,13 +154,13 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         cprob = conv_validate(xBC, W["conv_w"], W["conv_b"])
         from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
-        for impl, tl, occ, lat, pf in conv_tiles:
+        for impl, tl, occ, lat, pf, unc in conv_tiles:
             if tl[0] == 0:  # "fit": the chooser's wave-fitted token range for these rows, channels and occupancy
                 tl = (choose_stream_tiles(cprob, 2, torch.cuda.get_device_properties(0).multi_processor_count,
                                           occ or 8, rows=tl[1], fit=True)[0],) + tl[1:]
-            fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat, pf=pf: causal_conv1d_cutile(
+            fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat, pf=pf, unc=unc: causal_conv1d_cutile(
                 xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
-                occupancy=occ, impl=impl, latency=lat, prefetch=pf))
+                occupancy=occ, impl=impl, latency=lat, prefetch=pf, unchecked=unc))
             yconv.fill_(float("nan"))
             try:
                 fn()
@@ -170,6 +170,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
             torch.cuda.synchronize()
             parts.append(("conv1d+SiLU", f"cutile {impl} tiles {'x'.join(map(str, tl))}" + (f" occ {occ}" if occ else "")
                           + (f" lat {lat}" if lat else "") + ("" if pf is None else f" pf {int(pf)}")
+                          + ("" if unc is None else f" unchecked {int(unc)}")
                           + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
                       lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
@@ -308,9 +309,10 @@ def main(argv=None):
                     "stream2d:256:16:128:8:10:0,stream2d:256:16:128:8:10:1,stream2d:fit:8:128:8:10:1,"
                     "stream2d:fit:16:128:8:10:0",
                     help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency"
-                         "[:prefetch]] (stream2d: the same for conv1d_stream2d_kernel; BLOCK_T 'fit': choose_stream_tiles' "
+                         "[:prefetch[:unchecked]]] (stream2d: the same for conv1d_stream2d_kernel; BLOCK_T 'fit': choose_stream_tiles' "
                          "wave-fitted token range for those rows) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: no hint; "
-                         "latency: the row-load hint 1..10, 0 or absent: none; prefetch 0|1, absent: the default), '' "
+                         "latency: the row-load hint 1..10, 0 or absent: none; prefetch 0|1, absent: the default; unchecked 0|1: the "
+                         "row tiles' bounds checks skipped where every tile lies inside x, absent: the default), '' "
                          "for none")
     ap.add_argument("--update-variants", default="gather:4:256,cols:4:256,cols:8:256,cols:16:128,cols:1:1024",
                     help="extra decode conv-update configs, comma list of cols|gather:BLOCK_B:BLOCK_C "
@@ -336,7 +338,8 @@ def main(argv=None):
         impl, *v = spec.split(":")
         nt = 2 if impl == "v1" else 3
         conv_tiles.append((impl, tuple(0 if t == "fit" else int(t) for t in v[:nt]), int(v[nt]),
-                           int(v[nt + 1]) if len(v) > nt + 1 else 0, bool(int(v[nt + 2])) if len(v) > nt + 2 else None))
+                           int(v[nt + 1]) if len(v) > nt + 1 else 0, bool(int(v[nt + 2])) if len(v) > nt + 2 else None,
+                           bool(int(v[nt + 3])) if len(v) > nt + 3 else None))
     update_tiles = [(impl, (int(bb), int(bc))) for impl, bb, bc in
                     (sp.split(":") for sp in args.update_variants.split(",") if sp)]
     norm_specs = [(k, tuple(int(t) for t in v)) for k, *v in (sp.split(":") for sp in args.norm_variants.split(",") if sp)]

@@ -22,7 +22,7 @@ st = torch.empty(4, 5376, 3, dtype=torch.bfloat16, device="cuda")
 y = torch.empty(4, 64, 5376, dtype=torch.bfloat16, device="cuda")
 w = torch.empty(5376, 4, dtype=torch.bfloat16, device="cuda")
 sig = KernelSignature.from_kernel_args(stream_kernel(), [x, w, w[:, 0], st, y, st, 272, 16, 128, 4, True, True, True,
-                                                         STREAM_LATENCY, STREAM_PREFETCH],
+                                                         STREAM_LATENCY, STREAM_PREFETCH, False],
                                        CallingConvention.cutile_python_v1())
 for c in sig.parameters[:6] if hasattr(sig, "parameters") else [sig]:
     print(c)

@@ -166,7 +166,8 @@ def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
     ``stream_kernel()``: ``STREAM_IMPL`` with its ``STREAM_OCCUPANCY`` hint; the whole prefill, every token and the
     final state, in one launch) for the plugin's tensors (x (batch, seqlen, conv_dim), weight, bias, conv_state; y,
     final_conv_state), bias and state always present (the ONNX node has all four inputs). Tiles (and the row-load
-    hint ``STREAM_LATENCY``, the row prefetch ``STREAM_PREFETCH``) from the kernel module's ``choose_stream_tiles``
+    hint ``STREAM_LATENCY``, the row prefetch ``STREAM_PREFETCH``; bounds-checked row tiles, CHECK True: the engine's
+    extents are runtime values) from the kernel module's ``choose_stream_tiles``
     for ``conv_dim`` and one sequence of :data:`AOT_CONV_SEQLEN` tokens on 132 SMs (batch and seqlen are runtime
     extents of the engine; any tile is correct, the choice is only speed); grid
     ``(cdiv(seqlen, BLOCK_T), cdiv(conv_dim, BLOCK_C), batch)``. Made against the kernel's own signature (a drift
@@ -186,7 +187,7 @@ def conv_aot_spec(dtype: str, d_conv: int, conv_dim: int, silu: bool):
             L.constant("BLOCK_T", bt), L.constant("ROWS", rows), L.constant("BLOCK_C", bc),
             L.constant("D_CONV", int(d_conv)), L.constant("HAS_BIAS", True), L.constant("HAS_STATE", True),
             L.constant("SILU", bool(silu)), L.constant("LATENCY", K.STREAM_LATENCY),
-            L.constant("PREFETCH", K.STREAM_PREFETCH))
+            L.constant("PREFETCH", K.STREAM_PREFETCH), L.constant("CHECK", True))
     return L.Launch(K.stream_kernel(), args,
                     grid=lambda batch, seqlen, conv_dim: (_cdiv(seqlen, bt), _cdiv(conv_dim, bc), batch))
 

@@ -124,6 +124,11 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
     pytest.param(1, 2, 40, 3, False, False, 0, id="L2_d3_plain"),
     pytest.param(2, 77, 300, 4, True, True, 3, id="L77_unaligned_base"),
     pytest.param(3, 513, 2100, 4, True, True, 8, id="L513_block_edges_C2100"),
+    # whole row tiles (conv_dim % 128 == 0, seqlen % 16 == 0): the launcher's unchecked stream2d build (stream_unchecked)
+    pytest.param(2, 96, 256, 4, True, True, 8, id="L96_C256_whole_tiles"),
+    pytest.param(3, 16, 384, 4, True, True, 0, id="L16_C384_one_step_whole_tiles"),
+    pytest.param(2, 64, 128, 2, True, False, 0, id="L64_C128_d2_whole_tiles_nobias"),
+    pytest.param(2, 1024, 640, 3, False, True, 16, id="L1024_C640_d3_whole_tiles_no_state"),
 ]
 
 
@@ -138,7 +143,9 @@ PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096)), id="fit16_prefetch"),
                       pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, rows=8)), id="fit8_prefetch"),
                       pytest.param(("stream2d", 10, 4, (256, 32, 128), None, None), id="stream2d_256x32x128_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch")]
+                      pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096), False),
+                                   id="fit16_prefetch_checked")]
 
 
 @pytest.mark.gpu
@@ -161,11 +168,12 @@ def test_cutile_prefill(batch, seqlen, conv_dim, d_conv, state, bias, pad, dtype
     else:
         from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
-        impl, lat, occ, tiles, prefetch, chooser = variant
+        impl, lat, occ, tiles, prefetch, chooser, *unchecked = variant
         p = validate(x, w, bs, cs)
         tiles = tiles or (choose_stream_tiles(p, x.element_size(), **chooser) if chooser else None)
         res = causal_conv1d_cutile(x, w, bs, cs, problem=p, silu=True, out=y, state_out=st,
-                                   impl=impl, latency=lat, occupancy=occ, tiles=tiles, prefetch=prefetch)
+                                   impl=impl, latency=lat, occupancy=occ, tiles=tiles, prefetch=prefetch,
+                                   unchecked=unchecked[0] if unchecked else None)
     torch.cuda.synchronize()
     assert res.y is y and res.final_conv_state is st
     assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
@@ -221,6 +229,34 @@ def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, prefetch,
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("tiles,prefetch", [((272, 16, 128), True), ((336, 16, 128), True), ((32, 16, 128), False),
+                                            ((48, 8, 128), True), ((16, 16, 256), True), ((64, 4, 128), False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cutile_prefill_unchecked_whole_tiles(tiles, prefetch, dtype):
+    """stream2d's unchecked build (row tiles without bounds checks) where every row tile lies inside x: whole tiles of
+    channels and tokens, token ranges that do not divide seqlen (the last block's steps cut at the last token), batch
+    > 1, initial state, strided x; float64 oracle, NaN-poisoned outputs; and the checked build on the same inputs."""
+    from m2export.contract_conv1d import validate
+    from m2export.kernels.conv1d.cutile import causal_conv1d_cutile, stream_unchecked
+
+    rows, bc = tiles[1], tiles[2]
+    batch, seqlen, conv_dim = 3, 40 * rows, 3 * bc
+    x, w, bs, cs = make(batch, seqlen, conv_dim, 4, dtype, seed=tiles[0] + rows, pad=8, device="cuda")
+    p = validate(x, w, bs, cs)
+    assert stream_unchecked(p, tiles) and not stream_unchecked(p, tiles, unchecked=False)
+    y_ref, st_ref = oracle(x, w, bs, cs)
+    for unchecked in (None, False):
+        y = torch.full((batch, seqlen, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
+        st = torch.full((batch, conv_dim, 3), float("nan"), dtype=x.dtype, device="cuda")
+        causal_conv1d_cutile(x, w, bs, cs, problem=p, silu=True, out=y, state_out=st, tiles=tiles, occupancy=8,
+                             impl="stream2d", prefetch=prefetch, unchecked=unchecked)
+        torch.cuda.synchronize()
+        assert_close("y", y_ref, y.cpu(), rel=Y_REL[dtype])
+        assert torch.equal(st.cpu().double(), st_ref)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("seqlen", [1, 2, 3, 4, 5, 260])
 def test_cutile_prefill_no_activation_short(seqlen):
     """activation="none", every length around d_conv - 1 and a block edge (tiles of 4 tokens, 4 rows: 65 blocks)."""
@@ -263,6 +299,19 @@ def test_stream_tiles():
     assert fit(1, 8192, 5376, rows=8) == (328, 8, 128)
     assert fit(1, 8192, 5376, occupancy=4) == (224, 16, 128)  # 1,554 blocks: 2.94 waves of 528
     assert fit(1, 1000, 1000) == (16, 16, 128) and fit(1, 3, 40, 4) == (16, 16, 64)
+
+
+def test_stream_unchecked_only_where_every_row_tile_is_inside_x():
+    from m2export.contract_conv1d import Conv1dProblem
+    from m2export.kernels.conv1d.cutile import stream_unchecked
+
+    def unc(l, c, tiles, **kw):
+        return stream_unchecked(Conv1dProblem(batch=2, seqlen=l, conv_dim=c, d_conv=4), tiles, **kw)
+
+    assert unc(8192, 5376, (336, 16, 128)) and unc(8192, 10240, (320, 16, 128)) and unc(96, 256, (272, 16, 128))
+    assert not unc(8192, 5376, (336, 16, 128), unchecked=False)
+    assert not unc(8200, 5376, (336, 16, 128))  # a partial last row tile
+    assert not unc(8192, 5380, (336, 16, 128)) and not unc(1000, 1000, (16, 16, 128)) and not unc(3, 128, (16, 16, 128))
 
 
 @pytest.mark.gpu

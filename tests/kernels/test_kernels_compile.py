@@ -312,8 +312,8 @@ def _shaped(dt: str, ndim: int):
 def test_conv1d_kernels_compile(dt, d_conv):
     """Prefill (the one-pass streaming kernel, and v1: per-tap kernel + edge) and the update; the state
     arrays' rows (d_conv-1 elements) are not 16-byte multiples, hence plain stride constraints for them.
-    The default streaming kernel's token rows (stream2d with its hints and tiles) are 16-byte loads (ld.global.v4)
-    in its PTX; the 1-D stream kernel at 256 channels builds too. The update: both kernels."""
+    The default streaming kernel's token rows (stream2d with its hints and tiles, checked and unchecked builds) are
+    16-byte loads (ld.global.v4) in its PTX; the 1-D stream kernel at 256 channels builds too. The update: both kernels."""
     from dataclasses import replace
 
     from m2export.contract_conv1d import Conv1dProblem
@@ -324,12 +324,15 @@ def test_conv1d_kernels_compile(dt, d_conv):
     bt, bc = K.choose_fwd_tiles(p)
     state = replace(_arr(dt, 3), stride_divisible_by=(1, 1, 1))
     w2 = replace(_arr(dt, 2), stride_divisible_by=(1, 1))
-    stream = _export(K.stream_kernel(), [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
-                                         *K.choose_stream_tiles(p, _SIZE[dt]), d_conv, True, True, True,
-                                         K.STREAM_LATENCY, K.STREAM_PREFETCH])
-    assert "ld.global.v4" in ptx_from_cubin(stream)
+    tiles = K.choose_stream_tiles(p, _SIZE[dt])
+    assert K.stream_unchecked(p, tiles) and not K.stream_unchecked(p, tiles, unchecked=False)
+    streams = [_export(K.stream_kernel(), [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state, *tiles,
+                                           d_conv, True, True, True, K.STREAM_LATENCY, K.STREAM_PREFETCH, check])
+               for check in (True, False)]  # the AOT plugin's checked build, the JIT launch's unchecked one here
+    for stream in streams:
+        assert "ld.global.v4" in ptx_from_cubin(stream)
     s1d = _export(K.conv1d_stream_kernel, [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state,
-                                           256, 8, 256, d_conv, True, True, True, 0, False])
+                                           256, 8, 256, d_conv, True, True, True, 0, False, True])
     assert "ld.global" in ptx_from_cubin(s1d)
     fwd = _export(K.conv1d_fwd_kernel, [_arr(dt, 3), w2, _arr(dt, 1), _arr(dt, 3), bt, bc, d_conv, True, True])
     edge = _export(K.conv1d_edge_kernel, [_arr(dt, 3), _arr(dt, 2), _arr(dt, 1), state, _arr(dt, 3), state,
@@ -337,7 +340,7 @@ def test_conv1d_kernels_compile(dt, d_conv):
     upd = _export(K.conv1d_update_kernel, [_arr(dt, 2), w2, _arr(dt, 1), state, _arr(dt, 2), 4, 256, d_conv, True, True])
     updc = _export(K.conv1d_update_cols_kernel, [_arr(dt, 2), w2, _arr(dt, 1), state, _arr(dt, 2),
                                                  *K.choose_update_tiles(p), d_conv, True, True])
-    for cubin in (stream, s1d, fwd, edge, upd, updc):
+    for cubin in (*streams, s1d, fwd, edge, upd, updc):
         assert cubin[:4] == b"\x7fELF"
 
 

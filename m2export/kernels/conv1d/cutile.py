@@ -63,10 +63,17 @@ EDGE_BLOCK_C = 128
 
 
 # ----------------------------------------------------------------------------- tile helpers
+LOG2E = 1.4426950408889634
+"""log2(e): exp(-v) = exp2(-v * LOG2E)."""
+
+
 def _ct_silu(v):
-    """silu(v) = v / (1 + exp(-v)) of an fp32 tile, with the approximate division (rcp + mul, ~2 ulp;
-    exp(-v) overflows to inf for v << 0, giving -0)."""
-    return ct.truediv(v, 1.0 + ct.exp(-v), rounding_mode=ct.RoundingMode.APPROX)
+    """silu(v) = v / (1 + exp2(-v * log2 e)) of an fp32 tile: exp2 and the approximate division (rcp + mul, ~2 ulp)
+    with subnormals flushed to zero (exp2(-v log2 e) overflows to inf for v << 0, giving -0; a subnormal v or result
+    gives 0). sm_90 SASS: FMUL, MUFU.EX2, FADD, MUFU.RCP, FMUL per element; ``ct.exp`` without the flush took 12
+    (range reduction and rescaling), 448 -> 301 instructions per 16-row step of the streaming conv (CPU build)."""
+    e = ct.exp2(v * -LOG2E, flush_to_zero=True)
+    return ct.truediv(v, 1.0 + e, rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
 
 
 def _ct_act(v, SILU: ConstBool):
@@ -83,11 +90,16 @@ def _ct_bias(bias, ci, BLOCK_C: ConstInt, HAS_BIAS: ConstBool):
     return ct.full((BLOCK_C,), 0.0, dtype=ct.float32)
 
 
-def _ct_rows_load(x, index, ROWS: ConstInt, BLOCK_C: ConstInt, LATENCY: ConstInt):
+def _ct_rows_load(x, index, ROWS: ConstInt, BLOCK_C: ConstInt, LATENCY: ConstInt, CHECK: ConstBool = True):
     """The (1, ROWS, BLOCK_C) tile ``index`` of x (zero past its ends), with the DRAM latency hint LATENCY
     (1..10) or none (0). With a hint of 10 on the streaming kernels' row loads, tileiras issues the loads
     of the next steps before this step's stores (sm_90 PTX read on the CPU: three steps of rows in the
-    prologue, one step ahead in the loop)."""
+    prologue, one step ahead in the loop). CHECK False: no bounds check (the caller knows the tile lies inside x;
+    tileiras 13.4 refuses a padding mode on such a load)."""
+    if not CHECK:
+        if LATENCY > 0:
+            return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), latency=LATENCY, check_bounds=False)
+        return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), check_bounds=False)
     if LATENCY > 0:
         return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO, latency=LATENCY)
     return ct.load(x, index=index, shape=(1, ROWS, BLOCK_C), padding_mode=_ZERO)
@@ -160,7 +172,7 @@ def conv1d_fwd_kernel(x, weight, bias, y, BLOCK_T: ConstInt, BLOCK_C: ConstInt, 
 @ct.kernel
 def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
                          BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
-                         SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool):
+                         SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool, CHECK: ConstBool):
     """Prefill, every token and the final state, one pass over x. Grid: (cdiv(seqlen, BLOCK_T),
     cdiv(conv_dim, BLOCK_C), batch).
 
@@ -176,7 +188,7 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
     d_conv 4, where an old row moves within the carried tuple, the H200 gave wrong outputs).
     conv_state and state_out: (batch, conv_dim, D_CONV-1), not aliased. LATENCY: the row loads' DRAM
     latency hint (1..10; 0: the compiler's own), with which tileiras software-pipelines the row loads of
-    the next steps ahead of this step's stores (see :func:`_ct_rows_load`). PREFETCH: unused here (the
+    the next steps ahead of this step's stores (see :func:`_ct_rows_load`). PREFETCH and CHECK: unused here (the
     parameter lists of the streaming kernels are one; see :func:`conv1d_stream2d_kernel`).
     """
     tt = ct.bid(0)
@@ -216,7 +228,7 @@ def conv1d_stream_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: Con
 @ct.kernel
 def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: ConstInt, ROWS: ConstInt,
                            BLOCK_C: ConstInt, D_CONV: ConstInt, HAS_BIAS: ConstBool, HAS_STATE: ConstBool,
-                           SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool):
+                           SILU: ConstBool, LATENCY: ConstInt, PREFETCH: ConstBool, CHECK: ConstBool):
     """Prefill as :func:`conv1d_stream_kernel` (same grid, block ownership, carried rows, gathers and final
     state), with 2-D tiles: each step loads its ROWS token rows as one (1, ROWS, BLOCK_C) tile (16-byte
     loads), takes the rows out with ``ct.extract`` for the taps, puts the outputs back with ``ct.insert``
@@ -228,6 +240,10 @@ def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: C
     the last step re-loads its own tile, so no load lies past x's end). Without it each step's 16-byte loads are
     consumed right after they are issued (sm_90 SASS: LDG.E.128 then STS.128 of the same registers): one DRAM
     latency per step per block, which bounded the kernel at ~2.9 TB/s at 8 blocks per SM (benchmarks/NOTES_fusion.md).
+
+    CHECK False: the row loads and the y stores without bounds checks, for launches whose every row tile lies inside x
+    and y (conv_dim % BLOCK_C == 0 and seqlen % ROWS == 0: the launcher decides, :func:`stream_unchecked`); the
+    gathers (window, weights, final state) stay checked. sm_90 SASS, 16-row bf16 step: 301 -> 242 instructions.
     """
     tt = ct.bid(0)
     ci = ct.bid(1)
@@ -250,18 +266,20 @@ def conv1d_stream2d_kernel(x, weight, bias, conv_state, y, state_out, BLOCK_T: C
         win += (r.reshape((1, BLOCK_C)),)
     n = _n_steps(seqlen, t0, BLOCK_T, ROWS)
     if PREFETCH:
-        cur = _ct_rows_load(x, (b, tt * steps, ci), ROWS, BLOCK_C, LATENCY)
+        cur = _ct_rows_load(x, (b, tt * steps, ci), ROWS, BLOCK_C, LATENCY, CHECK)
         for s in range(n):
             # the next step's rows (the last step re-reads its own: no tile past x's end), loaded before this step's
-            nxt = _ct_rows_load(x, (b, tt * steps + min(s + 1, n - 1), ci), ROWS, BLOCK_C, LATENCY)
+            nxt = _ct_rows_load(x, (b, tt * steps + min(s + 1, n - 1), ci), ROWS, BLOCK_C, LATENCY, CHECK)
             out, win = _ct_rows_conv(cur, win, ws, bs, ROWS, BLOCK_C, D_CONV, SILU)
-            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
+            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)),
+                     check_bounds=CHECK)
             cur = nxt
     else:
         for s in range(n):
-            cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY)
+            cur = _ct_rows_load(x, (b, tt * steps + s, ci), ROWS, BLOCK_C, LATENCY, CHECK)
             out, win = _ct_rows_conv(cur, win, ws, bs, ROWS, BLOCK_C, D_CONV, SILU)
-            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)))
+            ct.store(y, index=(b, tt * steps + s, ci), tile=out.astype(y.dtype).reshape((1, ROWS, BLOCK_C)),
+                     check_bounds=CHECK)
     if t0 + BLOCK_T >= seqlen:
         _ct_store_final_state(x, conv_state, state_out, b, cidx, D_CONV, HAS_STATE)
 
@@ -404,6 +422,10 @@ STREAM_STEP_BYTES = 4096
 """Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
 channels, 8 of fp32, whose 16-row build spills); None: 8 rows. See :data:`STREAM_PREFETCH`."""
 
+STREAM_UNCHECKED = True
+"""Launches of :func:`conv1d_stream2d_kernel` whose row tiles all lie inside x (:func:`stream_unchecked`) use its
+unchecked build (CHECK False); False: always the checked one."""
+
 STREAM_KERNELS = {"stream": conv1d_stream_kernel, "stream2d": conv1d_stream2d_kernel}
 """The prefill's streaming kernels by ``impl`` name (same parameters, grid and tiles)."""
 
@@ -443,6 +465,15 @@ def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132, oc
     return bt, rows, bc
 
 
+def stream_unchecked(p: Conv1dProblem, tiles: tuple[int, int, int], unchecked: bool | None = None) -> bool:
+    """Whether a streaming launch with ``tiles`` (BLOCK_T, ROWS, BLOCK_C) may skip the row tiles' bounds checks: every
+    (1, ROWS, BLOCK_C) tile a block loads or stores lies inside x and y when conv_dim % BLOCK_C == 0 and seqlen % ROWS
+    == 0 (token ranges are ROWS multiples; a block's steps stop at the one holding the last token). ``unchecked``
+    None: :data:`STREAM_UNCHECKED`; False: never."""
+    on = STREAM_UNCHECKED if unchecked is None else bool(unchecked)
+    return on and p.conv_dim % tiles[2] == 0 and p.seqlen % tiles[1] == 0
+
+
 def check_stream_tiles(impl: str, tiles: tuple[int, int, int], d_conv: int) -> None:
     """Raise ContractError unless ``tiles`` (BLOCK_T, ROWS, BLOCK_C) fit the streaming kernel ``impl``: BLOCK_T a
     multiple of ROWS, ROWS >= d_conv - 1 (with fewer rows per step the stream kernel gave wrong outputs on the
@@ -457,7 +488,8 @@ def check_stream_tiles(impl: str, tiles: tuple[int, int, int], d_conv: int) -> N
 def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem, silu: bool, out=None,
                          state_out=None, stream=None, tiles: tuple[int, ...] | None = None,
                          occupancy: int | None = None, impl: str | None = None,
-                         latency: int | None = None, prefetch: bool | None = None) -> Conv1dOutput:
+                         latency: int | None = None, prefetch: bool | None = None,
+                         unchecked: bool | None = None) -> Conv1dOutput:
     """cuTile prefill on validated arguments (see :func:`m2export.kernels.conv1d.causal_conv1d`).
 
     ``x`` is used in place when its last stride is 1 (any other strides, e.g. a slice of the
@@ -466,7 +498,8 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
     ``tiles`` = (BLOCK_T, ROWS, BLOCK_C) overriding :func:`choose_stream_tiles` (ROWS a power of two for
     stream2d), ``occupancy`` the blocks-per-SM hint (default :data:`STREAM_OCCUPANCY`, 0: none), ``latency``
     the row-load hint (default :data:`STREAM_LATENCY`; 1..10, 0: none), ``prefetch`` the next step's rows loaded
-    ahead (default :data:`STREAM_PREFETCH`; stream2d only); "v1": :func:`conv1d_fwd_kernel` +
+    ahead (default :data:`STREAM_PREFETCH`; stream2d only), ``unchecked`` the row tiles' bounds checks skipped where
+    every tile lies inside x (default :data:`STREAM_UNCHECKED`, :func:`stream_unchecked`; stream2d only); "v1": :func:`conv1d_fwd_kernel` +
     :func:`conv1d_edge_kernel`, ``tiles`` = (BLOCK_T, BLOCK_C) overriding :func:`choose_fwd_tiles`, no hint
     unless ``occupancy`` (benchmarks).
     """
@@ -498,7 +531,8 @@ def causal_conv1d_cutile(x, weight, bias, conv_state, *, problem: Conv1dProblem,
             check_stream_tiles(impl, (bt, rows, bc), p.d_conv)
             ct.launch(raw, (-(-p.seqlen // bt), -(-p.conv_dim // bc), p.batch), stream_kernel(impl, occ),
                       (x, weight, b_arg, s_arg, y, st_out, bt, rows, bc, p.d_conv, bias is not None,
-                       conv_state is not None, bool(silu), lat, STREAM_PREFETCH if prefetch is None else bool(prefetch)))
+                       conv_state is not None, bool(silu), lat, STREAM_PREFETCH if prefetch is None else bool(prefetch),
+                       not stream_unchecked(p, (bt, rows, bc), unchecked)))
             return Conv1dOutput(y, st_out)
         bt, bc = tiles or choose_fwd_tiles(p)
         n_main = p.seqlen - (p.d_conv - 1)
