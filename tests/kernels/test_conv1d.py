@@ -243,9 +243,9 @@ def test_cutile_prefill_unchecked_whole_tiles(tiles, prefetch, dtype):
     batch, seqlen, conv_dim = 3, 40 * rows, 3 * bc
     x, w, bs, cs = make(batch, seqlen, conv_dim, 4, dtype, seed=tiles[0] + rows, pad=8, device="cuda")
     p = validate(x, w, bs, cs)
-    assert stream_unchecked(p, tiles) and not stream_unchecked(p, tiles, unchecked=False)
+    assert stream_unchecked(p, tiles, unchecked=True) and not stream_unchecked(p, tiles, unchecked=False)
     y_ref, st_ref = oracle(x, w, bs, cs)
-    for unchecked in (None, False):
+    for unchecked in (True, False):
         y = torch.full((batch, seqlen, conv_dim), float("nan"), dtype=x.dtype, device="cuda")
         st = torch.full((batch, conv_dim, 3), float("nan"), dtype=x.dtype, device="cuda")
         causal_conv1d_cutile(x, w, bs, cs, problem=p, silu=True, out=y, state_out=st, tiles=tiles, occupancy=8,
@@ -308,10 +308,12 @@ def test_stream_unchecked_only_where_every_row_tile_is_inside_x():
     def unc(l, c, tiles, **kw):
         return stream_unchecked(Conv1dProblem(batch=2, seqlen=l, conv_dim=c, d_conv=4), tiles, **kw)
 
-    assert unc(8192, 5376, (336, 16, 128)) and unc(8192, 10240, (320, 16, 128)) and unc(96, 256, (272, 16, 128))
-    assert not unc(8192, 5376, (336, 16, 128), unchecked=False)
-    assert not unc(8200, 5376, (336, 16, 128))  # a partial last row tile
-    assert not unc(8192, 5380, (336, 16, 128)) and not unc(1000, 1000, (16, 16, 128)) and not unc(3, 128, (16, 16, 128))
+    on = dict(unchecked=True)
+    assert unc(8192, 5376, (336, 16, 128), **on) and unc(8192, 10240, (320, 16, 128), **on)
+    assert unc(96, 256, (272, 16, 128), **on) and not unc(8192, 5376, (336, 16, 128), unchecked=False)
+    assert not unc(8200, 5376, (336, 16, 128), **on)  # a partial last row tile
+    assert not unc(8192, 5380, (336, 16, 128), **on) and not unc(1000, 1000, (16, 16, 128), **on)
+    assert not unc(3, 128, (16, 16, 128), **on)
 
 
 @pytest.mark.gpu

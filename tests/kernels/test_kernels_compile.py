@@ -325,7 +325,7 @@ def test_conv1d_kernels_compile(dt, d_conv):
     state = replace(_arr(dt, 3), stride_divisible_by=(1, 1, 1))
     w2 = replace(_arr(dt, 2), stride_divisible_by=(1, 1))
     tiles = K.choose_stream_tiles(p, _SIZE[dt])
-    assert K.stream_unchecked(p, tiles) and not K.stream_unchecked(p, tiles, unchecked=False)
+    assert K.stream_unchecked(p, tiles, unchecked=True) and not K.stream_unchecked(p, tiles, unchecked=False)
     streams = [_export(K.stream_kernel(), [_shaped(dt, 3), w2, _arr(dt, 1), state, _shaped(dt, 3), state, *tiles,
                                            d_conv, True, True, True, K.STREAM_LATENCY, K.STREAM_PREFETCH, check])
                for check in (True, False)]  # the AOT plugin's checked build, the JIT launch's unchecked one here

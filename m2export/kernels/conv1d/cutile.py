@@ -65,13 +65,18 @@ EDGE_BLOCK_C = 128
 # ----------------------------------------------------------------------------- tile helpers
 LOG2E = 1.4426950408889634
 """log2(e): exp(-v) = exp2(-v * LOG2E)."""
+SILU_EXP2 = True
+"""SiLU of the conv and gated-norm kernels through exp2 with subnormals flushed (:func:`_ct_silu`); False: ``ct.exp``
+(the previous build). Read when a kernel is compiled (a module constant to cuTile)."""
 
 
 def _ct_silu(v):
     """silu(v) = v / (1 + exp2(-v * log2 e)) of an fp32 tile: exp2 and the approximate division (rcp + mul, ~2 ulp)
     with subnormals flushed to zero (exp2(-v log2 e) overflows to inf for v << 0, giving -0; a subnormal v or result
-    gives 0). sm_90 SASS: FMUL, MUFU.EX2, FADD, MUFU.RCP, FMUL per element; ``ct.exp`` without the flush took 12
-    (range reduction and rescaling), 448 -> 301 instructions per 16-row step of the streaming conv (CPU build)."""
+    gives 0). sm_90 SASS: FMUL, MUFU.EX2, FADD, MUFU.RCP, FMUL per element; ``ct.exp`` without the flush (SILU_EXP2
+    False) took 12 (range reduction and rescaling), 448 -> 301 instructions per 16-row step of the streaming conv."""
+    if not SILU_EXP2:
+        return ct.truediv(v, 1.0 + ct.exp(-v), rounding_mode=ct.RoundingMode.APPROX)
     e = ct.exp2(v * -LOG2E, flush_to_zero=True)
     return ct.truediv(v, 1.0 + e, rounding_mode=ct.RoundingMode.APPROX, flush_to_zero=True)
 
