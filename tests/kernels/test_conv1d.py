@@ -124,7 +124,7 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
     pytest.param(1, 2, 40, 3, False, False, 0, id="L2_d3_plain"),
     pytest.param(2, 77, 300, 4, True, True, 3, id="L77_unaligned_base"),
     pytest.param(3, 513, 2100, 4, True, True, 8, id="L513_block_edges_C2100"),
-    # whole row tiles (conv_dim % 128 == 0, seqlen % 16 == 0): the launcher's unchecked stream2d build (stream_unchecked)
+    # whole row tiles (conv_dim % 128 == 0, seqlen % 16 == 0): where stream2d's unchecked build may run (stream_unchecked)
     pytest.param(2, 96, 256, 4, True, True, 8, id="L96_C256_whole_tiles"),
     pytest.param(3, 16, 384, 4, True, True, 0, id="L16_C384_one_step_whole_tiles"),
     pytest.param(2, 64, 128, 2, True, False, 0, id="L64_C128_d2_whole_tiles_nobias"),
@@ -132,11 +132,12 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 ]
 
 
-#: (impl, latency, occupancy, tiles, prefetch, chooser) run through every PREFILL edge besides the default launch:
+#: (impl, latency, occupancy, tiles, prefetch, chooser[, unchecked]) run through every PREFILL edge besides the default launch:
 #: the streaming kernels with the row-load latency hint, stream2d with and without the row prefetch, fixed tiles or
 #: choose_stream_tiles' with the keywords ``chooser`` (None: the launcher's); candidates for the default
 #: (benchmarks/NOTES_fusion.md). "fit16_prefetch" is the measured best (STREAM_PREFETCH, STREAM_FIT_WAVES and
-#: STREAM_STEP_BYTES 4096), "fit8_prefetch" the same with 8 rows per step.
+#: STREAM_STEP_BYTES 4096), "fit8_prefetch" the same with 8 rows per step, "fit16_prefetch_unchecked" with stream2d's
+#: unchecked build where it applies (STREAM_UNCHECKED).
 PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream", 10, 4, None, None, None), id="stream_lat10_occ4"),
                       pytest.param(("stream2d", 10, 4, None, None, None), id="stream2d_lat10_occ4"),
@@ -144,8 +145,8 @@ PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, rows=8)), id="fit8_prefetch"),
                       pytest.param(("stream2d", 10, 4, (256, 32, 128), None, None), id="stream2d_256x32x128_lat10_occ4"),
                       pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch"),
-                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096), False),
-                                   id="fit16_prefetch_checked")]
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096), True),
+                                   id="fit16_prefetch_unchecked")]
 
 
 @pytest.mark.gpu

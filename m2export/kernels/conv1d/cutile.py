@@ -27,7 +27,7 @@ in both; y in x's dtype.
 Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the stream kernel
 320-351 us (2.0-2.1x the byte floor), stream2d 256x8x128 at occupancy 8 with the latency hint 287 us (1.75x),
 the default (token ranges fitted to whole waves, 16 rows per step, the next step's rows prefetched) 205 us
-(1.25x). Read PTX built with ct.launch's constraints (extents
+(1.25x), 198 us (1.21x) with the exp2 SiLU. Read PTX built with ct.launch's constraints (extents
 divisible by 16, tests/kernels/test_kernels_compile.py): built without them, tileiras shows one
 2-byte load per element; with them, 16-byte loads. A variant that loads one (BLOCK_T, 4, BLOCK_C)
 tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the taps
@@ -427,9 +427,12 @@ STREAM_STEP_BYTES = 4096
 """Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
 channels, 8 of fp32, whose 16-row build spills); None: 8 rows. See :data:`STREAM_PREFETCH`."""
 
-STREAM_UNCHECKED = True
-"""Launches of :func:`conv1d_stream2d_kernel` whose row tiles all lie inside x (:func:`stream_unchecked`) use its
-unchecked build (CHECK False); False: always the checked one."""
+STREAM_UNCHECKED = False
+"""True: launches of :func:`conv1d_stream2d_kernel` whose row tiles all lie inside x (:func:`stream_unchecked`) use its
+unchecked build (CHECK False, 242 instead of 301 SASS instructions per 16-row bf16 step); False (default): always the
+checked one. Off because it was no faster: H200, 2026-12-03, two runs, unchecked vs checked at mamba2-2.7b / Nemotron-H
+4x8192 and 1x8192: 198.8 / 56.7 / 349.3 / 95.4 vs 197.8 / 55.8 / 348.4 / 94.7 us, and 202.0 / 57.4 / 349.1 / 97.9 vs
+198.5 / 56.4 / 348.4 / 94.8 (benchmarks/NOTES_fusion.md); both builds passed the float64 oracle tests."""
 
 STREAM_KERNELS = {"stream": conv1d_stream_kernel, "stream2d": conv1d_stream2d_kernel}
 """The prefill's streaming kernels by ``impl`` name (same parameters, grid and tiles)."""
