@@ -111,6 +111,33 @@ def large_decay_inputs(p: SSMScanProblem, *, seed: int, chunk_sum: float = -4000
     return out
 
 
+def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` (with an initial state) where dt*A overflows float32 to -inf on some steps of head 0
+    (A -1e30, finite; dt + dt_bias 1e10 on every third token, softplus passes it through) while the other heads
+    keep their ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer. float32 or bfloat16
+    only (1e10 is inf in float16)."""
+    if p.dtype == "float16":
+        raise ValueError("overflowing_decay_inputs: dt 1e10 is inf in float16")
+    inp = make_inputs(p, seed=seed, init_state=True)
+    inp["A"][0] = -1e30
+    inp["dt"][:, ::3, 0] = 1e10
+    return inp
+
+
+def assert_overflow_close(ref, y: torch.Tensor, final_state: torch.Tensor, *, rel: float) -> None:
+    """:func:`assert_close` for outputs of :func:`overflowing_decay_inputs` (y (..., tokens, heads, headdim),
+    final_state (..., heads, headdim, d_state)), compared piece by piece so that the 1e10-sized rows of the
+    dt-1e10 tokens cannot hide an error elsewhere: head 0 on those tokens, head 0 on the others, heads 1..."""
+    spike = torch.zeros(y.shape[-3], dtype=torch.bool)
+    spike[::3] = True
+    assert_close("y head 0, dt 1e10 tokens", ref.y[..., spike, 0, :], y[..., spike, 0, :], rel=rel)
+    if (~spike).any():
+        assert_close("y head 0, other tokens", ref.y[..., ~spike, 0, :], y[..., ~spike, 0, :], rel=rel)
+    assert_close("y heads 1..", ref.y[..., 1:, :], y[..., 1:, :], rel=rel)
+    assert_close("final_state head 0", ref.final_state[..., 0, :, :], final_state[..., 0, :, :], rel=rel)
+    assert_close("final_state heads 1..", ref.final_state[..., 1:, :, :], final_state[..., 1:, :, :], rel=rel)
+
+
 def packed_large_decay_case() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A packed case of :func:`large_decay_inputs`: 3 sequences (100, 300, 112 tokens: boundaries inside chunks of
     64 and 256), 8 heads, headdim 16, ngroups 2, d_state 16, an fp32 initial state per sequence. Returns the

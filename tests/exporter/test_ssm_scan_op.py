@@ -16,7 +16,8 @@ import torch
 from m2export.contract import SSMScanAttrs, SSMScanProblem
 from m2export.exporter.ssm_scan_op import PLUGIN_ATTRIBUTES, ssm_scan_fn, ssm_scan_node_model
 from m2export.kernels.ssd.naive import ssm_scan_recurrent
-from tests.helpers import assert_close, assert_cumsum_trt_safe, large_decay_inputs, make_inputs
+from tests.helpers import assert_close, assert_cumsum_trt_safe, large_decay_inputs, make_inputs, \
+    overflowing_decay_inputs
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -329,16 +330,6 @@ def test_chunked_body_sizes_are_what_the_body_allocates(shape):
         assert getattr(parts, name) in sizes, f"{name}: {getattr(parts, name)} bytes, no tensor of that size"
     assert max(sizes) == max(parts.decay, parts.intra, parts.states, parts.tokens)
     assert parts.peak >= 2 * max(sizes)
-
-
-def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int) -> dict[str, torch.Tensor]:
-    """:func:`make_inputs` where dt*A overflows float32 to -inf on some steps of head 0 (A -1e30, finite;
-    dt + dt_bias 1e10 on every third token, softplus passes it through) while the other heads keep their
-    ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer."""
-    inp = make_inputs(p, seed=seed, init_state=True)
-    inp["A"][0] = -1e30
-    inp["dt"][:, ::3, 0] = 1e10
-    return inp
 
 
 @pytest.mark.parametrize("seqlen", [1, 7, 26])

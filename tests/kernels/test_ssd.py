@@ -645,3 +645,65 @@ def test_autotuned_scan(monkeypatch, autotune_env):
     assert chosen == min(trials, key=lambda t: t[1])[0]
     _run_and_check(p, seed=stable_seed("autotune", 2))
     assert len(_tune.TUNER.trials) == 1
+
+
+# ------------------------------------------------------------- dt*A overflowing float32 to -inf
+#: (id, seqlen) at chunk 64: one token, less than a chunk, k chunks + 1
+OVERFLOW_LENGTHS = [("L1", 1), ("L_lt_chunk", 37), ("L_k_chunk_plus_1", 3 * 64 + 1)]
+
+
+@pytest.mark.parametrize("case", OVERFLOW_LENGTHS, ids=[c[0] for c in OVERFLOW_LENGTHS])
+def test_chunked_reference_decay_overflowing_to_minus_inf(case):
+    """CPU: ssm_scan_chunked where dt*A is -inf in float32 (A -1e30, dt 1e10 on head 0) gives the float64 decay to
+    exactly 0, never NaN: its segment sums mask dA (where, not a 0/1 product) before the cumsum, it forms no
+    cs_i - cs_j, and it masks before exp."""
+    from m2export.kernels.ssd.naive import ssm_scan_chunked
+    from tests.helpers import assert_overflow_close, overflowing_decay_inputs
+
+    p = SSMScanProblem(2, case[1], 4, 16, 2, 16, dtype="float32")
+    inp = overflowing_decay_inputs(p, seed=stable_seed("overflow-ref", case[0]))
+    assert torch.isinf(inp["dt"].float()[:, ::3, 0] * inp["A"][0]).all()
+    ref = ssm_scan_recurrent(**inp)
+    out = ssm_scan_chunked(**inp, chunk_size=64)
+    assert_overflow_close(ref, out.y, out.final_state, rel=2e-5)
+
+
+def _overflow_config(p: SSMScanProblem, plan: str):
+    """The plan of test_decay_overflowing_to_minus_inf: None (ssm_scan's own) or a ScanConfig at chunk 64."""
+    from m2export.kernels.ssd.plan import aot_config, choose_config
+
+    nchunks = -(-p.seqlen // 64)
+    return {"auto": None, "fused": aot_config(p), "dt_pre": choose_config(p, chunk=64, nseg=1, dt_pre=True),
+            "split": choose_config(p, chunk=64, nseg=min(3, nchunks)),
+            "cb_pre1": choose_config(p, chunk=64, cb_pre=1), "cb_pre2": choose_config(p, chunk=64, cb_pre=2)}[plan]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", ["auto", "fused", "dt_pre", "split", "cb_pre1", "cb_pre2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", OVERFLOW_LENGTHS, ids=[c[0] for c in OVERFLOW_LENGTHS])
+def test_decay_overflowing_to_minus_inf(case, dtype, plan):
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third token; finite but -3e29 on the others):
+    every plan vs the float64 oracle (its exp(dt*A) is 0: an exact decay to 0), with an initial state, NaN-poisoned
+    outputs. Written before any GPU run: the CPU reading (benchmarks/NOTES_ssd.md, "dt*A at -inf") expects NaN from
+    the double-float cumsum (-inf - -inf in its TwoSum; and, for finite dt*A ~ -1e30, residuals lo ~ 1e23 with
+    exp2(lo) = 0 and exp2(-lo) = inf)."""
+    from m2export.contract import validate
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+    from tests.helpers import assert_overflow_close, overflowing_decay_inputs
+
+    p = SSMScanProblem(2, case[1], 8, 64, 2, 64, dtype=dtype)
+    inp = overflowing_decay_inputs(p, seed=stable_seed("overflow", case[0], dtype))
+    ref = ssm_scan_recurrent(**inp)
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
+    dev = [inp[k].cuda() for k in names]
+    y, fs = nan_outputs(p)
+    cfg = _overflow_config(p, plan)
+    if cfg is None:
+        ssm_scan(*dev, out=y, final_state_out=fs)
+    else:
+        ssm_scan_cutile(*dev, problem=validate(*dev), dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                        final_state_out=fs, config=cfg)
+    torch.cuda.synchronize()
+    assert_overflow_close(ref, y.cpu(), fs.cpu(), rel=Y_REL[dtype])

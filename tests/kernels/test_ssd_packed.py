@@ -271,3 +271,66 @@ def test_cutile_packed_reads_cu_seqlens_on_the_launch_stream():
         assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0
         assert_close("y", ref.y, y.cpu(), rel=SSD_Y_REL["float32"])
         assert_close("final_state", ref.final_state, fs.cpu(), rel=SSD_STATE_REL["float32"])
+
+
+# ------------------------------------------------------------- dt*A overflowing float32 to -inf
+#: sequence lengths around chunk 32: one token, < chunk, k*chunk + 1, boundaries inside chunks
+OVERFLOW_PACK = [20, 1, 37, 2 * 32 + 1]
+
+
+def _overflowing_packed_inputs(dtype, *, seed, **kw):
+    """_packed_inputs of OVERFLOW_PACK with dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third packed
+    token; tests.helpers.overflowing_decay_inputs)."""
+    p, inp, cu = _packed_inputs(OVERFLOW_PACK, dtype, seed=seed, **kw)
+    inp["A"][0] = -1e30
+    inp["dt"][:, ::3, 0] = 1e10
+    assert torch.isinf(inp["dt"].float()[:, ::3, 0] * inp["A"][0]).all()
+    return p, inp, cu
+
+
+def test_chunked_reference_decay_overflowing_to_minus_inf():
+    """CPU: ssm_scan_packed_chunked where dt*A is -inf in float32 is the float64 oracle's decay to exactly 0, never
+    NaN (masks before exp and before its segment sums' cumsum; decays from a sequence start are gathers, not
+    differences of cumulative sums)."""
+    from tests.helpers import assert_overflow_close
+
+    _, inp, cu = _overflowing_packed_inputs("float32", seed=stable_seed("overflow-packed-ref"))
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    out = ssm_scan_packed_chunked(**inp, cu_seqlens=cu, chunk_size=32)
+    assert_overflow_close(ref, out.y, out.final_state, rel=2e-5)
+
+
+@pytest.mark.gpu
+@requires_cutile
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cutile_packed_decay_overflowing_to_minus_inf(dtype):
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third packed token): ssm_scan's packed path and the
+    packed launch group (default plan; nseg 2 and one chunk per item at chunk 32, pass 1 and the fold) vs the
+    float64 oracle, initial states, NaN-poisoned outputs. Written before any GPU run: the CPU reading
+    (benchmarks/NOTES_ssd.md, "dt*A at -inf") expects NaN from the double-float cumsum."""
+    import math
+
+    from m2export.contract import validate_packed
+    from m2export.kernels.ssd.cutile_packed import ssm_scan_packed_cutile
+    from m2export.kernels.ssd.plan import choose_config
+    from tests.helpers import assert_overflow_close
+
+    p, inp, cu = _overflowing_packed_inputs(dtype, seed=stable_seed("overflow-packed", dtype), H=8, P=64, N=64)
+    ref = ssm_scan_packed_recurrent(**inp, cu_seqlens=cu)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
+    nseq = len(OVERFLOW_PACK)
+    base = dict(chunk=32, dt_pre=True, merge_tail=False)
+    configs = ["ssm_scan", None, choose_config(p, nseg=2, **base),
+               choose_config(p, nseg=-(-sum(OVERFLOW_PACK) // 32), **base)]
+    pp, _ = validate_packed(**dev, cu_seqlens=cu)
+    for cfg in configs:
+        y = poison_(torch.empty(p.shape_of("y"), dtype=dev["x"].dtype, device="cuda"))
+        fs = poison_(torch.empty(nseq, p.nheads, p.headdim, p.d_state, device="cuda"))
+        if cfg == "ssm_scan":
+            ssm_scan(**dev, cu_seqlens=cu.cuda(), out=y, final_state_out=fs)
+        else:
+            ssm_scan_packed_cutile(*(dev[k] for k in contract.INPUT_NAMES), cu.tolist(), problem=pp,
+                                   dt_softplus=True, dt_limit=(0.0, math.inf), out=y, final_state_out=fs, config=cfg)
+        torch.cuda.synchronize()
+        assert count_unwritten(y).item() == 0 and count_unwritten(fs).item() == 0, cfg
+        assert_overflow_close(ref, y.cpu(), fs.cpu(), rel=SSD_Y_REL[dtype])

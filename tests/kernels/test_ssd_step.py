@@ -178,3 +178,50 @@ def test_step_torch_backend_in_place():
     res = ssm_step(**step, backend="torch", state_out=st)
     assert res.final_state is st
     assert_close("state", ref.final_state, st, rel=1e-6)
+
+
+# ------------------------------------------------------------- dt*A overflowing float32 to -inf
+def _overflowing_step(p: SSMScanProblem, seed: int):
+    """(inputs of the seqlen-1 scan, the step's arguments) with dt*A -inf in float32 on head 0 (A -1e30, dt 1e10:
+    tests.helpers.overflowing_decay_inputs) and an initial state."""
+    from tests.helpers import overflowing_decay_inputs
+
+    inp = overflowing_decay_inputs(p, seed=seed)
+    assert torch.isinf(inp["dt"].float()[:, 0, 0] * inp["A"][0]).all()
+    step = dict(x=inp["x"][:, 0], dt=inp["dt"][:, 0], A=inp["A"], B=inp["B"][:, 0], C=inp["C"][:, 0], D=inp["D"],
+                dt_bias=inp["dt_bias"], ssm_state=inp["initial_state"])
+    return inp, step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_reference_decay_overflowing_to_minus_inf(dtype):
+    """CPU: ssm_step_ref where dt*A is -inf in float32: exp(-inf) = 0 times a finite state, the float64 decay to
+    exactly 0, never NaN."""
+    from m2export.kernels.ssd_step.naive import ssm_step_ref
+    from tests.helpers import assert_overflow_close
+
+    inp, step = _overflowing_step(SSMScanProblem(3, 1, 4, 16, 2, 16, dtype=dtype), stable_seed("overflow-step", dtype))
+    ref = ssm_scan_recurrent(**inp)
+    out = ssm_step_ref(**step)
+    assert_overflow_close(ref, out.y[:, None], out.final_state, rel=Y_REL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("B4_H8_G2", "B64_H8_P80_N128_rows64")],
+                         ids=["B4_H8_G2", "B64_H8_P80_N128_rows64"])
+def test_step_decay_overflowing_to_minus_inf(case, dtype):
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10): the head-tile and the flat-row kernels vs the float64
+    oracle, NaN-poisoned y and state_out. The CPU reading expects no NaN (exp(-inf) = 0 times a finite state)."""
+    from tests.helpers import assert_overflow_close
+
+    p = SSMScanProblem(*case[1], dtype=dtype)
+    inp, step = _overflowing_step(p, stable_seed("overflow-step-gpu", case[0], dtype))
+    ref = ssm_scan_recurrent(**inp)
+    dev = {k: (v.cuda() if v is not None else None) for k, v in step.items()}
+    y = torch.full(tuple(step["x"].shape), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    st_out = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    ssm_step(**dev, out=y, state_out=st_out)
+    torch.cuda.synchronize()
+    assert_overflow_close(ref, y.cpu()[:, None], st_out.cpu(), rel=Y_REL[dtype])
