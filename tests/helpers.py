@@ -111,15 +111,17 @@ def large_decay_inputs(p: SSMScanProblem, *, seed: int, chunk_sum: float = -4000
     return out
 
 
-def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int) -> dict[str, torch.Tensor]:
+def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int, a0: float | None = -1e30) -> dict[str, torch.Tensor]:
     """:func:`make_inputs` (with an initial state) where dt*A overflows float32 to -inf on some steps of head 0
-    (A -1e30, finite; dt + dt_bias 1e10 on every third token, softplus passes it through) while the other heads
-    keep their ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer. float32 or bfloat16
-    only (1e10 is inf in float16)."""
+    (A ``a0`` = -1e30, finite; dt + dt_bias 1e10 on every third token, softplus passes it through) while the other
+    heads keep their ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer. ``a0`` None
+    keeps head 0's ordinary A (dt*A ~ -1e10 there: finite, no overflow). float32 or bfloat16 only (1e10 is inf in
+    float16)."""
     if p.dtype == "float16":
         raise ValueError("overflowing_decay_inputs: dt 1e10 is inf in float16")
     inp = make_inputs(p, seed=seed, init_state=True)
-    inp["A"][0] = -1e30
+    if a0 is not None:
+        inp["A"][0] = a0
     inp["dt"][:, ::3, 0] = 1e10
     return inp
 
