@@ -875,21 +875,25 @@ A_LOG_MAX = math.log(torch.finfo(torch.float32).max)
 
 def check_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype | None, where: str) -> None:
     """Refuse NaN/Inf weights, an ``A_log`` whose ``A = -exp(A_log)`` overflows float32 to -inf (a tensor named
-    ``...A_log``, every family's name for it: > :data:`A_LOG_MAX`), and, for an fp16/bf16 ``dtype``, values whose
-    cast overflows to inf.
+    ``...A_log``, every family's name for it: > :data:`A_LOG_MAX`, after rounding to an fp16/bf16 ``dtype``), and,
+    for an fp16/bf16 ``dtype``, values whose cast overflows to inf.
 
     Raises:
         CheckpointError: naming the tensor, its first bad index and the value.
     """
     for k, v in sd.items():
         if k.rsplit(".", 1)[-1] == "A_log" and v.is_floating_point():
+            # as the export holds it: an fp16/bf16 export rounds A_log to its dtype first (88.72 -> 88.75 in fp16)
+            narrow = dtype in _NARROW and v.dtype != dtype
+            held = v.to(dtype) if narrow else v
             with torch.no_grad():
-                over = torch.isinf(torch.exp(v.float())) & torch.isfinite(v)  # the export's own op; NaN/inf: below
+                over = torch.isinf(torch.exp(held.float())) & torch.isfinite(v)  # the export's own op; NaN/inf: below
             if bool(over.any()):
                 idx = [int(i) for i in over.nonzero()[0]]
-                raise CheckpointError(f"{where}: tensor {k!r} has a value at index {idx}: {v[tuple(idx)].item()!r} "
-                                      f"whose A = -exp(A_log) is -inf in float32; expected A_log <= "
-                                      f"{A_LOG_MAX:.4f} (A finite)",
+                rounded = f" (as {_NARROW[dtype]}: {held[tuple(idx)].item()!r})" if narrow else ""
+                raise CheckpointError(f"{where}: tensor {k!r} has a value at index {idx}: {v[tuple(idx)].item()!r}"
+                                      f"{rounded} whose A = -exp(A_log) is -inf in float32; expected A_log <= "
+                                      f"{A_LOG_MAX:.4f} (A finite)" + (" once rounded to the export dtype" if narrow else ""),
                                       hint="fix the checkpoint (or export it anyway with `allow_nonfinite=True`)")
         if _weights_ok(v, dtype):
             continue

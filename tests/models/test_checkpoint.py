@@ -519,3 +519,19 @@ def test_empty_weight_map_is_named(tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(CheckpointError, match=r"ck/model.safetensors.index.json: 'weight_map' is empty"):
         load_checkpoint(path)
+
+
+def test_an_a_log_that_overflows_once_rounded_to_fp16_is_refused(tmp_path):
+    """A_log 88.72 is under A_LOG_MAX, but an fp16 export rounds it to 88.75, whose A is -inf in float32 (the
+    breaker's repro: NaN logits in the ssmscan/std fp16 graphs at L not a multiple of the chunk, exit 0): refused
+    for fp16 naming the rounded value; fp32 and bf16 (88.72 -> 88.5) load it."""
+    name = "backbone.layers.1.mixer.A_log"
+    path = _tampered_ckpt(tmp_path, lambda sd: sd[name].__setitem__(2, 88.72))
+    assert torch.tensor(88.72).half().item() == 88.75 and torch.tensor(88.72).bfloat16().item() == 88.5
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, dtype=torch.float16)
+    assert str(e.value).endswith(f"tensor {name!r} has a value at index [2]: 88.72000122070312 (as fp16: 88.75) "
+                                 "whose A = -exp(A_log) is -inf in float32; expected A_log <= 88.7228 (A finite) "
+                                 "once rounded to the export dtype")
+    for dtype in (None, torch.bfloat16):
+        load_checkpoint(path, dtype=dtype)
