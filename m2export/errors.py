@@ -190,6 +190,9 @@ class StdoutError(M2ExportError):
         if error.errno == errno.EPIPE:
             super().__init__("stdout was closed by its reader (broken pipe): the output stopped there")
             self.exit_code = ExitCode.BROKEN_PIPE
+        elif error.errno == errno.EBADF:
+            super().__init__("cannot write the results to stdout: it is closed (the command ran with stdout shut, "
+                             "e.g. '>&-')", hint="give stdout a file or a pipe, e.g. '> /dev/null' to discard the results")
         else:
             super().__init__(f"cannot write the results to stdout: {error.strerror or error}",
                              hint="redirect stdout to a file on a device with free space")

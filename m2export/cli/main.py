@@ -120,6 +120,24 @@ def _version() -> str:
         return "0+unknown"
 
 
+class _ClosedStdout:
+    """What ``sys.stdout`` is when the interpreter started with fd 1 closed (Python sets it to None): every write
+    fails as a write to a closed descriptor does (EBADF), which :class:`_GuardedStdout` turns into one error line."""
+
+    def _closed(self, *_a):
+        import errno
+
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    write = writelines = fileno = _closed
+
+    def flush(self) -> None:  # nothing buffered, nothing lost
+        return None
+
+    def isatty(self) -> bool:
+        return False
+
+
 class _GuardedStdout:
     """``sys.stdout`` while a verb runs: an OSError of a write or flush (a closed pipe, ``> /dev/full``)
     becomes :class:`~m2export.errors.StdoutError` (exit 141 silently, or one line and exit 1) instead of a traceback, and
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     # -v: m2export's own debug log (export steps, timings); third-party libraries stay at INFO
     logging.getLogger("m2export").setLevel(logging.DEBUG if args.verbose and not args.quiet else level)
     t0 = time.perf_counter()
-    stdout = sys.stdout
+    stdout = sys.stdout if sys.stdout is not None else _ClosedStdout()  # None: started with fd 1 closed ('>&-')
     sys.stdout = _GuardedStdout(stdout)
     try:
         from m2export.check import console

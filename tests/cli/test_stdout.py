@@ -70,3 +70,22 @@ def test_results_to_dev_full(tiny_out, verb):
     assert r.returncode == ExitCode.USER_ERROR, err
     _one_error_line(err, "cannot write the results to stdout: No space left on device")
     assert "hint: redirect stdout to a file on a device with free space" in err
+
+
+@pytest.mark.parametrize("verb", ["inspect", "export"])
+def test_stdout_closed_at_start(tiny_out, tiny_ck, tmp_path, verb):
+    """Started with fd 1 closed ('>&-': Python's sys.stdout is None): a verb with results to print says so in one
+    line (exit 1; was an AttributeError traceback, exit 70); one with nothing to print (-q export) exits 0."""
+    args = {"inspect": ["inspect", tiny_out],
+            "export": ["export", tiny_ck, "-o", tmp_path / "o", "-q"]}[verb]
+    p = subprocess.run(_cli(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    err = p.stderr.decode()
+    assert "Traceback" not in err, err
+    if verb == "inspect":
+        assert p.returncode == 1, err
+        _one_error_line(err, "cannot write the results to stdout: it is closed (the command ran with stdout shut, "
+                             "e.g. '>&-')")
+    else:
+        assert p.returncode == 0 and err == "", err
+        assert (tmp_path / "o" / "m2export.json").exists()
