@@ -108,13 +108,17 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
     """Apply ``--atol``/``--rtol`` values to ``base``: ``VALUE`` sets the default, ``NAME:VALUE`` one output.
 
     NAME may be a glob (``present_ssm_state.*``); it is expanded to the exact output names Polygraphy
-    needs. Later NAME:VALUE values win; a second default is refused (:func:`tolerance_items`).
+    needs. Each output takes at most one NAME:VALUE and there is at most one default (:func:`tolerance_items`):
+    "the later one wins" would drop the other silently, and which one the user meant is not ours to pick.
 
     Raises:
-        UsageError: a malformed, infinite, NaN or negative value (:func:`tolerance_items`); ParameterError: a NAME
-            that matches no output (with the names available); the message names ``param`` ("atol" / "rtol").
+        UsageError: a malformed, infinite, NaN or negative value, or two defaults (:func:`tolerance_items`);
+            ParameterError: a NAME that matches no output (with the names available), or an output that two
+            NAME:VALUE values match (the same name twice, or a glob and a name: both values named); the message
+            names ``param`` ("atol" / "rtol").
     """
     out = dict(base)
+    given: dict[str, str] = {}  # output -> the NAME:VALUE value that set it
     for (name, x), v in zip(tolerance_items(values, param), values or []):
         if name is None:
             out[""] = x
@@ -124,8 +128,14 @@ def parse_tolerances(values: list[str] | None, base: dict[str, float], output_na
             raise ParameterError(f"`{param}` {v!r}: no output named {name!r}",
                                 hint=f"the outputs are {_abbrev_names(output_names)}; globs like "
                                      "'present_ssm_state.*' work")
+        twice = [n for n in matched if n in given]
+        if twice:
+            raise ParameterError(f"`{param}` {given[twice[0]]!r} and {v!r}: two tolerances for output {twice[0]!r}"
+                                 + (f" (and {len(twice) - 1} more)" if len(twice) > 1 else ""),
+                                 hint="give each output one NAME:VALUE (narrow the glob, or drop one of them)")
         for n in matched:
             out[n] = x
+            given[n] = v
     return out
 
 
@@ -552,6 +562,10 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         raise UsageError(f"`runtimes` {unknown}: expected names from {list(ALL_RUNTIMES)}")
     outdir = Path(outdir)
     manifest = read_manifest(outdir)
+    atol_d, rtol_d = default_tolerances(manifest.dtype)  # the names need only the manifest: before any graph is read
+    out_names = GraphIO.for_model(manifest.model_config(), manifest.dtype).output_names()
+    atol_d = parse_tolerances(atol, atol_d, out_names, "atol")
+    rtol_d = parse_tolerances(rtol, rtol_d, out_names, "rtol")
     from m2export.inspect import check_graph_file
 
     prog = _new_task(progress)
@@ -584,10 +598,6 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if reference == "transformers":
         ref_loader = ModelFromTransformers(ck_path, ref_loader)
 
-    out_names = GraphIO.for_model(cfg, dtype).output_names()
-    atol_d, rtol_d = default_tolerances(dtype)
-    atol_d = parse_tolerances(atol, atol_d, out_names, "atol")
-    rtol_d = parse_tolerances(rtol, rtol_d, out_names, "rtol")
     compare_func = make_compare_func(atol_d, rtol_d)
 
     shapes = shapes or list(_engine_shapes(manifest) or default_shapes(cfg, max_seqlen))

@@ -31,7 +31,7 @@ An element fails when its absolute error > atol AND its relative error > rtol. D
 dtype (m2export.check.tolerances):
 @DEFAULT_TOLERANCES@
 Override with --atol/--rtol VALUE (the default) or NAME:VALUE (one output; NAME may be a glob like
-'present_ssm_state.*').
+'present_ssm_state.*'); one default and one NAME:VALUE per output at most.
 
 Writes OUTDIR/check_report.json (every output of every runtime), check_report.md, check_errors.png
 (error histogram, when matplotlib is installed: pip install 'm2export[plot]') and check_data_loader.py (the same inputs for
@@ -42,7 +42,8 @@ runs, as 'export --force' refuses it; --force replaces it anyway.
 
 exit codes: 0 all comparisons passed; 3 an output is out of tolerance (the failing outputs are named);
 1 OUTDIR, a graph, an engine listed in m2export.json or the reference checkpoint is missing (or its hash
-differs from the export's), an --atol/--rtol NAME that matches no output, a file of a report's name in the
+differs from the export's), an --atol/--rtol NAME that matches no output or an output given two NAME:VALUE
+values (logits:1e-3,logits:1; a glob and a name count twice), a file of a report's name in the
 report folder that m2export did not write (without --force), or --runtime trt with TensorRT
 usable but no engines built; 2 a flag's value malformed or out of range (--shapes 2x0, --atol -1, --rtol inf,
 --decode-steps -1), or flags that contradict each other; 4 --runtime trt where TensorRT is not usable (not

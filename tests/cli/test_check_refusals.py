@@ -73,6 +73,20 @@ def test_two_default_tolerances_are_refused(tmp_path, capsys, values, shown):
     assert err[0] == f"error: {values[0]} {shown}: more than one default value", err
 
 
+@pytest.mark.parametrize("values,shown", [
+    (["--atol", "logits:1e-30,logits:1"], "--atol 'logits:1e-30' and 'logits:1': two tolerances for output 'logits'"),
+    (["--rtol", "present_ssm_state.*:1", "--rtol", "present_ssm_state.1:2"],
+     "--rtol 'present_ssm_state.*:1' and 'present_ssm_state.1:2': two tolerances for output 'present_ssm_state.1'")])
+def test_two_tolerances_for_one_output_are_refused(tiny_out, tmp_path, capsys, values, shown):
+    """The later NAME:VALUE won silently (--atol logits:1e-30,logits:1 checked logits at 1): one line naming the flag,
+    both values and the output, exit 1 (it takes the export's output names), before the reference runs."""
+    rc = main(["check", str(tiny_out), *values, "--report-dir", str(tmp_path / "r"), *QUICK])
+    out, err = capsys.readouterr()
+    assert rc == ExitCode.USER_ERROR, err
+    assert err.strip().splitlines()[0] == f"error: {shown}", err
+    assert out == "" and not (tmp_path / "r").exists()
+
+
 def test_empty_tolerance_item_is_refused(tmp_path, capsys):
     rc = main(["check", str(tmp_path / "nope"), "--atol", "logits:1e-3,,1e-4"])
     err = capsys.readouterr().err.strip().splitlines()
