@@ -554,7 +554,7 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
     if reference not in REFERENCES:
         raise UsageError(f"`reference` {reference!r}: expected one of {list(REFERENCES)}")
     tolerance_items(atol, "atol"), tolerance_items(rtol, "rtol")  # values first; names once the outputs are known
-    shapes = check_shapes(shapes) if shapes else None
+    shapes = check_shapes(shapes) if shapes is not None else None
     _check_reference_backend(reference_backend, reference)
     runtimes = tuple(names.canonical("runtime", r) for r in runtimes)
     unknown = [r for r in runtimes if r not in ALL_RUNTIMES]

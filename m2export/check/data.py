@@ -120,8 +120,11 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
     """'1x1,2x64' -> [(1, 1), (2, 64)].
 
     Raises:
-        M2ExportError: a malformed item, named.
+        UsageError: a malformed item, named; an empty ``spec`` (no size is not "the default sizes").
     """
+    if not spec.strip():
+        raise UsageError(f"`shapes` {spec!r}: empty value; {_SHAPES_EXPECTED}", hint="leave `shapes` out for the "
+                                                                                   "default sizes")
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -145,8 +148,11 @@ def check_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     themselves, ONNX Runtime fails inside a kernel), and a batch of 0 has nothing to compare.
 
     Raises:
-        UsageError: an item that is not two integers >= 1, named.
+        UsageError: an item that is not two integers >= 1, named; no item at all (``[]`` is not "the default
+            sizes": those are ``None``).
     """
+    if not len(shapes):
+        raise UsageError(f"`shapes` {shapes!r}: no size; {_SHAPES_EXPECTED}", hint="pass None for the default sizes")
     out = []
     for item in shapes:
         try:

@@ -47,16 +47,19 @@ def non_negative_float(text: str) -> float:
 
 
 def comma_items(text: str, flag: str) -> list[str]:
-    """``"a, b,c"`` -> ``["a", "b", "c"]`` (items stripped); ``""`` (or blanks) -> ``[]``.
+    """``"a, b,c"`` -> ``["a", "b", "c"]`` (items stripped).
 
     Raises:
-        UsageError: an empty item (``1,,2``, a trailing ``1,2,``): ``error: FLAG '1,,2': empty item at position
-            2`` (exit 2); a list that silently dropped it would be another list than the one typed.
+        UsageError: an empty value (``--atol ''``, blanks): ``error: FLAG '': empty value`` (exit 2), since an
+            empty list would quietly mean "the defaults", which the user gets by leaving the flag out; an empty
+            item (``1,,2``, a trailing ``1,2,``): ``error: FLAG '1,,2': empty item at position 2`` (exit 2); a
+            list that silently dropped it would be another list than the one typed.
     """
     from m2export.errors import UsageError
 
     if not text.strip():
-        return []
+        raise UsageError(f"{flag} {text!r}: empty value", hint=f"give at least one item, or leave {flag} out for "
+                                                              "its default")
     items = [v.strip() for v in text.split(",")]
     for i, v in enumerate(items, 1):
         if not v:

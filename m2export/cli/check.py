@@ -152,7 +152,7 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     quiet_polygraphy(args.verbose)
-    shapes = parse_shapes(args.shapes) if args.shapes else None
+    shapes = parse_shapes(args.shapes) if args.shapes is not None else None  # '' is refused, not the defaults
     runtimes = tuple(args.runtimes) if args.runtimes else RUNTIMES
     with progress_bars(not args.quiet, "check") as prog:
         report = run_check(args.outdir, checkpoint=args.checkpoint, atol=_split(args.atol, "--atol"),

@@ -80,7 +80,8 @@ def run(args) -> int:
     if args.prompt_ids is not None:  # its syntax first: a malformed value is exit 2 before anything is read
         from m2export.cli.argtypes import comma_items
 
-        items = comma_items(args.prompt_ids, "--prompt-ids")
+        # an empty one is an empty prompt, refused as --prompt '' is (check_prompt_ids, exit 1)
+        items = comma_items(args.prompt_ids, "--prompt-ids") if args.prompt_ids.strip() else []
         try:
             ids = [int(v) for v in items]
         except ValueError:

@@ -87,6 +87,27 @@ def test_two_tolerances_for_one_output_are_refused(tiny_out, tmp_path, capsys, v
     assert out == "" and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("flag,value,shown", [
+    ("--shapes", "", "--shapes '': empty value; expected BATCHxSEQLEN with positive integers, e.g. 1x1,2x64"),
+    ("--atol", "", "--atol '': empty value"), ("--rtol", " ", "--rtol ' ': empty value")])
+def test_an_empty_list_flag_is_refused(tmp_path, capsys, flag, value, shown):
+    """--shapes '' (or --atol '') ran the defaults as if the flag were absent: refused in one line (exit 2) before
+    any file is read (OUTDIR does not exist)."""
+    rc = main(["check", str(tmp_path / "nope"), flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == ExitCode.USAGE, err
+    assert err[0] == f"error: {shown}", err
+
+
+def test_run_check_refuses_no_shapes(tmp_path):
+    """The library's shapes=[] ran the defaults too (those are shapes=None)."""
+    from m2export.check.compare import run_check
+    from m2export.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^shapes \[\]: no size; expected BATCHxSEQLEN"):
+        run_check(tmp_path / "nope", shapes=[])
+
+
 def test_empty_tolerance_item_is_refused(tmp_path, capsys):
     rc = main(["check", str(tmp_path / "nope"), "--atol", "logits:1e-3,,1e-4"])
     err = capsys.readouterr().err.strip().splitlines()
