@@ -417,9 +417,12 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                 uses[n] = uses.get(n, 0) + 1
         new: dict[str, torch.Tensor] = {}
         shared: dict[str, str] = {}
+        padding: dict[str, torch.Tensor] = {}
         for k, src in plan.sources.items():
             t = torch.stack([sd[n] for n in src.keys]) if src.stacked else sd[src.keys[0]]
             if k in VOCAB_ROWS:
+                if t.shape[0] > spec.vocab_size:  # a few rows, copied: kept only for save_checkpoint to write back
+                    padding[k] = t[spec.vocab_size:].clone()
                 t = t[:spec.vocab_size]  # a view: the padding rows are never read (no logits, no token ids)
             new[k] = t.to(params[k].dtype)  # the checkpoint's own tensor when the dtype matches (no copy)
             del t
@@ -435,6 +438,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                 if not uses[n] and n not in later:
                     del sd[n]
         _assign_state(model, new)
+        model.vocab_padding = padding
         for copy, internal in plan.copies.items():  # Zamba2: later callers' copies of a shared block
             ref = plan.sources[internal].keys[0] if internal in plan.sources else None
             if ref is None or sd[copy].shape != sd[ref].shape or not torch.equal(sd[copy], sd[ref]):
@@ -1045,6 +1049,11 @@ def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str =
     Written through :func:`m2export._paths.staged_output` (a temporary sibling swapped in: no half-written
     checkpoint, the previous one intact on failure), tensor by tensor (no copy of the state dict).
 
+    A padded vocabulary (mamba_ssm's ``pad_vocab_size_multiple``): the embedding and lm_head get
+    vocab_size_padded rows, those past vocab_size from ``model.vocab_padding`` (a loaded checkpoint's own rows,
+    so load + save in the file's dtype gives its tensors back bit for bit), else zeros. ``format='hf'`` has no
+    padding: its config.json's vocab_size is vocab_size_padded, and those rows are tokens there.
+
     Args:
         force: replace a non-empty ``outdir`` holding a checkpoint m2export wrote.
         force_foreign: with ``force``, replace it even if m2export did not write it (deletes its contents).
@@ -1062,9 +1071,12 @@ def save_checkpoint(model: HybridLM, outdir: str | os.PathLike, *, format: str =
     if spec.tie_embeddings:
         sd.pop("lm_head.weight", None)
     pad = spec.vocab_size_padded - spec.vocab_size
-    for k in VOCAB_ROWS if pad else ():  # the rows the format's vocab_size_padded asks for, as zeros
+    for k in VOCAB_ROWS if pad else ():  # the rows the format's vocab_size_padded asks for: the loaded ones, or zeros
         if k in sd:
-            sd[k] = torch.cat([sd[k].detach(), sd[k].new_zeros(pad, *sd[k].shape[1:])])
+            rows = getattr(model, "vocab_padding", {}).get(k)
+            if rows is None or tuple(rows.shape) != (pad, *sd[k].shape[1:]):
+                rows = sd[k].new_zeros(pad, *sd[k].shape[1:])
+            sd[k] = torch.cat([sd[k].detach(), rows.to(sd[k].dtype)])
     if hybrid:
         sd = to_checkpoint_names(format, spec, sd)
         conf = config_json

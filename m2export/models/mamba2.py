@@ -299,11 +299,17 @@ class HybridLM(nn.Module):
     dtypes there; ``None`` = a fresh sequence, i.e. :meth:`zero_states`). ``present`` continues it:
     ``forward_states(ids[:, :N])`` then ``forward_states(ids[:, N:], present)`` equals
     ``forward_states(ids)`` on the last M logits.
+
+    ``vocab_padding``: the rows past ``vocab_size`` of a loaded checkpoint's vocab_size_padded-row embedding and
+    lm_head (name -> (vocab_size_padded - vocab_size, d_model) tensor, the file's dtype), which the model never
+    reads; kept aside by the loader so that :func:`~m2export.models.checkpoint.save_checkpoint` writes them back
+    unchanged. Empty for a model built here (save_checkpoint then writes zero rows).
     """
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
+        self.vocab_padding: dict[str, torch.Tensor] = {}
         self.backbone = nn.Module()
         self.backbone.embedding = nn.Embedding(spec.vocab_size, spec.d_model)  # not the padding rows
         if spec.shared_blocks:

@@ -380,7 +380,8 @@ class ModelSpec:
     ``pad_vocab_size_multiple``: a checkpoint's embedding and lm_head weights have :attr:`vocab_size_padded` rows
     (mamba_ssm rounds vocab_size up to a multiple of it); the rows past ``vocab_size`` are never read (mamba_ssm's
     own generation slices its logits to ``vocab_size``): HybridLM holds ``vocab_size`` rows, the checkpoint loader
-    drops the others and save_checkpoint writes zero rows in their place.
+    keeps the others aside (``HybridLM.vocab_padding``) and save_checkpoint writes them back (zero rows for a model
+    that has none).
     ``residual_in_fp32``: the residual stream is kept in float32 (mamba_ssm)."""
 
     family: str

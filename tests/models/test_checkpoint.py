@@ -535,3 +535,36 @@ def test_an_a_log_that_overflows_once_rounded_to_fp16_is_refused(tmp_path):
                                  "once rounded to the export dtype")
     for dtype in (None, torch.bfloat16):
         load_checkpoint(path, dtype=dtype)
+
+
+@pytest.mark.parametrize("tie,stored", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_saving_a_loaded_padded_vocabulary_keeps_its_padding_rows(tmp_path, tie, stored):
+    """vocab_size 100 stored as 112 rows whose last 12 are the user's (not zeros): load + save_checkpoint gives every
+    tensor back bit for bit (bf16: loaded as float32, saved as bf16), and format='hf', where those rows are tokens
+    (its vocab_size is 112), gets them too. save_checkpoint wrote zero rows there, the user's rows lost."""
+    from safetensors import safe_open
+
+    from m2export.models.checkpoint import bit_equal, save_checkpoint
+
+    ck = random_checkpoint(tmp_path / "ck", format="mamba_ssm", seed=2, dtype=stored,
+                           **{**TINY, "tie_embeddings": tie})
+    f = ck / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        meta = fh.metadata()
+    sd = load_file(f)
+    g = torch.Generator().manual_seed(7)
+    for k in ("backbone.embedding.weight", "lm_head.weight"):
+        if k in sd:
+            assert sd[k].shape[0] == 112 and not sd[k][100:].any()
+            sd[k][100:] = torch.randn(12, sd[k].shape[1], generator=g).to(stored)
+    save_file(sd, f, metadata=meta)
+    for mapped in (False, True):  # read, or views of the file's mapping (the export's load)
+        model = load_checkpoint(ck, mapped=mapped).model
+        assert model.backbone.embedding.weight.shape[0] == 100  # the model still holds only the real rows
+        again = load_file(save_checkpoint(model, tmp_path / f"again{mapped}", dtype=stored) / "model.safetensors")
+        assert sorted(again) == sorted(sd)
+        for k in sd:
+            assert bit_equal(again[k], sd[k]), (k, mapped)
+    hf = load_file(save_checkpoint(model, tmp_path / "hf", format="hf", dtype=stored) / "model.safetensors")
+    assert bit_equal(hf["backbone.embeddings.weight"], sd["backbone.embedding.weight"])
+    assert bit_equal(hf["lm_head.weight"], sd["backbone.embedding.weight" if tie else "lm_head.weight"])
