@@ -9,12 +9,15 @@ One home for the output logic of ``export`` (OUTDIR), ``save_checkpoint``/``rand
   SIGINT/SIGTERM are held back during the three renames (and reported after them). A folder is replaced only with ``force=True``
   and only if ``owned(folder)`` says m2export wrote it (``force_foreign=True`` overrides that, never the
   protected paths). A symlinked target is refused (never followed); nothing the ``protect`` paths resolve
-  into (a checkpoint's files through their symlinks), nor the current directory, is ever deleted; a
-  mount point (cannot be renamed over) and the current directory (renaming onto it would leave the
-  caller's shell in a deleted directory) are written in place when empty, staged inside them and moved in
-  at the end with interrupts held (only SIGKILL there can leave part of the files), and refused before
-  anything is deleted otherwise. Stale marked siblings of killed runs are cleaned (their previous folder restored when
-  the kill hit the swap); parent folders created for a failed write are removed again.
+  into (a checkpoint's files through their symlinks), nor a folder holding the current directory, is ever
+  deleted; a mount point (cannot be renamed over) and the current directory (renaming onto it would leave the
+  caller's shell in a deleted directory) are written in place: staged inside them and moved in at the end
+  with interrupts held. A non-empty mount point is refused before anything is deleted; the current directory
+  holding only what m2export wrote (``owned``) is replaced under ``force``: its entries moved aside into the
+  staging folder, the new ones moved in, the old ones deleted (a SIGKILL in between is finished or undone by
+  the next run), and never for ``force_foreign``. Stale marked siblings of killed runs are cleaned (their
+  previous folder restored when the kill hit the swap); parent folders created for a failed write are removed
+  again.
 * :func:`atomic_write_text` / :func:`atomic_file` — temp file in the same folder + fsync + ``os.replace``.
 * :func:`loads_json` — the reading side of m2export's JSON files: ``json.loads`` refusing duplicate keys
   (``json`` keeps the last one without a word, so a hand-edited ``config.json`` could mean two things).
@@ -51,11 +54,14 @@ _holding: list[int] = []
 
 
 # ------------------------------------------------------------------------------------------------ hazards
-def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Iterable[Path] = ()) -> str | None:
+def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Iterable[Path] = (),
+                   cwd_ok: bool = False) -> str | None:
     """Why replacing (deleting) ``target`` would be wrong, or None.
 
     Wrong when ``target`` is, or contains, the current directory, ``checkpoint``, or any ``protect`` path
     (each resolved through its symlinks: a weight file linked from elsewhere protects the file it points to).
+    ``cwd_ok``: ``target`` may be the current directory itself (its contents replaced in place, the folder kept;
+    still never an ancestor of it).
     """
     out = target.resolve()
 
@@ -69,7 +75,7 @@ def replace_hazard(target: Path, checkpoint: Path | None = None, *, protect: Ite
         if inside(p):
             r = Path(p).resolve()
             return f"holds the checkpoint's {'folder' if r.is_dir() else 'file'} {r}"
-    if inside(Path.cwd()):
+    if inside(Path.cwd()) and not (cwd_ok and _is_cwd(target)):
         return "is (or contains) the current directory"
     return None
 
@@ -249,7 +255,15 @@ def clean_stale(target: Path) -> list[Path]:
             old = p / "old"
             if old.is_dir() and where == target.parent and not os.path.lexists(target):
                 os.rename(old, target)
-            shutil.rmtree(p, ignore_errors=True)
+            elif where == target and (p / _MOVING_IN).is_file():  # killed moving the new export in: finish it
+                for q in sorted((p / "new").iterdir()):
+                    if not os.path.lexists(target / q.name):
+                        os.rename(q, target / q.name)
+            elif where == target and old.is_dir():  # killed setting the previous export aside: put it back
+                for q in sorted(old.iterdir()):
+                    if not os.path.lexists(target / q.name):
+                        os.rename(q, target / q.name)
+            remove_staging(p)
             removed.append(p)
     return removed
 
@@ -288,10 +302,11 @@ def check_target(target: Path, *, force: bool, force_foreign: bool, protect: Ite
                                  "with `force_foreign=True` to delete its contents")
             raise error(f"{target}: exists and is not empty",
                         hint="pass `force=True` to replace it, or choose another output folder (`outdir`)")
-        hazard = replace_hazard(target, protect=protect)
+        why = owned(target)
+        # the current directory itself: its contents are replaced in place when m2export wrote them all
+        hazard = replace_hazard(target, protect=protect, cwd_ok=why is None)
         if hazard:
             raise error(f"{target}: {hazard}; `force` would delete it", hint="choose a new or dedicated folder")
-        why = owned(target)
         if why and not force_foreign:
             raise error(f"{target}: {why}; `force` replaces only folders m2export wrote",
                         hint="delete it yourself, choose another folder, or add `force_foreign=True` to delete its "
@@ -341,7 +356,8 @@ def staged_output(target: str | os.PathLike, *, force: bool = False, force_forei
         force: allow replacing a non-empty ``target`` whose ``owned(target)`` is None (m2export wrote it).
         force_foreign: with ``force``, replace it even when ``owned`` objects (the contents are deleted).
         protect: paths that must survive (a checkpoint's config and weight files): ``target`` holding any
-            of them (through symlinks), or the current directory, is refused whatever the flags.
+            of them (through symlinks), or holding the current directory, is refused whatever the flags; the
+            current directory itself is replaced (in place) only when ``owned`` accepts it.
         owned: ``folder -> None`` if m2export wrote it, else the reason it is not m2export's.
         error: the M2ExportError subclass raised (messages name ```force```/```force_foreign```, which the
             CLI shows as its flags).
@@ -375,11 +391,11 @@ def staged_output(target: str | os.PathLike, *, force: bool = False, force_forei
             raise_if_interrupted()
             with _signals_held():
                 if in_place:
-                    _move_in_place(staging / "new", target, error)
+                    _replace_in_place(staging, target, owned=owned, error=error)
                 else:
                     _swap(staging, target, force=force, force_foreign=force_foreign, owned=owned, error=error)
                 done = True
-                shutil.rmtree(staging, ignore_errors=True)
+                remove_staging(staging)
             if _received:  # arrived during the swap: reported now, with the new output complete in place
                 raise Interrupted(_received[-1], f"{target} was written completely before stopping")
         except OSError as e:
@@ -390,17 +406,35 @@ def staged_output(target: str | os.PathLike, *, force: bool = False, force_forei
             if not done:
                 with _signals_held():
                     if staging is not None:
-                        _restore_and_remove(staging, target)
+                        _restore_and_remove(staging, target, in_place=in_place)
                     for p in reversed(made):
                         with contextlib.suppress(OSError):
                             p.rmdir()
 
 
-def _restore_and_remove(staging: Path, target: Path) -> None:
+def _restore_and_remove(staging: Path, target: Path, *, in_place: bool = False) -> None:
     old = staging / "old"
-    if old.is_dir() and not os.path.lexists(target):
+    if in_place:  # the previous entries back into the folder (those set aside before a failure)
+        for p in sorted(old.iterdir()) if old.is_dir() else ():
+            if not os.path.lexists(target / p.name):
+                with contextlib.suppress(OSError):
+                    os.rename(p, target / p.name)
+    elif old.is_dir() and not os.path.lexists(target):
         with contextlib.suppress(OSError):
             os.rename(old, target)
+    remove_staging(staging)
+
+
+def remove_staging(staging: Path) -> None:
+    """Delete a marked temporary folder, its marker last: one killed while deleting (a large previous export
+    in ``old/``) is still marked, so the next run removes the rest (an unmarked one would stay for ever)."""
+    for p in sorted(staging.iterdir()) if staging.is_dir() and not staging.is_symlink() else ():
+        if p.name != STAGING_MARKER:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -437,10 +471,43 @@ def _swap(staging: Path, target: Path, *, force, force_foreign, owned, error) ->
         raise
 
 
-def _move_in_place(new: Path, target: Path, error) -> None:
-    """Move the entries of ``new`` into the (empty, unrenameable) ``target``; refuses if it got entries."""
+#: in an in-place staging folder: the previous entries are all in ``old/``, the new ones being moved in (a run
+#: killed from here on is completed by :func:`clean_stale`, one killed before is undone)
+_MOVING_IN = "moving-in"
+
+
+def _replace_in_place(staging: Path, target: Path, *, owned, error) -> None:
+    """Move the entries of ``staging/new`` into the unrenameable ``target`` (a mount point, the current
+    directory). An empty ``target`` just receives them; a non-empty one (the current directory holding a previous
+    export, accepted by :func:`check_target` under ``force``) is re-checked now: ``owned(target)`` must still say
+    m2export wrote everything in it (a file written there meanwhile is not m2export's: refused, nothing moved,
+    even with ``force_foreign``: the current directory's files are never deleted for that flag). Its entries are
+    then moved aside into ``staging/old`` and the new ones moved in; ``old`` goes with the staging folder. Any
+    failure before the last move puts the previous entries back (the caller's :func:`_restore_and_remove`)."""
     have = _interesting_entries(target)
-    if have:
+    if have and not _is_mount(target):
+        why = owned(target)
+        if why:
+            raise error(f"{target}: {why} (since the export began); left it alone and wrote nothing",
+                        hint="`force` replaces only folders m2export wrote; choose another output folder")
+        old = staging / "old"
+        old.mkdir()
+        for name in have:
+            os.rename(target / name, old / name)
+        (staging / _MOVING_IN).write_text("")
+    elif have:
         raise error(f"{target}: got {have[:5]} while m2export was writing; left it alone and wrote nothing")
-    for p in sorted(new.iterdir()):
-        os.rename(p, target / p.name)
+    moved = []
+    try:
+        for p in sorted((staging / "new").iterdir()):
+            if os.path.lexists(target / p.name):  # appeared since: never renamed over
+                raise error(f"{target}: got {p.name} while m2export was writing; left it alone and wrote nothing")
+            os.rename(p, target / p.name)
+            moved.append(p.name)
+    except BaseException:
+        for name in moved:  # the new entries back, so that the previous ones can return
+            with contextlib.suppress(OSError):
+                os.rename(target / name, staging / "new" / name)
+        with contextlib.suppress(OSError):
+            (staging / _MOVING_IN).unlink()
+        raise

@@ -605,9 +605,11 @@ def export_model(checkpoint: str | os.PathLike, outdir: str | os.PathLike, *, ss
         dtype: "fp32" | "fp16" | "bf16": weights and activations; scan internals and ssm states stay fp32.
         opset: default ONNX opset (default :attr:`GraphIO.DEFAULT_OPSET`).
         force: replace an existing non-empty ``outdir`` that m2export wrote (its manifest says so and it
-            holds only m2export's files). Never a symlink, a folder holding the checkpoint's files (through
-            symlinks too) or the current directory, nor a non-empty mount point.
-        force_foreign: with ``force``, replace ``outdir`` even if m2export did not write it (deletes it).
+            holds only m2export's files); the current directory is replaced in place (the folder kept).
+            Never a symlink, a folder holding the checkpoint's files (through symlinks too) or holding the
+            current directory, nor a non-empty mount point.
+        force_foreign: with ``force``, replace ``outdir`` even if m2export did not write it (deletes it); never
+            the current directory.
         allow_nonfinite: export NaN/Inf weights and (fp16/bf16) weights beyond the dtype's range; refused by
             default with the tensor, its first bad index and the value.
         check: run ``onnx.checker.check_model(full_check=True)`` on every written graph.

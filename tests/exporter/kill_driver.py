@@ -11,6 +11,9 @@ POINT (each hooks a name that exists in every version of the exporter, so the sa
   manifest      before the manifest is written (m2export.exporter.export.write_manifest)
   swap          before the first rename that moves the output folder (OUT as source or destination)
   swap_after    right after that rename (with SIGKILL: the swap is cut half-way)
+  aside_after   (OUT the current directory, replaced in place) right after the first rename of one of OUT's entries
+                out of it (into the staging folder inside it: the previous export half set aside)
+  in_after      right after the first rename of an entry into OUT (the new export half moved in)
   exit          after the verb returned, when the ``m2export`` command (m2export.cli.main.console_main) is about to
                 exit: the interpreter's teardown (the command runs through console_main here, not main)
 SIGNAL: SIGINT, SIGTERM or SIGKILL. The signal is sent once, with os.kill to this process. Or TRUNCATE: another
@@ -99,15 +102,17 @@ def main() -> int:
                 fire()
                 return r
             e._save = save
-    elif point in ("swap", "swap_after"):
+    elif point in ("swap", "swap_after", "aside_after", "in_after"):
         orig_rename = os.rename
 
         def rename(src, dst, *a, **k):
-            moves_out = out in (os.path.abspath(src), os.path.abspath(dst))
+            src, dst = os.path.abspath(src), os.path.abspath(dst)
+            moves_out = out in (src, dst)
             if moves_out and point == "swap":
                 fire()
             r = orig_rename(src, dst, *a, **k)
-            if moves_out and point == "swap_after":
+            if (moves_out and point == "swap_after" or point == "aside_after" and os.path.dirname(src) == out
+                    or point == "in_after" and os.path.dirname(dst) == out):
                 fire()
             return r
         os.rename = rename

@@ -120,6 +120,83 @@ def test_interrupted_export_into_the_current_directory_leaves_it_empty(tmp_path,
     assert work.stat().st_ino == inode and list(work.iterdir()) == []
 
 
+@pytest.mark.parametrize("spelling", [".", "abs"])
+def test_force_replaces_a_previous_export_in_the_current_directory(tmp_path, monkeypatch, capsys, ck, previous,
+                                                                   spelling):
+    """`export -o . --force` over a previous export in the current directory was refused ("is (or contains) the
+    current directory") although --force replaces that export anywhere else: it is replaced in place now (same
+    inode, the new export complete, nothing of the old one or of the staging left)."""
+    work = tmp_path / "work"
+    shutil.copytree(previous, work)
+    inode = work.stat().st_ino
+    monkeypatch.chdir(work)
+    rc = main(["export", str(ck), "-o", "." if spelling == "." else str(work), "--ssm-impl", "both", "--force", "-q"])
+    assert rc == 0, capsys.readouterr().err
+    assert work.stat().st_ino == inode and os.path.samefile(".", work)
+    assert is_complete_export(work, "both")
+
+
+@pytest.mark.parametrize("flags", [["--force"], ["--force", "--force-foreign"]])
+def test_force_keeps_refusing_the_current_directory_holding_a_users_file(tmp_path, monkeypatch, capsys, ck,
+                                                                         previous, flags):
+    """A previous export plus the user's notes.txt: not m2export's; the current directory is never replaced then,
+    --force-foreign included (renaming it aside is impossible and deleting the user's file is not ours)."""
+    work = tmp_path / "work"
+    shutil.copytree(previous, work)
+    (work / "notes.txt").write_text("mine")
+    before = fingerprint(work)
+    monkeypatch.chdir(work)
+    assert main(["export", str(ck), "-o", ".", "-q", *flags]) == 1
+    assert "current directory" in capsys.readouterr().err
+    assert fingerprint(work) == before
+
+
+def test_a_file_written_into_the_current_directory_during_a_forced_export_survives(tmp_path, monkeypatch, capsys,
+                                                                                     ck, previous):
+    import m2export.exporter.export as ex
+
+    work = tmp_path / "work"
+    shutil.copytree(previous, work)
+    before = fingerprint(work)
+    orig = ex._export_step
+
+    def step(*a, **k):
+        (work / "arrived.txt").write_text("someone else's")
+        return orig(*a, **k)
+    monkeypatch.setattr(ex, "_export_step", step)
+    monkeypatch.chdir(work)
+    assert main(["export", str(ck), "-o", ".", "--ssm-impl", "both", "--force", "-q"]) == 1
+    assert "left it alone and wrote nothing" in capsys.readouterr().err
+    assert fingerprint(work) == {**before, "arrived.txt": fingerprint(work)["arrived.txt"]}
+    assert sorted(p.name for p in work.iterdir()) == sorted([*before, "arrived.txt"])  # no staging folder left
+
+
+@posix
+@pytest.mark.parametrize("point", ["aside_after", "in_after"])
+def test_sigkill_while_replacing_the_current_directory_is_undone_or_finished(tmp_path, ck, previous, point):
+    """SIGKILL half-way through setting the previous export aside: the next run's clean-up puts it back; half-way
+    through moving the new one in: it moves the rest in. Either way one whole export."""
+    work = tmp_path / "work"
+    shutil.copytree(previous, work)
+    before = fingerprint(work)
+    inode = work.stat().st_ino
+    r = run_cli("export", str(ck), "-o", ".", "--ssm-impl", "both", "--force", "-q", point=point, sig="SIGKILL",
+                cwd=work)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    stale = [p.name for p in work.iterdir() if p.name.startswith(".m2export.tmp-")]
+    assert len(stale) == 1, "nothing to clean: bad test"
+    r = run_cli("inspect", ".", cwd=work)  # reads only: cleans nothing
+    assert stale == [p.name for p in work.iterdir() if p.name.startswith(".m2export.tmp-")]
+    from m2export._paths import clean_stale
+
+    assert [p.name for p in clean_stale(work)] == stale
+    assert work.stat().st_ino == inode
+    if point == "aside_after":
+        assert fingerprint(work) == before
+    else:
+        assert is_complete_export(work, "both")
+
+
 # ------------------------------------------------------------------------------------------ item 7: --force
 def test_force_refuses_a_folder_m2export_did_not_write(tmp_path, capsys, ck):
     out = tmp_path / "thesis"
