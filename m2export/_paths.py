@@ -38,11 +38,14 @@ import signal
 import socket
 import tempfile
 import threading
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from m2export.errors import Interrupted, M2ExportError, OutputFolderError
+
+log = logging.getLogger("m2export")
 
 #: marker file inside every temporary sibling m2export creates (JSON: pid, host, target, started)
 STAGING_MARKER = ".m2export-staging"
@@ -240,7 +243,12 @@ def clean_stale(target: Path) -> list[Path]:
     """Remove the marked temporary siblings of ``target`` left by killed runs (dead pid, this host).
 
     A sibling holding ``old/`` while ``target`` is missing is a swap killed half-way: ``old`` (the previous
-    folder) is renamed back first. Returns what was removed. Unmarked folders are never touched.
+    folder) is renamed back first. Returns what was removed, each also named in a warning of the ``m2export``
+    logger (the CLI's stderr, ``-q`` included: a deletion is never silent). Only folders whose name is the
+    pattern and whose marker (:data:`STAGING_MARKER`, written by :func:`_new_staging` right after the folder is
+    made, deleted last by :func:`remove_staging`) names this host and a pid that is not running are touched;
+    unmarked ones, another host's and a live process's never. In the current directory (``-o .``) the marked
+    folder is inside ``target``: a replacement killed half-way is finished or undone (:func:`_replace_in_place`).
     """
     removed = []
     for where in (target.parent, target):
@@ -253,18 +261,26 @@ def clean_stale(target: Path) -> list[Path]:
             if owner["pid"] != os.getpid() and _alive(owner["pid"]):
                 continue
             old = p / "old"
+            done = ""
             if old.is_dir() and where == target.parent and not os.path.lexists(target):
                 os.rename(old, target)
+                done = f"; {target} (the previous folder, set aside when it was killed) was put back"
             elif where == target and (p / _MOVING_IN).is_file():  # killed moving the new export in: finish it
                 for q in sorted((p / "new").iterdir()):
                     if not os.path.lexists(target / q.name):
                         os.rename(q, target / q.name)
+                done = f"; the rest of its output was moved into {target}, as it was doing when killed"
             elif where == target and old.is_dir():  # killed setting the previous export aside: put it back
                 for q in sorted(old.iterdir()):
                     if not os.path.lexists(target / q.name):
                         os.rename(q, target / q.name)
+                done = f"; the previous files it had set aside were put back into {target}"
             remove_staging(p)
             removed.append(p)
+            who = "an earlier run in this process" if owner["pid"] == os.getpid() else \
+                f"process {owner['pid']}, no longer running"
+            log.warning(f"note: removed {p}, the temporary folder of an m2export run that was killed ({who})"
+                        + done)
     return removed
 
 

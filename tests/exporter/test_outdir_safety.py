@@ -173,7 +173,7 @@ def test_a_file_written_into_the_current_directory_during_a_forced_export_surviv
 
 @posix
 @pytest.mark.parametrize("point", ["aside_after", "in_after"])
-def test_sigkill_while_replacing_the_current_directory_is_undone_or_finished(tmp_path, ck, previous, point):
+def test_sigkill_while_replacing_the_current_directory_is_undone_or_finished(tmp_path, ck, previous, point, caplog):
     """SIGKILL half-way through setting the previous export aside: the next run's clean-up puts it back; half-way
     through moving the new one in: it moves the rest in. Either way one whole export."""
     work = tmp_path / "work"
@@ -189,7 +189,10 @@ def test_sigkill_while_replacing_the_current_directory_is_undone_or_finished(tmp
     assert stale == [p.name for p in work.iterdir() if p.name.startswith(".m2export.tmp-")]
     from m2export._paths import clean_stale
 
-    assert [p.name for p in clean_stale(work)] == stale
+    with caplog.at_level("WARNING", logger="m2export"):
+        assert [p.name for p in clean_stale(work)] == stale
+    assert f"note: removed {work / stale[0]}, the temporary folder of an m2export run that was killed" in caplog.text
+    assert ("were put back into" if point == "aside_after" else "was moved into") in caplog.text
     assert work.stat().st_ino == inode
     if point == "aside_after":
         assert fingerprint(work) == before
@@ -514,13 +517,57 @@ def test_sigint_ignored_at_start_stays_ignored_while_writing(tmp_path, ck):
 
 @posix
 def test_sigkill_leftovers_are_cleaned_by_the_next_export(tmp_path, ck, previous):
+    """The next export to the same OUT removes the killed one's marked sibling and says so on stderr, -q included
+    (it was removed silently)."""
     out = tmp_path / "out"
     r = run_cli("export", str(ck), "-o", str(out), "-q", point="save", sig="SIGKILL")
     assert r.returncode == -signal.SIGKILL
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")], "nothing to clean: bad test"
-    assert main(["export", str(ck), "-o", str(out), "-q"]) == 0
+    stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(stale) == 1, "nothing to clean: bad test"
+    pid = _marker(tmp_path / stale[0])
+    r = run_cli("export", str(ck), "-o", str(out), "-q")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [f"note: removed {tmp_path / stale[0]}, the temporary folder of an m2export run "
+                                     f"that was killed (process {pid}, no longer running)"], r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert is_complete_export(out, "ssmscan")
+
+
+def _marker(staging: Path) -> int:
+    import json
+
+    from m2export._paths import STAGING_MARKER
+
+    return json.loads((staging / STAGING_MARKER).read_text())["pid"]
+
+
+@posix
+def test_marked_folders_of_a_live_process_or_another_host_are_never_cleaned(tmp_path, ck, capsys):
+    """Only a marked sibling whose pid is not running on this host is m2export's dead run: a live process's (a
+    concurrent export), another host's (a shared file system) and an unmarked one stay, with no note."""
+    import json
+    import socket
+
+    from m2export._paths import STAGING_MARKER
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for name, pid, host in [("live", live.pid, socket.gethostname()), ("remote", 2 ** 22 + 7, "elsewhere"),
+                                ("unmarked", None, None)]:
+            d = tmp_path / f".out.tmp-{name}"
+            (d / "new").mkdir(parents=True)
+            (d / "new" / "data").write_text(name)
+            if pid is not None:
+                (d / STAGING_MARKER).write_text(json.dumps({"pid": pid, "host": host, "target": str(tmp_path / "out"),
+                                                            "started": 0}))
+        capsys.readouterr()
+        assert main(["export", str(ck), "-o", str(tmp_path / "out"), "-q"]) == 0
+        assert "note: removed" not in capsys.readouterr().err
+        for name in ("live", "remote", "unmarked"):
+            assert (tmp_path / f".out.tmp-{name}" / "new" / "data").read_text() == name
+    finally:
+        live.kill()
+        live.wait()
 
 
 @posix
