@@ -125,11 +125,15 @@ def run(args) -> int:
             echo_prompt()
             sys.stdout.write(dec.decode(bytes([t])))
             sys.stdout.flush()
-    else:
-        on_token = None
+    else:  # the results are written at the end (decoded whole, or the ids): the pipe is watched meanwhile
+        reader_gone = getattr(sys.stdout, "raise_if_reader_gone", None)  # main()'s guard (absent: not run by main)
+
+        def on_token(t: int) -> None:
+            if reader_gone is not None:
+                reader_gone()
     res = generate(src, ids, runtime=runtime, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, session=session, on_token=on_token)
-    if on_token is not None:
+    if isinstance(tok, ByteTokenizer):
         echo_prompt()  # (no new token: not echoed yet)
         sys.stdout.write(dec.decode(b"", final=True) + "\n")
     elif tok is not None:

@@ -146,6 +146,7 @@ class _GuardedStdout:
 
     def __init__(self, stream):
         self._stream = stream
+        self._pipe_fd: int | None = None  # raise_if_reader_gone: fd 1 if a pipe, -1 if not, None: not looked yet
 
     def _guard(self, op, *a):
         try:
@@ -161,6 +162,31 @@ class _GuardedStdout:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
+
+    def raise_if_reader_gone(self) -> None:
+        """Raise :class:`~m2export.errors.StdoutError` (EPIPE: exit 141) when stdout is a pipe whose reader has
+        closed it, without writing: for a verb that holds its results until the end (``generate`` through a
+        tokenizer, or printing token ids), so that ``| head`` stops it at the next token as a write would stop
+        one that streams. A pipe's write end polls POLLERR once no reader is left (Linux, macOS); anything that
+        is not a pipe, or cannot be polled, is never "gone"."""
+        import errno
+        import os
+        import select
+        import stat
+
+        if self._pipe_fd is None:
+            try:
+                fd = self._stream.fileno()
+                self._pipe_fd = fd if stat.S_ISFIFO(os.fstat(fd).st_mode) and hasattr(select, "poll") else -1
+            except (OSError, ValueError, AttributeError):  # no real fd (a test's capture)
+                self._pipe_fd = -1
+        if self._pipe_fd < 0:
+            return
+        p = select.poll()
+        p.register(self._pipe_fd, select.POLLOUT)
+        if any(ev & select.POLLERR for _, ev in p.poll(0)):
+            self._silence()
+            raise StdoutError(OSError(errno.EPIPE, os.strerror(errno.EPIPE)))
 
     def write(self, text: str) -> int:
         return self._guard(self._stream.write, text)

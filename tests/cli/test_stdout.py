@@ -37,6 +37,54 @@ def test_generate_into_a_pipe_closed_after_one_byte(tiny_out):
     assert "tokens/s" not in err  # stopped there: no speed line of a finished run
 
 
+@pytest.fixture(scope="module")
+def vocab100_out(tmp_path_factory):
+    """A tiny export of a 100-token vocabulary without a tokenizer: generate prints token ids."""
+    from m2export.exporter import export_model
+    from m2export.models.checkpoint import random_checkpoint
+
+    d = tmp_path_factory.mktemp("v100")
+    ck = random_checkpoint(d / "ck", d_model=32, n_layer=1, vocab_size=100, d_state=8, headdim=16, chunk_size=8,
+                           seed=1)
+    export_model(ck, d / "out", ssm_impl="ssmscan")
+    return d / "out"
+
+
+def _word_tokenizer(path) -> str:
+    """A tokenizers WordLevel file of 256 words ``w0`` .. ``w255``: text on the tiny 256-token model that is not bytes."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = tokenizers.Tokenizer(WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("vocab", ["ids", "tokenizer"])
+def test_generate_holding_its_results_stops_when_the_reader_leaves(tiny_out, vocab100_out, tmp_path, vocab):
+    """A vocabulary that is not bytes prints its results at the end (the ids, or the text a tokenizer decodes, and
+    --ids): a reader that left was noticed only then, after every token (here 10,000,000: hours). Now the next
+    token after it left stops the run: exit 141, silent, as the byte vocabulary's streamed output does."""
+    if vocab == "ids":
+        args = [vocab100_out, "--prompt-ids", "1,2,3"]
+    else:
+        args = [tiny_out, "--prompt", "w1 w2", "--tokenizer", _word_tokenizer(tmp_path / "tokenizer.json"), "--ids"]
+    p = subprocess.Popen(_cli("generate", *args, "--max-new-tokens", 10_000_000), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=ENV)
+    p.stdout.close()  # the reader leaves before any result
+    try:
+        rc = p.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise AssertionError("still generating 240 s after its reader left") from None
+    err = p.stderr.read().decode()
+    assert rc == ExitCode.BROKEN_PIPE, err
+    assert err == "", err
+
+
 @pytest.mark.parametrize("verb", ["generate", "inspect", "check"])
 @pytest.mark.parametrize("verbose", [False, True])
 def test_every_verb_into_a_closed_pipe_exits_141_silently(tiny_out, tmp_path, verb, verbose):
