@@ -136,6 +136,20 @@ def test_force_replaces_a_previous_export_in_the_current_directory(tmp_path, mon
     assert is_complete_export(work, "both")
 
 
+def test_force_in_the_current_directory_leaves_other_runs_temporaries(tmp_path, monkeypatch, ck, previous):
+    """.m2export* entries are left out of the --force rule (another run's temporaries: a running build's
+    .m2export-timing-* folder): replacing the current directory in place leaves them where they are."""
+    work = tmp_path / "work"
+    shutil.copytree(previous, work)
+    (work / ".m2export-timing-abc").mkdir()
+    (work / ".m2export-timing-abc" / "cache").write_text("a build's")
+    monkeypatch.chdir(work)
+    assert main(["export", str(ck), "-o", ".", "--force", "-q"]) == 0
+    assert (work / ".m2export-timing-abc" / "cache").read_text() == "a build's"
+    shutil.rmtree(work / ".m2export-timing-abc")
+    assert is_complete_export(work, "ssmscan")
+
+
 @pytest.mark.parametrize("flags", [["--force"], ["--force", "--force-foreign"]])
 def test_force_keeps_refusing_the_current_directory_holding_a_users_file(tmp_path, monkeypatch, capsys, ck,
                                                                          previous, flags):
