@@ -111,18 +111,24 @@ def large_decay_inputs(p: SSMScanProblem, *, seed: int, chunk_sum: float = -4000
     return out
 
 
-def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int, a0: float | None = -1e30) -> dict[str, torch.Tensor]:
+#: (a0, spike_dt) of :func:`overflowing_decay_inputs` for float16 inputs, where dt 1e10 is inf: A -1e37 and dt 100,
+#: dt*A -1e39 (-inf in float32) on the spikes, ~ -3e36 (finite) on the other tokens
+FP16_OVERFLOW = (-1e37, 100.0)
+
+
+def overflowing_decay_inputs(p: SSMScanProblem, *, seed: int, a0: float | None = -1e30,
+                             spike_dt: float = 1e10) -> dict[str, torch.Tensor]:
     """:func:`make_inputs` (with an initial state) where dt*A overflows float32 to -inf on some steps of head 0
-    (A ``a0`` = -1e30, finite; dt + dt_bias 1e10 on every third token, softplus passes it through) while the other
-    heads keep their ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer. ``a0`` None
-    keeps head 0's ordinary A (dt*A ~ -1e10 there: finite, no overflow). float32 or bfloat16 only (1e10 is inf in
-    float16)."""
-    if p.dtype == "float16":
-        raise ValueError("overflowing_decay_inputs: dt 1e10 is inf in float16")
+    (A ``a0`` = -1e30, finite; dt + dt_bias ``spike_dt`` = 1e10 on every third token, softplus passes it through)
+    while the other heads keep their ordinary values: the float64 oracle's exp(dt*A) is 0 there, a finite answer.
+    ``a0`` None keeps head 0's ordinary A (dt*A ~ -1e10 there: finite, no overflow). float16: pass a spike_dt it
+    holds (:data:`FP16_OVERFLOW`); ValueError for one that rounds to inf."""
+    if math.isinf(torch.tensor(spike_dt, dtype=TORCH_DTYPES[p.dtype]).item()):
+        raise ValueError(f"overflowing_decay_inputs: dt {spike_dt:g} is inf in {p.dtype}")
     inp = make_inputs(p, seed=seed, init_state=True)
     if a0 is not None:
         inp["A"][0] = a0
-    inp["dt"][:, ::3, 0] = 1e10
+    inp["dt"][:, ::3, 0] = spike_dt
     return inp
 
 

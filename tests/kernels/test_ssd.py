@@ -679,25 +679,15 @@ def _overflow_config(p: SSMScanProblem, plan: str):
             "cb_pre1": choose_config(p, chunk=64, cb_pre=1), "cb_pre2": choose_config(p, chunk=64, cb_pre=2)}[plan]
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("plan", ["auto", "fused", "dt_pre", "split", "cb_pre1", "cb_pre2"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("a0", [-1e30, None], ids=["A0_-1e30", "A0_ordinary"])
-@pytest.mark.parametrize("case", OVERFLOW_LENGTHS, ids=[c[0] for c in OVERFLOW_LENGTHS])
-def test_decay_overflowing_to_minus_inf(case, dtype, plan, a0):
-    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third token; finite but -3e29 on the others):
-    every plan vs the float64 oracle (its exp(dt*A) is 0: an exact decay to 0), with an initial state, NaN-poisoned
-    outputs. Written before any GPU run: the CPU reading (benchmarks/NOTES_ssd.md, "dt*A at -inf") expects NaN from
-    the double-float cumsum (-inf - -inf in its TwoSum; and, for finite dt*A ~ -1e30, residuals lo ~ 1e23 with
-    exp2(lo) = 0 and exp2(-lo) = inf). A0_ordinary: head 0's own A (dt*A ~ -1e10, finite: no overflow anywhere), which
-    the same reading (numpy float32 emulation) also expects to give NaN today."""
+def _check_overflowing_decay(case, dtype: str, plan: str, a0, spike_dt: float = 1e10) -> None:
+    """One plan of ssm_scan_cutile (or ssm_scan's own) on :func:`tests.helpers.overflowing_decay_inputs` vs the
+    float64 oracle, NaN-poisoned outputs."""
     from m2export.contract import validate
     from m2export.kernels.ssd.cutile import ssm_scan_cutile
     from tests.helpers import assert_overflow_close, overflowing_decay_inputs
 
     p = SSMScanProblem(2, case[1], 8, 64, 2, 64, dtype=dtype)
-    inp = overflowing_decay_inputs(p, seed=stable_seed("overflow", case[0], dtype, a0), a0=a0)
+    inp = overflowing_decay_inputs(p, seed=stable_seed("overflow", case[0], dtype, a0), a0=a0, spike_dt=spike_dt)
     ref = ssm_scan_recurrent(**inp)
     names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
     dev = [inp[k].cuda() for k in names]
@@ -710,3 +700,35 @@ def test_decay_overflowing_to_minus_inf(case, dtype, plan, a0):
                         final_state_out=fs, config=cfg)
     torch.cuda.synchronize()
     assert_overflow_close(ref, y.cpu(), fs.cpu(), rel=Y_REL[dtype])
+
+
+OVERFLOW_PLANS = ["auto", "fused", "dt_pre", "split", "cb_pre1", "cb_pre2"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", OVERFLOW_PLANS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("a0", [-1e30, None], ids=["A0_-1e30", "A0_ordinary"])
+@pytest.mark.parametrize("case", OVERFLOW_LENGTHS, ids=[c[0] for c in OVERFLOW_LENGTHS])
+def test_decay_overflowing_to_minus_inf(case, dtype, plan, a0):
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third token; finite but -3e29 on the others):
+    every plan vs the float64 oracle (its exp(dt*A) is 0: an exact decay to 0), with an initial state, NaN-poisoned
+    outputs. Without the kernels' LOG2_STEP_FLOOR the double-float cumsum gives NaN (benchmarks/NOTES_ssd.md, "dt*A
+    at -inf": -inf - -inf in its TwoSum; and, for finite dt*A ~ -1e30, residuals lo ~ 1e23 with exp2(lo) = 0 and
+    exp2(-lo) = inf). A0_ordinary: head 0's own A (dt*A ~ -1e10, finite: no overflow anywhere), NaN too without
+    the floor (in-chunk sums below ~-1.5e9)."""
+    _check_overflowing_decay(case, dtype, plan, a0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", OVERFLOW_PLANS)
+@pytest.mark.parametrize("case", OVERFLOW_LENGTHS, ids=[c[0] for c in OVERFLOW_LENGTHS])
+def test_decay_overflowing_to_minus_inf_fp16(case, plan):
+    """float16 inputs (dt 1e10 is inf there): A -1e37, dt 100 on every third token of head 0 (dt*A -1e39, -inf in
+    float32; ~ -3e36 on the others; tests.helpers.FP16_OVERFLOW), every plan vs the float64 oracle. Also checks the
+    floor's bound on the residuals: x * dl is cast to float16 in the chunk product, so dl must stay near delta."""
+    from tests.helpers import FP16_OVERFLOW
+
+    _check_overflowing_decay(case, "float16", plan, FP16_OVERFLOW[0], FP16_OVERFLOW[1])

@@ -280,10 +280,13 @@ OVERFLOW_PACK = [20, 1, 37, 2 * 32 + 1]
 
 def _overflowing_packed_inputs(dtype, *, seed, **kw):
     """_packed_inputs of OVERFLOW_PACK with dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third packed
-    token; tests.helpers.overflowing_decay_inputs)."""
+    token; float16: A -1e37, dt 100, tests.helpers.FP16_OVERFLOW; tests.helpers.overflowing_decay_inputs)."""
+    from tests.helpers import FP16_OVERFLOW
+
+    a0, spike_dt = FP16_OVERFLOW if dtype == "float16" else (-1e30, 1e10)
     p, inp, cu = _packed_inputs(OVERFLOW_PACK, dtype, seed=seed, **kw)
-    inp["A"][0] = -1e30
-    inp["dt"][:, ::3, 0] = 1e10
+    inp["A"][0] = a0
+    inp["dt"][:, ::3, 0] = spike_dt
     assert torch.isinf(inp["dt"].float()[:, ::3, 0] * inp["A"][0]).all()
     return p, inp, cu
 
@@ -302,12 +305,12 @@ def test_chunked_reference_decay_overflowing_to_minus_inf():
 
 @pytest.mark.gpu
 @requires_cutile
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cutile_packed_decay_overflowing_to_minus_inf(dtype):
-    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third packed token): ssm_scan's packed path and the
-    packed launch group (default plan; nseg 2 and one chunk per item at chunk 32, pass 1 and the fold) vs the
-    float64 oracle, initial states, NaN-poisoned outputs. Written before any GPU run: the CPU reading
-    (benchmarks/NOTES_ssd.md, "dt*A at -inf") expects NaN from the double-float cumsum."""
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10 on every third packed token; float16: A -1e37, dt 100):
+    ssm_scan's packed path and the packed launch group (default plan; nseg 2 and one chunk per item at chunk 32, pass 1
+    and the fold) vs the float64 oracle, initial states, NaN-poisoned outputs. Without the kernels' LOG2_STEP_FLOOR the
+    double-float cumsum gives NaN (benchmarks/NOTES_ssd.md, "dt*A at -inf")."""
     import math
 
     from m2export.contract import validate_packed

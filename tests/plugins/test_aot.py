@@ -373,6 +373,38 @@ def test_aot_kernel_launched_like_tensorrt(p, dt_limit):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_aot_kernel_decay_overflowing_to_minus_inf(dtype):
+    """The TensorRT AOT kernel (the fused kernel, PTX through the driver JIT, TensorRT's slots) where dt*A is -inf in
+    float32 on head 0 (A -1e30, dt 1e10 on every third token; float16 A -1e37, dt 100: tests.helpers.FP16_OVERFLOW),
+    L = 3*64 + 1, an initial state: the float64 oracle's answer, never NaN (the kernels' LOG2_STEP_FLOOR)."""
+    import torch
+
+    from m2export.kernels.ssd.naive import ssm_scan_recurrent
+    from m2export.plugins import _cuda
+    from tests.helpers import FP16_OVERFLOW, assert_overflow_close, nan_outputs, overflowing_decay_inputs
+
+    p = SSMScanProblem(2, 3 * 64 + 1, 8, 64, 2, 64, dtype)
+    cc = _cuda.compute_capability(torch.cuda.current_device())
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, SSMScanAttrs(),
+                               aot.gpu_code_for(cc))
+    a0, spike_dt = FP16_OVERFLOW if dtype == "float16" else (-1e30, 1e10)
+    inp = overflowing_decay_inputs(p, seed=17, a0=a0, spike_dt=spike_dt)
+    ref = ssm_scan_recurrent(**inp)
+    dev = {n: inp[n].cuda().contiguous() for n in INPUT_NAMES}
+    y, fs = nan_outputs(p)
+    image = k.ptx.encode()
+    rc = _cuda.try_load_module(image)
+    if rc == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        image = _assemble(k.ptx, aot.ptx_target(k.ptx))
+    else:
+        assert rc == 0, _cuda.result_name(rc)
+    _launch_like_tensorrt(k, image, p, dev, y, fs)
+    assert_overflow_close(ref, y.cpu(), fs.cpu(), rel=Y_REL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_aot_decode_kernel_launched_like_tensorrt(dtype):
     """The decode engine's AOT kernel (seqlen the constant 1): the step kernel, its PTX in TensorRT's slot

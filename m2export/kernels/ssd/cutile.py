@@ -90,6 +90,16 @@ ConstBool = ct.Constant[bool]
 
 _ZERO = ct.PaddingMode.ZERO
 _LOG2E = 1.4426950408889634  # exp(v) = exp2(v * log2(e))
+#: floor of every token's log2-decay step delta * A * log2(e) in the prefill kernels (:func:`_ct_log2_steps`): -2**16,
+#: i.e. dt*A below -45426, whose exp is exactly 0 even in float64, so the floor never changes the answer; inputs with
+#: every dt*A >= -45426 are unchanged bit for bit. Why (benchmarks/NOTES_ssd.md, "dt*A at -inf"): unfloored, a
+#: -inf step (dt*A overflowing float32) makes the double-float cumsum's TwoSum -inf - -inf = NaN, and a huge finite
+#: one (in-chunk sums below ~-1.5e9) leaves a residual |lo| ~ ulp(hi) so large that r = exp2(lo) = 0 and
+#: dl = delta * exp2(-lo) = inf: 0 * inf = NaN in y. Floored, a chunk of <= 256 tokens keeps |hi| <= 2**24, so
+#: |lo| <= 1 (r, dl / delta within [1/2, 2]: no fp16 overflow of x * dl either), and exp2 of any segment holding a
+#: floored step is exactly 0 in fp32. Not the ONNX bodies' DA_FLOOR (-1e30, m2export/exporter/ssm_scan_op.py):
+#: that one is far too low for the double-float residuals.
+LOG2_STEP_FLOOR = -65536.0
 _SEQ_TILE = 64  # cu_seqlens entries compared per step when the packed pre-pass finds each token's sequence
 
 
@@ -138,6 +148,14 @@ def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt
     v = _ct_step_size(v.astype(ct.float32) + bias_h, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     return ct.where(t < seqlen, v, 0.0)
+
+
+def _ct_log2_steps(delta, a):
+    """Each token's log2-decay step delta * A * log2(e) (fp32, <= 0) from the step sizes ``delta`` and A ``a``
+    (broadcastable fp32 tiles), floored at :data:`LOG2_STEP_FLOOR` (-inf included); a NaN stays NaN (a where on
+    v < floor: ct.maximum would drop the NaN). The one place the prefill kernels form dA."""
+    v = delta * (a * _LOG2E)
+    return ct.where(v < LOG2_STEP_FLOOR, LOG2_STEP_FLOOR, v)
 
 
 def _ct_chunk_state_update(state, x_w, B_c, ecs_last, STATE_T: ConstBool, SPLIT_UPD: ConstBool):
@@ -245,7 +263,7 @@ def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHU
         ecs = ct.load(coef, index=(4, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
     else:
         delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
-        hi, lo = _ct_df_cumsum(delta * (a_h * _LOG2E), 0)  # (Q,) inclusive
+        hi, lo = _ct_df_cumsum(_ct_log2_steps(delta, a_h), 0)  # (Q,) inclusive
         dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1,), shape=(1,)),
                                             ct.extract(lo, index=(CHUNK - 1,), shape=(1,)))
     hi_last = ct.extract(hi, index=(CHUNK - 1,), shape=(1,))
@@ -501,7 +519,7 @@ def ssd_dt_kernel(dt, A, dt_bias, cu_seqlens, coef, seq_idx, dt_min: float, dt_m
     delta = ct.where(t[:, None] < seqlen, v, 0.0)
     if PACKED:
         sq, first = _ct_token_seq(cu_seqlens, t, CHUNK)
-        dA = delta * (a * _LOG2E)[None, :]
+        dA = _ct_log2_steps(delta, a[None, :])
         hi, lo, _f = _ct_seg_df_cumsum(dA, ct.broadcast_to(first[:, None], (CHUNK, BLOCK_H)), 0)
         hi_last = ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
         lo_last = ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H))
@@ -511,7 +529,7 @@ def ssd_dt_kernel(dt, A, dt_bias, cu_seqlens, coef, seq_idx, dt_min: float, dt_m
         if hb == 0:
             ct.store(seq_idx, index=(c,), tile=sq)
     else:
-        hi, lo = _ct_df_cumsum(delta * (a * _LOG2E)[None, :], 0)  # log2 units
+        hi, lo = _ct_df_cumsum(_ct_log2_steps(delta, a[None, :]), 0)  # log2 units
         dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)),
                                             ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)))
     shape = (1, 1, CHUNK, BLOCK_H)

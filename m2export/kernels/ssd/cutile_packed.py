@@ -42,8 +42,8 @@ from m2export.errors import ContractError
 from m2export.kernels import launch as L
 from m2export.kernels._host import cached_plan, hinted, launch_stream, out_buffers, sm_count, unit_stride
 from m2export.kernels.launch import Launch
-from m2export.kernels.ssd.cutile import (_LOG2E, _ZERO, ConstBool, ConstInt, _ct_chunk_rows, _ct_decay_terms,
-                                         _ct_df_cumsum, _ct_initial_state, _ct_load_seg_state, _ct_scan_chunks,
+from m2export.kernels.ssd.cutile import (_ZERO, ConstBool, ConstInt, _ct_chunk_rows, _ct_decay_terms, _ct_df_cumsum,
+                                         _ct_initial_state, _ct_load_seg_state, _ct_log2_steps, _ct_scan_chunks,
                                          _ct_step_size, _ct_store_seg_state, _ct_store_state)
 from m2export.kernels.ssd.naive import SSMScanOutput
 from m2export.kernels.ssd.plan import MAX_GRID_Y, ScanConfig, TileFamily, launch_pieces, packed_config
@@ -92,7 +92,7 @@ def ssd_packed_dt_kernel(dt, A, dt_bias, chunks, coef, dt_min: float, dt_max: fl
     v = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)
     t = k * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     delta = ct.where(t[:, None] < e - a, v, 0.0)
-    hi, lo = _ct_df_cumsum(delta * (av * _LOG2E)[None, :], 0)  # log2 units
+    hi, lo = _ct_df_cumsum(_ct_log2_steps(delta, av[None, :]), 0)  # log2 units
     dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)),
                                         ct.extract(lo, index=(CHUNK - 1, 0), shape=(1, BLOCK_H)))
     shape = (1, 1, CHUNK, BLOCK_H)
