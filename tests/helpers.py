@@ -146,6 +146,33 @@ def assert_overflow_close(ref, y: torch.Tensor, final_state: torch.Tensor, *, re
     assert_close("final_state heads 1..", ref.final_state[..., 1:, :, :], final_state[..., 1:, :, :], rel=rel)
 
 
+def nan_dt_inputs(p: SSMScanProblem, *, seed: int, at: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` (with an initial state) with dt NaN at one (batch, token, head) ``at``: the float64
+    oracle's y is NaN there and on every later token of that (batch, head), its final state NaN for it; the rest
+    stays finite."""
+    inp = make_inputs(p, seed=seed, init_state=True)
+    inp["dt"][at] = math.nan
+    return inp
+
+
+def assert_nan_dt_propagated(ref, y: torch.Tensor, final_state: torch.Tensor, *, at: tuple[int, int, int],
+                             finite_before: int, rel: float) -> None:
+    """Outputs of :func:`nan_dt_inputs` (y (batch, tokens, heads, headdim), final_state (batch, heads, headdim,
+    d_state)): NaN wherever the oracle ``ref`` is (never a finite answer made from the NaN), and close to it on every
+    other (batch, head) and on that one's tokens before ``finite_before`` (a kernel may spread the NaN over the rest
+    of its chunk: the oracle's y there is finite, the kernel's may not be)."""
+    b, t, h = at
+    assert torch.isnan(ref.y[b, t:, h]).all() and torch.isnan(ref.final_state[b, h]).all(), "oracle: no NaN"
+    assert torch.isnan(y[b, t:, h]).all(), f"y: {int((~torch.isnan(y[b, t:, h])).sum())} non-NaN values from a NaN dt"
+    assert torch.isnan(final_state[b, h]).all(), "final_state: non-NaN values made from a NaN dt"
+    other = torch.ones(y.shape[0], y.shape[2], dtype=torch.bool)
+    other[b, h] = False
+    assert_close("y, other (batch, head)", ref.y.permute(0, 2, 1, 3)[other], y.permute(0, 2, 1, 3)[other], rel=rel)
+    if finite_before:
+        assert_close("y, before the NaN's chunk", ref.y[b, :finite_before, h], y[b, :finite_before, h], rel=rel)
+    assert_close("final_state, other (batch, head)", ref.final_state[other], final_state[other], rel=rel)
+
+
 def packed_large_decay_case() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A packed case of :func:`large_decay_inputs`: 3 sequences (100, 300, 112 tokens: boundaries inside chunks of
     64 and 256), 8 heads, headdim 16, ngroups 2, d_state 16, an fp32 initial state per sequence. Returns the

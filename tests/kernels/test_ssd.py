@@ -732,3 +732,50 @@ def test_decay_overflowing_to_minus_inf_fp16(case, plan):
     from tests.helpers import FP16_OVERFLOW
 
     _check_overflowing_decay(case, "float16", plan, FP16_OVERFLOW[0], FP16_OVERFLOW[1])
+
+
+# ------------------------------------------------------------- a NaN dt
+def test_chunked_reference_nan_dt_stays_nan():
+    """CPU: ssm_scan_chunked with dt NaN at one (batch, token, head) is NaN where the float64 oracle is (and over the
+    rest of that chunk), matches it elsewhere; the check refuses the finite answer a dropped NaN gives."""
+    from m2export.kernels.ssd.naive import ssm_scan_chunked
+    from tests.helpers import assert_nan_dt_propagated, nan_dt_inputs
+
+    p = SSMScanProblem(2, 3 * 64 + 1, 8, 16, 2, 16, dtype="float32")
+    at = (1, 130, 3)
+    inp = nan_dt_inputs(p, seed=stable_seed("nan-dt-ref"), at=at)
+    ref = ssm_scan_recurrent(**inp)
+    out = ssm_scan_chunked(**inp, chunk_size=64)
+    assert_nan_dt_propagated(ref, out.y, out.final_state, at=at, finite_before=128, rel=2e-5)
+    inp["dt"][at] = 20.0  # what the kernels' clamp made of it (softplus(NaN) -> 20)
+    dropped = ssm_scan_recurrent(**inp)
+    with pytest.raises(AssertionError, match="non-NaN values from a NaN dt"):
+        assert_nan_dt_propagated(ref, dropped.y, dropped.final_state, at=at, finite_before=128, rel=2e-5)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("plan", OVERFLOW_PLANS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_dt_stays_nan(dtype, plan):
+    """dt NaN at one (batch, token, head): y is NaN on that token and every later one of its (batch, head), its
+    final state NaN, as in the float64 oracle; other (batch, head)s and the earlier chunks match it. The step-size
+    clamp's ct.minimum / ct.maximum used to drop the NaN (softplus(NaN) became 20: a finite answer)."""
+    from m2export.contract import validate
+    from m2export.kernels.ssd.cutile import ssm_scan_cutile
+    from tests.helpers import assert_nan_dt_propagated, nan_dt_inputs
+
+    p = SSMScanProblem(2, 3 * 64 + 1, 8, 64, 2, 64, dtype=dtype)
+    at = (1, 130, 3)  # chunk [128, 160) at chunk 32, [128, 192) at 64
+    inp = nan_dt_inputs(p, seed=stable_seed("nan-dt", dtype), at=at)
+    ref = ssm_scan_recurrent(**inp)
+    dev = [inp[k].cuda() for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")]
+    y, fs = nan_outputs(p)
+    cfg = _overflow_config(p, plan)
+    if cfg is None:
+        ssm_scan(*dev, out=y, final_state_out=fs)
+    else:
+        ssm_scan_cutile(*dev, problem=validate(*dev), dt_softplus=True, dt_limit=(0.0, math.inf), out=y,
+                        final_state_out=fs, config=cfg)
+    torch.cuda.synchronize()
+    assert_nan_dt_propagated(ref, y.cpu(), fs.cpu(), at=at, finite_before=128, rel=Y_REL[dtype])

@@ -225,3 +225,27 @@ def test_step_decay_overflowing_to_minus_inf(case, dtype):
     ssm_step(**dev, out=y, state_out=st_out)
     torch.cuda.synchronize()
     assert_overflow_close(ref, y.cpu()[:, None], st_out.cpu(), rel=Y_REL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("B4_H8_G2", "B64_H8_P80_N128_rows64")],
+                         ids=["B4_H8_G2", "B64_H8_P80_N128_rows64"])
+def test_step_nan_dt_stays_nan(case, dtype):
+    """dt NaN at one (batch, head): the head-tile and the flat-row kernels give NaN y and state there (the float64
+    oracle's), the other (batch, head)s match it. The step-size clamp used to drop the NaN (a finite answer)."""
+    from tests.helpers import assert_nan_dt_propagated, nan_dt_inputs
+
+    p = SSMScanProblem(*case[1], dtype=dtype)
+    at = (p.batch - 1, 0, 3)
+    inp = nan_dt_inputs(p, seed=stable_seed("nan-dt-step", case[0], dtype), at=at)
+    ref = ssm_scan_recurrent(**inp)
+    step = dict(x=inp["x"][:, 0], dt=inp["dt"][:, 0], A=inp["A"], B=inp["B"][:, 0], C=inp["C"][:, 0], D=inp["D"],
+                dt_bias=inp["dt_bias"], ssm_state=inp["initial_state"])
+    dev = {k: (v.cuda() if v is not None else None) for k, v in step.items()}
+    y = torch.full(tuple(step["x"].shape), float("nan"), dtype=TORCH_DTYPES[p.dtype], device="cuda")
+    st_out = torch.full(p.shape_of("final_state"), float("nan"), dtype=torch.float32, device="cuda")
+    ssm_step(**dev, out=y, state_out=st_out)
+    torch.cuda.synchronize()
+    assert_nan_dt_propagated(ref, y.cpu()[:, None], st_out.cpu(), at=at, finite_before=0, rel=Y_REL[dtype])

@@ -122,10 +122,11 @@ def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt):
 
 def _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS: ConstBool):
     """clamp(softplus(v), dt_min, dt_max) of the fp32 tile v = dt + dt_bias (softplus passes
-    v > 20 through, as torch and mamba_ssm do)."""
+    v > 20 through, as torch and mamba_ssm do); a NaN stays NaN, as in torch (ct.minimum / ct.maximum drop a NaN
+    operand unless propagate_nan: a NaN dt became the step size 20, or dt_min without softplus, a finite answer)."""
     if DT_SOFTPLUS:
-        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0))))
-    return ct.minimum(ct.maximum(v, dt_min), dt_max)
+        v = ct.where(v > 20.0, v, ct.log(1.0 + ct.exp(ct.minimum(v, 20.0, propagate_nan=True))))
+    return ct.minimum(ct.maximum(v, dt_min, propagate_nan=True), dt_max, propagate_nan=True)
 
 
 def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool):
