@@ -3,8 +3,8 @@
 For every shape (bench_ssd.py's SHAPES, bf16 unless named, no initial state) the default plan
 (``choose_config``) is timed as one CUDA graph of all its launches and each launch alone as a
 one-launch graph (median of ``triton.testing.do_bench`` replays, us), with the pre-pass
-(``ssd_dt_kernel``) compiled at each occupancy hint of ``--dt-occupancy`` (``none`` = unhinted,
-the default build; ``cutile.DT_OCCUPANCY``). Before the timing, y and the final state of every
+(``ssd_dt_kernel``) compiled at each occupancy hint of ``--dt-occupancy`` (``none`` = unhinted;
+the default build is ``cutile.DT_OCCUPANCY``, 4 since 2026-12-03). Before the timing, y and the final state of every
 hint are compared with the unhinted plan's (bitwise equality is expected: the hint changes the
 build, not the arithmetic order of the cumsum; the number is printed, not assumed).
 
@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     from m2export.kernels.ssd.plan import choose_config
 
     hints = [None if v == "none" else int(v) for v in args.dt_occupancy.split(",")]
+    default_hint = cu.DT_OCCUPANCY
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
             f"torch {torch.__version__}, cuda.tile {ct.__version__}; no initial state; us = median of graph replays")
@@ -92,7 +93,7 @@ def main(argv=None) -> None:
                          f"{hint or 'none'} | {cells} | {sum(v for _, v in alone):.1f} | {tw:.1f} | "
                          f"{floor_s(dims) / (tw * 1e-6) * 100:.1f} | {diff} |")
             print(lines[-1], flush=True)
-        cu.DT_OCCUPANCY = None
+        cu.DT_OCCUPANCY = default_hint
         torch.cuda.empty_cache()
     text = "\n".join(lines) + "\n"
     print("\n" + text)

@@ -759,9 +759,12 @@ def _packed_arrays(packed: bool) -> tuple:
     return L.array("cu_seqlens", "float32", 1, source="A"), L.array("seq_idx", "float32", 1, source="A")
 
 
-#: occupancy hint of ssd_dt_kernel (None: unhinted, 128 registers x 128 threads and 67.7 KB shared memory at chunk 64,
-#: three blocks per SM; 4: 122 registers, 50.3 KB, four; sm_90 builds, benchmarks/NOTES_ssd.md). Benchmark A/B only.
-DT_OCCUPANCY: int | None = None
+#: occupancy hint of the unpacked ssd_dt_kernel (4: 124 registers x 128 threads and 50.3 KB shared memory at chunk 64,
+#: four blocks per SM, no spills; None: unhinted, 126 registers, 67.7 KB, three; sm_90 builds). The hint measured
+#: 20-28% faster on that launch on b, d, Nemotron-H-8B and Nano-9B (1-2.5% of the whole plan), outputs bit-identical
+#: (benchmarks/NOTES_ssd.md, "Prefill per launch"). The packed pre-pass stays unhinted (not measured: its hint-4
+#: build is 64 registers x 256 threads instead of 255).
+DT_OCCUPANCY: int | None = 4
 
 
 def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus, dt_limit, has_dt_bias,
@@ -774,7 +777,8 @@ def _dt_launch(p: SSMScanProblem, cfg: ScanConfig, nchunks: int, *, dt_softplus,
             L.constant("CHUNK", cfg.chunk), L.constant("BLOCK_H", block_h),
             L.constant("HAS_DT_BIAS", bool(has_dt_bias)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
             L.constant("PACKED", bool(packed)))
-    return Launch(hinted(ssd_dt_kernel, DT_OCCUPANCY), args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
+    kernel = hinted(ssd_dt_kernel, None if packed else DT_OCCUPANCY)
+    return Launch(kernel, args, (p.batch, nchunks, -(-p.nheads // block_h)), cfg)
 
 
 #: occupancy hint of ssd_cb_kernel (unhinted it builds at 255 registers x 256 threads: one block per SM)
