@@ -194,10 +194,10 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 def cutile_variants(spec: str):
     """'auto' (choose_config's defaults), 'tuned' (the autotuner's choice among plan.tile_families), 'none' (no cuTile
     row: the anchors only) or comma list of
-    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:cb_pre]]]]]]]]
+    chunk:block_p:nseg[:occupancy[:state_t[:split_upd[:dt_pre[:worker_warps[:seg_occupancy[:merge_tail[:cb_pre[:cb_state]]]]]]]]]
     (chunk/block_p empty: choose_config's; nseg empty: the cost model's; 'aN': the heuristic aiming at N blocks per SM;
     occupancy empty: choose_config's default hint (plan.DEFAULT_OCCUPANCY), 0: no hint; worker_warps empty: no hint;
-    state_t/split_upd/dt_pre/merge_tail 0 or 1, cb_pre 0, 1 or 2, empty: choose_config's default). Until 2026-12-03 an
+    state_t/split_upd/dt_pre/merge_tail/cb_state 0 or 1, cb_pre 0, 1 or 2, empty: choose_config's default). Until 2026-12-03 an
     empty occupancy meant no hint (so ``::::::::::2`` then ran without the occupancy-2 hint, and the cost model
     planned for one block per SM)."""
     from m2export.kernels.ssd.plan import choose_config
@@ -213,15 +213,15 @@ def cutile_variants(spec: str):
             out.append(("cutile[tuned]", "tuned"))
             continue
         fields = item.split(":")
-        if len(fields) > 11:
-            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 11 "
+        if len(fields) > 12:
+            raise SystemExit(f"--variants: {item!r} has {len(fields)} fields, at most 12 "
                              "(chunk:block_p:nseg:occupancy:state_t:split_upd:dt_pre:worker_warps:seg_occupancy:"
-                             "merge_tail:cb_pre)")
-        q, bp, ns, occ, st, su, pre, ww, so, mt, cbp = (fields + [""] * 11)[:11]
+                             "merge_tail:cb_pre:cb_state)")
+        q, bp, ns, occ, st, su, pre, ww, so, mt, cbp, cbs = (fields + [""] * 12)[:12]
         flag = lambda v: None if v == "" else v == "1"  # noqa: E731
         out.append((f"cutile[{item}]", (int(q) if q else None, int(bp) if bp else None, ns, int(occ) if occ else None,
                                         flag(st), flag(su), flag(pre), int(ww) if ww else None,
-                                        int(so) if so else None, flag(mt), int(cbp) if cbp else None)))
+                                        int(so) if so else None, flag(mt), int(cbp) if cbp else None, flag(cbs))))
     return out, choose_config
 
 
@@ -231,9 +231,9 @@ def config_of(prob, v, sm: int = 132):
 
     if v is None:
         return choose_config(prob, sm_count=sm)
-    q, bp, ns, occ, st, su, pre, ww, so, mt, cbp = v
+    q, bp, ns, occ, st, su, pre, ww, so, mt, cbp, cbs = v
     kw = dict(sm_count=sm, chunk=q, block_p=bp, occupancy=occ, state_t=st, split_upd=su, dt_pre=pre,
-              worker_warps=ww, seg_occupancy=so, merge_tail=mt, cb_pre=cbp)
+              worker_warps=ww, seg_occupancy=so, merge_tail=mt, cb_pre=cbp, cb_state=cbs)
     if ns == "":  # the cost model's segment count for this chunk and tile
         return choose_config(prob, **kw)
     if ns.startswith("a"):  # about this many blocks per SM

@@ -47,3 +47,21 @@ def test_bench_ssd_variant_fields_left_empty_take_the_defaults():
     assert bench_ssd.config_of(prob, v) == choose_config(prob, cb_pre=2)
     (_, v), = bench_ssd.cutile_variants(":::0")[0]
     assert bench_ssd.config_of(prob, v).occupancy is None
+
+
+def test_bench_ssd_variant_cb_state_field():
+    """The 12th --variants field is ScanConfig.cb_state (1 on, 0 off, empty: choose_config's default); a 13th field is
+    refused."""
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_ssd
+    from m2export.kernels.ssd.plan import choose_config
+
+    prob = bench_ssd.problem_of("b")
+    (_, v), = bench_ssd.cutile_variants(":::::::::::1")[0]
+    assert bench_ssd.config_of(prob, v) == choose_config(prob, cb_state=True)
+    (_, v), = bench_ssd.cutile_variants("::::::::::")[0]
+    assert bench_ssd.config_of(prob, v) == choose_config(prob) and not choose_config(prob).cb_state
+    with pytest.raises(SystemExit, match="at most 12"):
+        bench_ssd.cutile_variants("::::::::::::1")

@@ -274,6 +274,65 @@ def test_cb_pre_plan_compiles(shape, dtype, kw, ws, has_init):
         make_scan_plan(p, replace(cfg, dt_pre=False), **kwargs)
 
 
+#: cb_state plans (C @ B^T and C @ state^T as one product): shape, dtype, choose_config overrides, scan threads per block
+#: without an initial state (None: not asserted; the merged tail 80 = 64 + 16 builds 128 threads with tileiras 13.4)
+CB_STATE_COMPILE = [((4, 8192, 80, 64, 1, 128), "bfloat16", dict(cb_state=True), 256),
+                    ((1, 8192, 128, 64, 8, 128), "float16", dict(cb_state=True), 256),
+                    ((2, 700, 8, 64, 2, 64), "bfloat16", dict(cb_state=True, nseg=2), 256),
+                    ((1, 700, 4, 32, 2, 64), "float32", dict(cb_state=True, chunk=32, block_p=32, nseg=2), None),
+                    ((1, 8192, 128, 80, 8, 128), "bfloat16", dict(cb_state=True), None)]
+
+
+@pytest.mark.parametrize("shape,dtype,kw,ws", CB_STATE_COMPILE,
+                         ids=[f"P{c[0][3]}_N{c[0][5]}_{c[1]}" for c in CB_STATE_COMPILE])
+def test_cb_state_plan_compiles(shape, dtype, kw, ws):
+    """Every launch of a cb_state plan compiles for sm_90 without an initial state; the d_state 64/128 tiles keep the
+    warp-specialised scan build (256 threads) and fit two blocks per SM in shared memory (C loaded with a latency-1
+    hint: 108 KB at d_state 128 where the one-product loop otherwise needs 116 KB, over the 227 KB / 2 - 1 KB an SM
+    gives two blocks). Pinned tileiras 13.4."""
+    from m2export.contract import SSMScanProblem
+    from m2export.kernels.ssd.cutile import make_scan_plan
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(*shape, dtype=dtype)
+    plan = make_scan_plan(p, choose_config(p, **kw), dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True,
+                          has_dt_bias=True, has_init=False)
+    for launch in plan.launches:
+        cubin = _export_launch(launch)
+        assert cubin[:4] == b"\x7fELF"
+        if launch.name == "ssd_scan_kernel" and ws:
+            assert _threads(cubin) == ws
+            assert _shared_bytes(cubin) <= 233472 // 2 - 1024
+
+
+def _shared_bytes(cubin: bytes) -> int:
+    """Static shared memory of the cubin's kernel (cuobjdump -res-usage), bytes."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    tool = shutil.which("cuobjdump") or _pip_tool("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"SHARED:(\d+)", out).group(1))
+
+
+def _pip_tool(name: str):
+    import os
+
+    try:
+        import nvidia.cu13 as cu13
+    except ImportError:
+        return None
+    path = os.path.join(list(cu13.__path__)[0], "bin", name)
+    return path if os.path.exists(path) else None
+
+
 def test_m_heads_divides_the_group():
     from m2export.kernels.ssd.cutile import m_heads
 

@@ -332,6 +332,41 @@ def test_cb_pre_plans(dims, dtype, init, kw):
                    init_state=init)
 
 
+#: plans with C @ B^T and C @ state^T as one product in the chunk loop (ScanConfig.cb_state; block_p == chunk):
+#: (shape (B, L, H, P, G, N), dtype, initial state, choose_config overrides). With an initial state the scan launch
+#: keeps the two products (make_scan_plan), so the init case checks that fallback.
+CB_STATE_CASES = [
+    ((2, 3 * 64 + 1, 8, 64, 2, 128), "bfloat16", False, dict(cb_state=True, nseg=1)),
+    ((2, 3 * 64 + 1, 8, 64, 2, 128), "bfloat16", False, dict(cb_state=True, nseg=2)),
+    ((2, 37, 8, 64, 2, 128), "float16", False, dict(cb_state=True)),
+    ((1, 1, 4, 64, 1, 128), "bfloat16", False, dict(cb_state=True)),
+    ((2, 64, 4, 64, 1, 128), "float16", False, dict(cb_state=True, nseg=1)),
+    ((2, 2 * 64 + 5, 4, 64, 1, 64), "bfloat16", False, dict(cb_state=True, nseg=2)),
+    ((1, 3 * 32 + 1, 4, 32, 2, 64), "float32", False, dict(cb_state=True, chunk=32, block_p=32, nseg=2)),
+    ((1, 3 * 64 + 1, 8, 80, 2, 128), "bfloat16", False, dict(cb_state=True, nseg=2)),
+    ((2, 3 * 64 + 1, 8, 64, 2, 128), "bfloat16", True, dict(cb_state=True, nseg=2)),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dims,dtype,init,kw", CB_STATE_CASES,
+                         ids=[f"B{d[0]}_L{d[1]}_H{d[2]}_P{d[3]}_G{d[4]}_N{d[5]}_{t}{'_init' if i else ''}_"
+                              + "_".join(f"{k}{v}" for k, v in kw.items()) for d, t, i, kw in CB_STATE_CASES])
+def test_cb_state_plans(dims, dtype, init, kw):
+    """The chunk loop's C @ B^T and C @ state^T from one product C @ [B^T | state^T] (cb_state): vs the float64
+    oracle, NaN-poisoned outputs, at L 1 / < chunk / = chunk / k*chunk + 1, one pass and split, ngroups 1 and 2,
+    d_state 64 and 128, every dtype, a merged headdim tail (80 = 64 + 16: the tail keeps its own product) and, with
+    an initial state, the plan's fallback to two products."""
+    from m2export.kernels.ssd.plan import choose_config
+
+    p = SSMScanProblem(*dims, dtype=dtype)
+    cfg = choose_config(p, **kw)
+    assert cfg.cb_state and all(getattr(cfg, k) == v for k, v in kw.items())
+    _run_and_check(p, seed=stable_seed("cb-state", dims, dtype, init, *sorted(kw.items())), config=cfg,
+                   init_state=init)
+
+
 @pytest.mark.gpu
 @gpu
 def test_chunk_size_attribute_128():

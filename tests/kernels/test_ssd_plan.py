@@ -286,3 +286,51 @@ def test_cb_pre_only_with_the_pre_pass_and_never_packed_or_aot():
     assert packed_config(one, sm_count=132, tiles=TileFamily(64, 32, False)).cb_pre == 0
     assert aot_config(p).cb_pre == 0
     assert len({choose_config(p, cb_pre=1, chunk=64, block_p=16, occupancy=3) for _ in range(3)}) == 1
+
+
+def test_cb_state_off_by_default_and_refused_where_it_cannot_apply():
+    """ScanConfig.cb_state (C @ B^T and C @ state^T as one product in the scan's chunk loop): off by default
+    (plan.DEFAULT_CB_STATE) on every shape, never in the packed form or the AOT kernel; asking for it with block_p !=
+    chunk, with cb_pre or on the single fused launch is a ValueError naming the field; a plan with an initial state
+    keeps the two products in its scan launch (make_scan_plan)."""
+    from m2export.kernels.ssd.plan import TileFamily, packed_config
+
+    d128 = SSMScanProblem(4, 8192, 80, 64, 1, 128, dtype="bfloat16")
+    falcon = SSMScanProblem(2, 8192, 24, 128, 1, 256, dtype="bfloat16")
+    for p in (d128, falcon, SSMScanProblem(1, 8192, 128, 80, 8, 128, dtype="bfloat16"), SSMScanProblem(1, 100, 8, 64, 2, 128,
+                                                                                      dtype="float32")):
+        assert choose_config(p).cb_state is plan.DEFAULT_CB_STATE is False
+        assert aot_config(p).cb_state is False
+    one = SSMScanProblem(1, 8192, 80, 64, 1, 128, dtype="bfloat16")
+    assert packed_config(one, sm_count=132).cb_state is False
+    assert packed_config(one, sm_count=132, tiles=TileFamily(64, 64, True)).cb_state is False
+    cfg = choose_config(d128, cb_state=True)
+    assert cfg.cb_state and (cfg.chunk, cfg.block_p) == (64, 64)
+    assert choose_config(d128, cb_state=True) == cfg
+    for kw in (dict(block_p=32), dict(chunk=32), dict(cb_pre=1), dict(dt_pre=False, nseg=1)):
+        with pytest.raises(ValueError, match="cb_state needs"):
+            choose_config(d128, cb_state=True, **kw)
+    with pytest.raises(ValueError, match="cb_state needs"):
+        choose_config(falcon, cb_state=True)  # its tiles: chunk 64, 32-row tiles, cb_pre 2
+
+
+def test_cb_state_scan_launch_and_fallbacks():
+    """The scan launch carries CB_STATE from the config without an initial state and False with one; the packed form
+    and configs whose tiles do not match are refused by make_scan_plan (ContractError)."""
+    from dataclasses import replace
+
+    from m2export.errors import ContractError
+    from m2export.kernels.ssd.cutile import make_scan_plan
+
+    p = SSMScanProblem(4, 8192, 80, 64, 1, 128, dtype="bfloat16")
+    cfg = choose_config(p, cb_state=True)
+    kw = dict(dt_softplus=True, dt_limit=(0.0, float("inf")), has_D=True, has_dt_bias=True)
+    for has_init, want in ((False, True), (True, False)):
+        plan_ = make_scan_plan(p, cfg, has_init=has_init, **kw)
+        (scan,) = [la for la in plan_.launches if la.name == "ssd_scan_kernel"]
+        assert dict((a.name, a.value) for a in scan.args if a.kind == "constant")["CB_STATE"] is want
+    with pytest.raises(ContractError, match="cb_state needs"):
+        make_scan_plan(p, replace(cfg, block_p=32), has_init=False, **kw)
+    with pytest.raises(ContractError):
+        make_scan_plan(SSMScanProblem(1, 8192, 80, 64, 1, 128, dtype="bfloat16"), replace(cfg, nseg=1, chunks_per_seg=128),
+                       has_init=False, packed=True, **kw)

@@ -68,7 +68,7 @@ results below 2**-126 to zero, which saves ptxas's denormal fix-up around each M
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -273,11 +273,12 @@ def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHU
 
 
 def _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDTH: ConstInt, HAS_D: ConstBool,
-                  STATE_T: ConstBool, M_SCALED: ConstBool):
+                  STATE_T: ConstBool, M_SCALED: ConstBool, OFF_GIVEN: ConstBool, off_in):
     """y rows of one chunk for one headdim tile, (CHUNK, WIDTH) fp32: r_i * (m @ (dl * x)) + D * x + exp2(hi_i) *
     (C @ state^T)_i, from x (x_c, input dtype; xf, fp32), the chunk's masked, decayed C @ B^T ``m`` (input dtype) and
     the tile's entry state. M_SCALED: ``m`` already holds r_i * M_ij * dl_j (:func:`ssd_cb_kernel`), so x enters
-    its product as loaded (no per-chunk scaling, store and barrier before it)."""
+    its product as loaded (no per-chunk scaling, store and barrier before it). OFF_GIVEN: ``off_in`` is C @ state^T
+    (fp32, computed with C @ B^T in one product, :func:`_ct_cb_and_state_rows`); else it is not read."""
     DTYPE = m.dtype
     if M_SCALED:
         acc = ct.mma(m, x_c, ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
@@ -287,11 +288,27 @@ def _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK: ConstInt, WIDT
     if HAS_D:
         acc = acc + d_h * xf
     # inter-chunk: exp(cs_i) * (C @ state^T)_i
-    if STATE_T:
+    if OFF_GIVEN:
+        off = off_in
+    elif STATE_T:
         off = ct.mma(C_c, state.astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
     else:
         off = ct.mma(C_c, state.transpose().astype(DTYPE), ct.full((CHUNK, WIDTH), 0.0, dtype=ct.float32))
     return acc + off * ecs[:, None]
+
+
+def _ct_cb_and_state_rows(C_c, B_c, state, CHUNK: ConstInt, STATE_T: ConstBool):
+    """(C @ B^T, C @ state^T) of one chunk, both (CHUNK, CHUNK) fp32, from ONE product C_c @ [B_c^T | state^T]
+    ((CHUNK, d_state) @ (d_state, 2 * CHUNK); the state's headdim tile must be CHUNK rows wide): one wgmma group and
+    one wait instead of two on the chunk's serial chain (tileiras waits for every product before the next;
+    ScanConfig.cb_state, benchmarks/NOTES_ssd.md). The state enters in C's dtype, as in :func:`_ct_chunk_out`."""
+    if STATE_T:
+        sop = state.astype(C_c.dtype)
+    else:
+        sop = state.transpose().astype(C_c.dtype)
+    both = ct.mma(C_c, ct.cat((B_c.transpose(), sop), 1), ct.full((CHUNK, 2 * CHUNK), 0.0, dtype=ct.float32))
+    return (ct.extract(both, index=(0, 0), shape=(CHUNK, CHUNK)),
+            ct.extract(both, index=(0, 1), shape=(CHUNK, CHUNK)))
 
 
 def _ct_packed_chunk(y, initial_state, final_state, cu_seqlens, seq_idx, sq, c, xf, m, B_c, C_c, state, dl, hi, r,
@@ -373,8 +390,13 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
                     DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
                     initial_state, final_state, cu_seqlens, seq_idx, HAS_INIT: ConstBool, PACKED: ConstBool,
-                    cb_pre, CB_PRE: ConstInt):
+                    cb_pre, CB_PRE: ConstInt, CB_STATE: ConstBool):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
+
+    CB_STATE (not with PACKED or CB_PRE; BLOCK_P == CHUNK): the chunk's C @ B^T and the tile's C @ state^T are one
+    product (:func:`_ct_cb_and_state_rows`); C is then loaded with a latency-1 hint (one TMA stage fewer, 108 KB of
+    shared memory instead of 116 at d_state 128, so that two blocks fit per SM). The tail's (HAS_TAIL) product stays
+    separate.
 
     CB_PRE (not with PACKED; written by :func:`ssd_cb_kernel`): 1, the chunk's C @ B^T is read from ``cb_pre``
     ((batch, ngroups, nchunks*CHUNK, CHUNK) fp32) instead of computed by every head and headdim tile of the group;
@@ -397,16 +419,25 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
                                                                  seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
         x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
         B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
-        C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
+        if CB_STATE and not PACKED:
+            C_c = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE), padding_mode=_ZERO,
+                          latency=1).reshape((CHUNK, D_STATE))
+        else:
+            C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
         x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P) if HAS_TAIL else x_c
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         if CB_PRE == 1 and not PACKED:
             cb = ct.load(cb_pre, index=(b, g, c, 0), shape=(1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+            off = cb  # (not read)
         elif CB_PRE == 2 and not PACKED:
             cb = ct.load(cb_pre, index=(b, h, c, 0), shape=(1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+            off = cb  # (not read)
+        elif CB_STATE and not PACKED:
+            cb, off = _ct_cb_and_state_rows(C_c, B_c, state, CHUNK, STATE_T)
         else:
             cb = ct.mma(C_c, B_c.transpose(), ct.full((CHUNK, CHUNK), 0.0, dtype=ct.float32))
+            off = cb  # (not read: C @ state^T is taken in _ct_chunk_out)
         if PACKED:  # pairs of one sequence only (PACKED: HAS_TAIL is False, the plan has one piece per launch)
             sq = ct.load(seq_idx, index=(c,), shape=(CHUNK,))
             seg = ct.where(causal & (sq[:, None] == sq[None, :]), hi[:, None] - hi[None, :], -math.inf)
@@ -420,13 +451,14 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
             else:
                 m = _ct_decayed(cb, hi, causal, DTYPE)
             xf = x_c.astype(ct.float32)
-            acc = _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T, CB_PRE == 2)
+            acc = _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T, CB_PRE == 2,
+                                CB_STATE and CB_PRE == 0, off)
             ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
             state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
             if HAS_TAIL:
                 x2f = x2_c.astype(ct.float32)
                 acc2 = _ct_chunk_out(x2_c, x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T,
-                                     CB_PRE == 2)
+                                     CB_PRE == 2, False, m)
                 ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
                 state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
                                                 SPLIT_UPD)
@@ -598,7 +630,7 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
                                SPLIT_UPD, False, False, BLOCK_P, 0, initial_state, final_state, dt, dt, False, False,
-                               dt, 0)
+                               dt, 0, False)
     _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 
 
@@ -680,7 +712,7 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
                     HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, DT_PRE: ConstBool, P_TILE0: ConstInt,
                     HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt, PACKED: ConstBool,
-                    INIT_TMA: ConstBool, CB_PRE: ConstInt):
+                    INIT_TMA: ConstBool, CB_PRE: ConstInt, CB_STATE: ConstBool):
     """Split plan, pass 2. Grid: (batch*nheads, nseg, headdim tiles of the piece).
 
     Block (bh, s, pt) builds its entry state on chip, initial_state folded with segments
@@ -694,7 +726,8 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     only then.
 
     CB_PRE 1 / 2 (not with PACKED): each chunk's C @ B^T / masked, decayed M is read from ``cb_pre``
-    (:func:`ssd_cb_kernel`) instead of computed by the block; with 0 cb_pre is never read.
+    (:func:`ssd_cb_kernel`) instead of computed by the block; with 0 cb_pre is never read. CB_STATE (ScanConfig.cb_state;
+    CB_PRE 0, BLOCK_P == CHUNK, not PACKED): C @ B^T and C @ state^T as one product (see :func:`_ct_scan_chunks`).
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
     s = ct.bid(1)
@@ -714,7 +747,8 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
     state, state2 = _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, state2, a_h, d_h,
                                     bias_h, dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS,
                                     STATE_T, SPLIT_UPD, DT_PRE, HAS_TAIL, TAIL_P, TAIL_TILE, initial_state,
-                                    final_state, cu_seqlens, seq_idx, HAS_INIT, PACKED, cb_pre, CB_PRE)
+                                    final_state, cu_seqlens, seq_idx, HAS_INIT, PACKED, cb_pre, CB_PRE,
+                                    CB_STATE)
     if not PACKED:  # (packed: each sequence's final state was written at its last token)
         if s == nseg - 1:
             _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
@@ -852,7 +886,7 @@ def _scan_launch(p: SSMScanProblem, cfg: ScanConfig, cps: int, piece: HeaddimPie
             L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
             L.constant("DT_PRE", bool(cfg.dt_pre)), L.constant("P_TILE0", piece.tile0), *_tail_constants(piece, tail),
             L.constant("PACKED", bool(packed)), L.constant("INIT_TMA", bool(cfg.init_tma)),
-            L.constant("CB_PRE", int(cfg.cb_pre)))
+            L.constant("CB_PRE", int(cfg.cb_pre)), L.constant("CB_STATE", bool(cfg.cb_state)))
     kernel = hinted(ssd_scan_kernel, cfg.occupancy, cfg.worker_warps)
     return Launch(kernel, args, (p.batch * p.nheads, cfg.nseg, piece.tiles), cfg)
 
@@ -881,6 +915,9 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     if packed and (not cfg.dt_pre or cfg.merge_tail or cfg.cb_pre or p.batch != 1):
         raise ContractError(f"config: the packed form needs batch 1, dt_pre, no merge_tail and no cb_pre, got batch "
                             f"{p.batch}, {cfg}; make it with packed_config")
+    if cfg.cb_state and (packed or cfg.block_p != cfg.chunk or cfg.cb_pre or (cfg.nseg == 1 and not cfg.dt_pre)):
+        raise ContractError(f"config: cb_state needs block_p == chunk, cb_pre 0, the scan kernel (dt_pre or a split) "
+                            f"and no packed form, got {cfg}; make it with choose_config")
     if cfg.cb_pre and not cfg.dt_pre:
         raise ContractError(f"config: cb_pre needs the pre-pass plan (dt_pre), got {cfg}; make it with choose_config")
     nchunks = -(-p.seqlen // cfg.chunk)
@@ -912,7 +949,10 @@ def make_scan_plan(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_
     for pc, tail in pieces:  # one pass-1 and one pass-2 launch per headdim piece (launch_pieces)
         if nsp:
             launches.append(_segment_launch(p, cfg, pc, tail, has_init=has_init, **kw))
-        launches.append(_scan_launch(p, cfg, cps, pc, tail, has_D=has_D, has_init=has_init, **kw))
+        # cb_state only without an initial state: with one, tileiras 13.4 drops the warp-specialised build of the
+        # one-product loop (128 threads, 250 registers; sm_90 build, benchmarks/NOTES_ssd.md)
+        scfg = replace(cfg, cb_state=False) if has_init else cfg
+        launches.append(_scan_launch(p, scfg, cps, pc, tail, has_D=has_D, has_init=has_init, **kw))
     # without the pre-pass, coef is never read (DT_PRE False): any array stands in
     return ScanPlan(tuple(launches if cfg.dt_pre else [l.with_args(coef=dict(source="A")) for l in launches]),
                     tuple(scratch), cfg)

@@ -179,7 +179,7 @@ def ssd_packed_scan_kernel(x, coef, B, C, D, initial_state, work, seg_state, seg
     # DT_PRE: the coefficients come from cs (dt, A, dt_bias, dt limits and seqlen are not read); no tail, unpacked
     state, _ = _ct_scan_chunks(xs, xs, cs, Bs, Cs, ys, 0, h, g, pt, k_begin, k_end, state, state, d_h, d_h, d_h,
                                0.0, 0.0, e - a, CHUNK, BLOCK_P, D_STATE, HAS_D, False, STATE_T, SPLIT_UPD, True,
-                               False, BLOCK_P, 0, initial_state, final_state, work, work, False, False, work, 0)
+                               False, BLOCK_P, 0, initial_state, final_state, work, work, False, False, work, 0, False)
     if ct.gather(work, (i, _W_LAST)) > 0:
         _ct_store_state(final_state, s, h, pt, state, BLOCK_P, D_STATE, STATE_T)
 

@@ -43,6 +43,9 @@ class ScanConfig:
     # once per (batch, group, chunk) in fp32, 2 the masked, decayed M (times r_i and dl_j) once per (batch, head, chunk)
     # in the input dtype
     cb_pre: int = 0
+    # C @ B^T and C @ state^T as one product C @ [B^T | state^T] in the scan's chunk loop (three serialised wgmma groups
+    # per chunk instead of four; needs block_p == chunk and cb_pre 0; never packed or AOT); see choose_config
+    cb_state: bool = False
 
     @property
     def plan(self) -> str:
@@ -161,6 +164,7 @@ DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
 DEFAULT_MERGE_TAIL = True
 DEFAULT_CB_PRE = 0  # benchmarks/NOTES_ssd.md "C @ B^T by a pre-pass"
+DEFAULT_CB_STATE = False  # benchmarks/NOTES_ssd.md "C @ B^T and C @ state^T in one product"
 MAX_NSEG = 64
 
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel (fitted on
@@ -199,7 +203,7 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
                   split_upd: bool | None = None, dt_pre: bool | None = None,
                   worker_warps: int | None = None, seg_occupancy: int | None = None,
                   merge_tail: bool | None = None, init_tma: bool | None = None,
-                  cb_pre: int | None = None) -> ScanConfig:
+                  cb_pre: int | None = None, cb_state: bool | None = None) -> ScanConfig:
     """Pick chunk, headdim tile, segment count and compiler hints for ``problem``.
 
     Heuristic: the DEFAULT_* values above; block_p from the register budget of the state (d_state 256 in
@@ -213,7 +217,8 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     pre-pass unless the sequence has more than MAX_GRID_Y chunks; ``cb_pre`` (ScanConfig.cb_pre) only with the
     pre-pass (0 without it), default DEFAULT_CB_PRE (_D_STATE_256_JIT_CB_PRE with the bf16 d_state-256 tiles). Any argument
     given overrides its default (explicit plans for tests and the benchmark's sweeps); ``occupancy=0``
-    means no hint.
+    means no hint. ``cb_state`` (ScanConfig.cb_state, default DEFAULT_CB_STATE) needs block_p == chunk, cb_pre 0 and the
+    pre-pass or a split (the scan kernel; the fused single launch has no such form): ValueError otherwise.
     """
     if chunk is None and block_p is None and problem.d_state >= 256 and problem.dtype == "bfloat16":
         chunk, block_p = _D_STATE_256_JIT_TILES
@@ -250,10 +255,14 @@ def choose_config(problem: SSMScanProblem, *, sm_count: int = _DEFAULT_SM_COUNT,
     cb_pre = int(DEFAULT_CB_PRE if cb_pre is None else cb_pre) if dt_pre else 0
     if cb_pre not in (0, 1, 2):
         raise ValueError(f"choose_config: cb_pre {cb_pre} (0, 1 or 2)")
+    cb_state = bool(DEFAULT_CB_STATE if cb_state is None else cb_state)
+    if cb_state and (block_p != chunk or cb_pre or not (dt_pre or nseg > 1)):
+        raise ValueError(f"choose_config: cb_state needs block_p == chunk (got {block_p}, {chunk}), cb_pre 0 (got "
+                         f"{cb_pre}) and the scan kernel (dt_pre or nseg > 1; got dt_pre {dt_pre}, nseg {nseg})")
     return ScanConfig(chunk=chunk, block_p=block_p, nseg=nseg, chunks_per_seg=cps, occupancy=occupancy,
                       state_t=state_t, split_upd=split_upd, dt_pre=dt_pre,
                       worker_warps=worker_warps or None, seg_occupancy=seg_occupancy or None, merge_tail=merge_tail,
-                      init_tma=init_tma, cb_pre=cb_pre)
+                      init_tma=init_tma, cb_pre=cb_pre, cb_state=cb_state)
 
 
 def aot_config(problem: SSMScanProblem, tiles: "TileFamily | None" = None) -> ScanConfig:
