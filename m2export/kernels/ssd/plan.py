@@ -164,7 +164,7 @@ DEFAULT_SPLIT_UPD = False
 DEFAULT_DT_PRE = True
 DEFAULT_MERGE_TAIL = True
 DEFAULT_CB_PRE = 0  # benchmarks/NOTES_ssd.md "C @ B^T by a pre-pass"
-DEFAULT_CB_STATE = False  # benchmarks/NOTES_ssd.md "C @ B^T and C @ state^T in one product"
+DEFAULT_CB_STATE = False  # 5-9% slower on the H200: benchmarks/NOTES_ssd.md "C @ B^T and C @ state^T as one product"
 MAX_NSEG = 64
 
 # Relative costs in the plan model, in units of one chunk iteration of the scan kernel (fitted on
