@@ -6,6 +6,8 @@
   ``OnnxReferenceRunner`` (ONNX's reference evaluator), and factories for Polygraphy's ORT and TRT runners.
 * :mod:`m2export.check.data` -- ``TokenDataLoader``: real byte-level token feeds with zero past states.
 * :mod:`m2export.check.console` -- progress bars and Polygraphy log settings for the CLI.
+* :mod:`m2export.check.routing` -- a failed prefill input of an MoE model explained (or not) by near-tie
+  routing flips, found by rerunning the reference with them.
 
 Nothing is imported here, so ``import m2export.check.data`` stays cheap (no Polygraphy, no torch).
 """

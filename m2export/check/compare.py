@@ -52,8 +52,8 @@ from m2export.check.repro import (RecordingLoader, left_out_note, reproduction_c
                                    write_saved)
 from m2export.check.repro import describe as describe_saved
 from m2export.check.runners import (REFERENCES, ModelFromCheckpoint, ModelFromTransformers, ModelLayoutStates,
-                                    OnnxReferenceRunner, SharedInitializers, onnxrt_runner, reference_runner,
-                                    trt_runners)
+                                    OnnxReferenceRunner, SharedInitializers, TorchRunner, TransformersRunner,
+                                    onnxrt_runner, reference_runner, trt_runners)
 from m2export.check.tolerances import default_tolerances
 from m2export.check.weights import ExportWeights
 from m2export._paths import atomic_file, atomic_write_text
@@ -211,6 +211,9 @@ class CheckReport:
     #: where the reference's tensors were (ExportWeights.summary: views of the export's mapped weights, each
     #: bit-equal to the checkpoint's, or the checkpoint's own copy)
     reference_weights: dict[str, Any] = field(default_factory=dict)
+    #: failed prefill feeds of a model with MoE layers, each diagnosed for routing flips at near ties
+    #: (m2export.check.routing.Diagnosis as a dict: runner, feed, explained, flips, max_abs, reason)
+    routing: list[dict[str, Any]] = field(default_factory=list)
 
     def weights_note(self) -> str:
         """The reference's weights in words: how many are views of the export's weights (bit-equal to the
@@ -242,11 +245,37 @@ class CheckReport:
         """One short line per failed output / greedy check: "section runner: output (max abs ..., atol ...)"."""
         out = [f"{r.section} {r.runner}: {r.output} ({r.note})" if math.isnan(r.max_abs) and r.note else
                f"{r.section} {r.runner}: {r.output} (max abs {r.max_abs:.3g} vs atol {r.atol:.3g}, max rel "
-               f"{r.max_rel:.3g} vs rtol {r.rtol:.3g}{'; ' + r.note if r.note else ''})"
+               f"{r.max_rel:.3g} vs rtol {r.rtol:.3g}{'; ' + r.note if r.note else ''}"
+               f"{'; ' + self.routing_words(r) if self.routing_explains(r) else ''})"
                for r in self.rows if not r.passed]
         out += [f"sequence {name}: greedy tokens differ from {self.reference} at {g['mismatches'][0]['where']}"
                 for name, g in self.greedy.items() if not g["passed"]]
         return out
+
+    def routing_explains(self, row: OutputRow) -> bool:
+        """Every failed input of this failed prefill row is explained by MoE routing flips at near ties
+        (:attr:`routing`); the row stays failed."""
+        explained = {d["feed"] for d in self.routing if d["runner"] == row.runner and d["explained"]}
+        return (row.section == "prefill" and not row.passed and bool(row.failed_iterations)
+                and not math.isnan(row.max_abs) and set(row.failed_iterations) <= explained)
+
+    def routing_words(self, row: OutputRow) -> str:
+        ds = [d for d in self.routing if d["runner"] == row.runner and d["feed"] in row.failed_iterations]
+        n = sum(len(d["flips"]) for d in ds)
+        return (f"explained by {n} MoE routing flip{'s' * (n != 1)} at a near tie (the reference routed so matches "
+                "within tolerance; see 'MoE routing' in the report)")
+
+    def all_failures_are_routing_flips(self) -> bool:
+        """The check failed, and only through prefill rows that :meth:`routing_explains`."""
+        failed = [r for r in self.rows if not r.passed]
+        return (bool(failed) and all(self.routing_explains(r) for r in failed)
+                and all(g["passed"] for g in self.greedy.values()))
+
+    def routing_lines(self) -> list[str]:
+        """One line per diagnosed feed (m2export.check.routing.Diagnosis.describe)."""
+        from m2export.check.routing import Diagnosis, Flip
+
+        return [Diagnosis(**{**d, "flips": [Flip(**f) for f in d["flips"]]}).describe() for d in self.routing]
 
     def continued_note(self) -> str:
         """How the prefill sizes were fed: fresh only, or fresh and continued after ``past_len`` tokens."""
@@ -288,6 +317,8 @@ class CheckReport:
                   f"rtol {_fmt_tol(self.rtol)}", ""]
         if self.failures():
             lines += ["## Failures", ""] + [f"- {f}" for f in self.failures()] + [""]
+        if self.routing:
+            lines += ["## MoE routing", "", ROUTING_INTRO, ""] + [f"- {x}" for x in self.routing_lines()] + [""]
         lines += ["## Per output", "",
                   "Each row's verdict names the metric it used (the max relative error against near-zero "
                   f"references is meaningless for a pass; every number is in {Path(self.outdir).name}'s "
@@ -321,6 +352,14 @@ class CheckReport:
                 command_block(c, 100) for c in self.tensorrt_commands] + ["```"] + (
                 [f"Note: {self.tensorrt_note}."] if self.tensorrt_note else [])
         return "\n".join(lines) + "\n"
+
+
+#: what the MoE routing lines of a report mean
+ROUTING_INTRO = ("Each failed prefill input of an MoE model, rerun in the reference with the routing decision that "
+                 "was closest to a tie at its first failing token flipped to the runner-up (m2export.check.routing): "
+                 "'explained' where the reference so rerouted matches every output within the same tolerances, i.e. "
+                 "the runtime routed those tokens to other experts from its own rounded activations. The comparison "
+                 "still fails.")
 
 
 def row_verdict(r: OutputRow) -> str:
@@ -641,7 +680,9 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
             sweep = f"; the vocabulary sweep: the last {len(loader.sweep)}" if loader.sweep else ""
             advance = prog(f"prefill ({len(loader)} inputs x {len(rts)} runners{sweep})", len(loader) * len(rts))
             rec = RecordingLoader(loader)  # keeps the first feeds + reference outputs for the commands
-            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, feeds=loader.feeds)
+            routing: list[dict[str, Any]] = []
+            prefill_acc = _prefill(rts, rec, compare_func, advance, hist, rec, feeds=loader.feeds,
+                                   explain=_routing_explainer(routing, compare_func, dtype, atol_d, rtol_d))
             rows = _rows("prefill", [prefill_acc], loader.labels, out_names, atol_d, rtol_d)
             rows += _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed,
                                  max_seqlen, out_names, atol_d, rtol_d, skipped, packed_info, prog)
@@ -683,7 +724,8 @@ def run_check(outdir: str | Path, *, checkpoint: str | Path | None = None, atol:
         shapes=[list(s) for s in shapes], decode_steps=decode_steps if greedy else 0,
         prompt_len=plen if greedy else 0, atol=atol_d, rtol=rtol_d, rows=rows, greedy=greedy,
         corpus=str(text) if text else "Python stdlib sources", versions=_versions(), past_len=loader.past_len,
-        vocab_coverage=loader.coverage, vocab_sweep_inputs=len(loader.sweep), reference_weights=ref_weights, packed="".join(p for p, _ in packed_info))
+        vocab_coverage=loader.coverage, vocab_sweep_inputs=len(loader.sweep), reference_weights=ref_weights,
+        packed="".join(p for p, _ in packed_info), routing=routing)
     written = [REPORT_JSON, REPORT_MD]
     if not force:
         _refuse_unowned_reports(report_dir, in_outdir=in_outdir)
@@ -847,7 +889,8 @@ def _new_task(progress: Callable | None) -> Callable[[str, int], ProgressTask]:
 
 
 def _prefill(rts: list[_Runtime], loader, compare_func, advance: ProgressTask, hist, rec=None,
-             feeds: "list[FeedInfo] | None" = None) -> "OrderedDict[tuple[str, str], list]":
+             feeds: "list[FeedInfo] | None" = None, explain: Callable | None = None
+             ) -> "OrderedDict[tuple[str, str], list]":
     """The prefill section: every feed of ``loader`` through the reference's prefill runner, then through each
     runtime's in turn; each runtime's outputs are compared with the reference's (``compare_func(runtime,
     reference)``, Polygraphy's order: relative errors divide by the reference) as soon as they exist and
@@ -859,6 +902,8 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance: ProgressTask, h
     Also hands the reference's outputs to ``rec`` (:class:`~m2export.check.repro.RecordingLoader`) and (when
     matplotlib is installed)
     keeps a strided sample of the abs errors per runtime and output group in ``hist`` for the histogram.
+    A runtime's failed feed is handed to ``explain(reference runner, rerun, runtime outputs, feed label)`` (``rerun()``
+    runs the reference on that feed again) before its outputs are dropped: :func:`_routing_explainer`.
 
     Returns:
         {(runtime runner name, reference runner name): [one match dict per feed]}: the layout of Polygraphy's
@@ -910,7 +955,12 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance: ProgressTask, h
             for i in range(1, len(active)):
                 advance.doing(f"{label(k)}: {names[i]}")
                 it = run(i, feed)
-                acc[(it.runner_name, ref.runner_name)].append(compare_func(it, ref))
+                match = compare_func(it, ref)
+                acc[(it.runner_name, ref.runner_name)].append(match)
+                if explain is not None and not all(bool(m) for m in match.values()):
+                    advance.doing(f"{label(k)}: {names[i]} failed; rerunning {names[0]} with near-tie MoE routing "
+                                  "flips")
+                    explain(active[0], lambda f=feed: run(0, f), it, label(k))
                 if want_hist:
                     _sample_errors(hist, it, ref)
                 del it
@@ -922,6 +972,34 @@ def _prefill(rts: list[_Runtime], loader, compare_func, advance: ProgressTask, h
         G_LOGGER.log(f"Accuracy Summary | {name} vs. {ref_name} | Passed: {n_ok}/{len(matches)} iterations",
                      G_LOGGER.FINISH if n_ok == len(matches) else G_LOGGER.ERROR)
     return acc
+
+
+#: failed prefill feeds whose MoE routing is diagnosed in one check (each up to routing.MAX_RERUNS reference reruns)
+MAX_ROUTING_DIAGNOSES = 4
+
+
+def _routing_explainer(out: list[dict[str, Any]], compare_func, dtype: str, atol_d, rtol_d) -> Callable:
+    """``_prefill``'s ``explain``: :func:`m2export.check.routing.diagnose` of a failed feed, appended to ``out`` as
+    a dict, for m2export's PyTorch reference of a model with MoE layers (transformers' reference: nothing), at most
+    :data:`MAX_ROUTING_DIAGNOSES` feeds."""
+    from m2export.check.routing import diagnose, moe_routers
+
+    def explain(ref_runner, rerun, it, feed_label) -> None:
+        model = getattr(ref_runner, "model", None)
+        if (not isinstance(ref_runner, TorchRunner) or isinstance(ref_runner, TransformersRunner) or model is None
+                or not moe_routers(model) or "logits" not in it):
+            return
+        if len(out) >= MAX_ROUTING_DIAGNOSES:
+            out.append({"runner": it.runner_name, "feed": feed_label, "explained": False, "flips": [],
+                        "max_abs": math.nan, "reason": f"not diagnosed (only the first {MAX_ROUTING_DIAGNOSES} "
+                                                       "failed inputs are)"})
+            return
+        d = diagnose(model, rerun, it, compare_func, runner=it.runner_name, feed=feed_label, dtype=dtype,
+                     atol=atol_d.get("logits", atol_d[""]), rtol=rtol_d.get("logits", rtol_d[""]))
+        if d is not None:
+            out.append(d.to_dict())
+
+    return explain
 
 
 def _packed_rows(outdir, manifest, ref_loader, compare_func, runtimes, shared, corpus, seed, max_seqlen, out_names,

@@ -201,6 +201,8 @@ def print_console(report, report_dir: str | Path, console, *, json_name: str, md
             console.print(grid)
     for name, g in report.greedy.items():
         _print_prose(console, greedy_line(report, name, g), style=None if g["passed"] else "red")
+    for line in report.routing_lines():
+        _print_prose(console, f"MoE routing, prefill {line}")
     if report.histogram:
         _print_prose(console, f"error histogram: {report.histogram}")
     _print_prose(console, f"reports: {report_dir}/{json_name}, {report_dir}/{md_name}")

@@ -198,10 +198,19 @@ class Router(nn.Module):
             emask = gmask[:, :, None].expand(T, s.n_group, per).reshape(T, s.n_experts)
             choice = choice.masked_fill(emask == 0, float("-inf"))
         idx = choice.topk(s.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
+        return self.weights_for(logits, idx), idx
+
+    def weights_for(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The routing weights (tokens, top_k) float32 of experts ``idx`` given the router's float32 ``logits``
+        (tokens, n_experts): what :meth:`forward` returns beside its own choice (``check`` also asks for another
+        choice's, m2export.check.routing)."""
+        s = self.spec
+        if s.routing == "softmax_topk":
+            return torch.softmax(logits.gather(1, idx), dim=-1)
+        w = logits.sigmoid().gather(1, idx)
         if s.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * s.routed_scaling_factor, idx
+        return w * s.routed_scaling_factor
 
 
 class MoE(nn.Module):
