@@ -137,7 +137,8 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 #: choose_stream_tiles' with the keywords ``chooser`` (None: the launcher's); candidates for the default
 #: (benchmarks/NOTES_fusion.md). "fit16_prefetch" is the measured best (STREAM_PREFETCH, STREAM_FIT_WAVES and
 #: STREAM_STEP_BYTES 4096), "fit8_prefetch" the same with 8 rows per step, "fit16_prefetch_unchecked" with stream2d's
-#: unchecked build where it applies (STREAM_UNCHECKED).
+#: unchecked build where it applies (STREAM_UNCHECKED); "fit_256ch*"/"fit_512ch*": wider channel tiles (longer row pieces
+#: per DRAM access), 4 or 8 KB of x per step.
 PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream", 10, 4, None, None, None), id="stream_lat10_occ4"),
                       pytest.param(("stream2d", 10, 4, None, None, None), id="stream2d_lat10_occ4"),
@@ -146,7 +147,13 @@ PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream2d", 10, 4, (256, 32, 128), None, None), id="stream2d_256x32x128_lat10_occ4"),
                       pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch"),
                       pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096), True),
-                                   id="fit16_prefetch_unchecked")]
+                                   id="fit16_prefetch_unchecked"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096, block_c=256)),
+                                   id="fit_256ch"),
+                      pytest.param(("stream2d", 10, 4, None, True,
+                                    dict(fit=True, step_bytes=8192, block_c=256, occupancy=4)), id="fit_256ch_occ4"),
+                      pytest.param(("stream2d", 10, 4, None, True,
+                                    dict(fit=True, step_bytes=8192, block_c=512, occupancy=4)), id="fit_512ch_occ4")]
 
 
 @pytest.mark.gpu
@@ -211,7 +218,10 @@ def test_cutile_prefill_allocates_and_refuses_aliasing():
     # token ranges that are no power of two (the chooser's wave-fitted ones), with and without the row prefetch
     ("stream2d", (272, 16, 128), 8, 10, True), ("stream2d", (336, 16, 128), 8, 10, True),
     ("stream2d", (328, 8, 128), 8, 10, True), ("stream2d", (24, 8, 128), None, 0, True),
-    ("stream2d", (48, 16, 64), 8, 10, False), ("stream2d", (256, 8, 128), 8, 10, False)])
+    ("stream2d", (48, 16, 64), 8, 10, False), ("stream2d", (256, 8, 128), 8, 10, False),
+    # wider channel tiles (1344 channels: a partial last tile)
+    ("stream2d", (168, 8, 256), 8, 10, True), ("stream2d", (336, 16, 256), 4, 10, True),
+    ("stream2d", (176, 8, 512), 4, 10, True)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, prefetch, dtype):
     from m2export.contract_conv1d import validate
@@ -231,7 +241,8 @@ def test_cutile_prefill_tile_variants(impl, tiles, occupancy, latency, prefetch,
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tiles,prefetch", [((272, 16, 128), True), ((336, 16, 128), True), ((32, 16, 128), False),
-                                            ((48, 8, 128), True), ((16, 16, 256), True), ((64, 4, 128), False)])
+                                            ((48, 8, 128), True), ((16, 16, 256), True), ((64, 4, 128), False),
+                                            ((168, 8, 256), True)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cutile_prefill_unchecked_whole_tiles(tiles, prefetch, dtype):
     """stream2d's unchecked build (row tiles without bounds checks) where every row tile lies inside x: whole tiles of
@@ -300,6 +311,11 @@ def test_stream_tiles():
     assert fit(1, 8192, 5376, rows=8) == (328, 8, 128)
     assert fit(1, 8192, 5376, occupancy=4) == (224, 16, 128)  # 1,554 blocks: 2.94 waves of 528
     assert fit(1, 1000, 1000) == (16, 16, 128) and fit(1, 3, 40, 4) == (16, 16, 64)
+    # 256-channel tiles (block_c, or STREAM_BLOCK_C when not given): 8 bf16 / 4 fp32 rows of 4 KB; 1,029 blocks at 2.7b
+    # 1x8192, 3,108 (2.94 waves) at 4x8192; capped at the next power of two of a narrow conv_dim
+    assert fit(1, 8192, 5376, block_c=256) == (168, 8, 256) and fit(4, 8192, 5376, block_c=256) == (224, 8, 256)
+    assert fit(1, 8192, 5376, 4, block_c=256) == (164, 4, 256) and fit(1, 8192, 10240, block_c=256) == (320, 8, 256)
+    assert fit(1, 3, 40, 4, block_c=256) == (16, 16, 64)
 
 
 def test_stream_unchecked_only_where_every_row_tile_is_inside_x():

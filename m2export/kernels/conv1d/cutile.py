@@ -427,6 +427,11 @@ STREAM_STEP_BYTES = 4096
 """Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
 channels, 8 of fp32, whose 16-row build spills); None: 8 rows. See :data:`STREAM_PREFETCH`."""
 
+STREAM_BLOCK_C = 128
+"""Channels per streaming block by default (:func:`choose_stream_tiles`; 256 with :data:`STREAM_STEP_BYTES` 4096 gives
+8 bf16 rows per step: sm_90 CPU build 64 registers, 26 KB shared memory, 317 SASS instructions and 9 barriers per step
+against 301 and 3 at 128 channels; benchmarks/NOTES_fusion.md)."""
+
 STREAM_UNCHECKED = False
 """True: launches of :func:`conv1d_stream2d_kernel` whose row tiles all lie inside x (:func:`stream_unchecked`) use its
 unchecked build (CHECK False, 242 instead of 301 SASS instructions per 16-row bf16 step); False (default): always the
@@ -446,18 +451,19 @@ def stream_kernel(impl: str = STREAM_IMPL, occupancy: int = STREAM_OCCUPANCY):
 
 def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132, occupancy: int = STREAM_OCCUPANCY,
                         rows: int | None = None, fit: bool | None = None,
-                        step_bytes: int | None = STREAM_STEP_BYTES) -> tuple[int, int, int]:
+                        step_bytes: int | None = STREAM_STEP_BYTES, block_c: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_T, ROWS, BLOCK_C) of the streaming kernels for ``occupancy`` blocks per SM on ``sm_count`` SMs.
 
-    BLOCK_C: 128 channels (smaller for narrow problems). ROWS (unless given): ``step_bytes`` of x per step (4096:
-    16 rows of bf16, 8 of fp32, whose 16-row build spills at 64 registers), at least d_conv - 1; None: 8 rows.
+    BLOCK_C: ``block_c`` channels, a power of two (default :data:`STREAM_BLOCK_C`; smaller for narrow problems). ROWS
+    (unless given): ``step_bytes`` of x per step (4096: 16 rows of 128 bf16 channels, 8 of fp32, whose 16-row build
+    spills at 64 registers; 8 rows of 256 bf16 channels), at least d_conv - 1; None: 8 rows.
     BLOCK_T, ``fit`` (default :data:`STREAM_FIT_WAVES`): the blocks are equal and run in waves of ``occupancy *
     sm_count``, so a last wave that is partly empty costs a whole one (H200, stream2d 256x8x128: time =
     ceil(blocks / 1056) x 48 us at every layer shape, benchmarks/NOTES_fusion.md). The token range is fitted to
     whole waves: the wave count 256-token ranges would give, rounded, then the longest range (a multiple of ROWS)
     whose blocks fit in that many waves (mamba2-2.7b 1 x 8192: 336 tokens, 1,050 blocks in one wave; 256: 1,344, two
     waves). Without ``fit``: 256 tokens, halved down to 16 while the grid has fewer than 4 blocks per SM."""
-    bc = min(128, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
+    bc = min(block_c or STREAM_BLOCK_C, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
     pow2 = 1 << max(0, p.d_conv - 2).bit_length()  # the smallest power of two >= d_conv - 1
     rows = rows or (max(pow2, min(16, step_bytes // (bc * itemsize))) if step_bytes else 8)
     cols = -(-p.conv_dim // bc) * max(1, p.batch)
