@@ -157,7 +157,7 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         for impl, tl, occ, lat, pf, unc in conv_tiles:
             if tl[0] == 0:  # "fit": the chooser's wave-fitted token range for these rows, channels and occupancy
                 tl = (choose_stream_tiles(cprob, 2, torch.cuda.get_device_properties(0).multi_processor_count,
-                                          occ or 8, rows=tl[1], fit=True)[0],) + tl[1:]
+                                          occ or 8, rows=tl[1], fit=True, block_c=tl[2])[0],) + tl[1:]
             fn = (lambda impl=impl, tl=tl, occ=occ, lat=lat, pf=pf, unc=unc: causal_conv1d_cutile(
                 xBC, W["conv_w"], W["conv_b"], None, problem=cprob, silu=True, out=yconv, state_out=cst, tiles=tl,
                 occupancy=occ, impl=impl, latency=lat, prefetch=pf, unchecked=unc))
@@ -174,6 +174,12 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
                           + f" (rel-err {rel_err(ref_y, yconv):.1e})", fn, conv_fl))
         parts.append(("conv1d+SiLU", "torch (model: cat + F.conv1d + silu)",
                       lambda: torch_conv(ly, xBC, W["conv_w"], W["conv_b"]), conv_fl))
+        # the same bytes moved by torch copies: from the strided xBC slice (the conv's input) and from a contiguous copy
+        ycopy, xcopy = torch.empty_like(yconv), xBC.contiguous()
+        parts.append(("conv1d+SiLU", "torch copy, same bytes: ycopy.copy_(xBC) (strided read)", lambda: ycopy.copy_(xBC),
+                      conv_fl))
+        parts.append(("conv1d+SiLU", "torch copy, same bytes: ycopy.copy_(contiguous x)", lambda: ycopy.copy_(xcopy),
+                      conv_fl))
         xs, Bs, Cs = torch.split(yconv, [di, g * n, g * n], dim=-1)
         xv, Bv, Cv = xs.reshape(batch, seqlen, h, p), Bs.reshape(batch, seqlen, g, n), Cs.reshape(batch, seqlen, g, n)
         xc, dtc, Bc, Cc = xv.contiguous(), dt.contiguous(), Bv.contiguous(), Cv.contiguous()
@@ -227,31 +233,35 @@ def run_mode(name: str, ly: Mamba2Config, mode: str, mamba_norm, rows_out: list,
         y2 = yscan.view(batch, di)
     nout = torch.empty_like(y2)
     norm_fl = 3 * M * di * 2 / HBM
-    ref_n = torch_norm(y2, z)
-    gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout)
-    torch.cuda.synchronize()
-    norm_err = rel_err(ref_n, nout)
-    parts.append(("gated RMSNorm", f"cutile (rel-err vs torch {norm_err:.1e})",
-                  lambda: gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout), norm_fl))
-    nprob = norm_validate(y2, z, W["norm_w"], group_size=gsz)
-    for kind, kw in norm_tiles(nprob):
-        fn = lambda kw=kw: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, **kw)  # noqa: E731
-        nout.fill_(float("nan"))
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name} {mode} norm {kind}: FAILED {e!r}", file=sys.stderr, flush=True)
-            continue
+    if only is None or "norm" in only or "layer" in only:  # the norm's kernels are compiled and checked only when
+        # timed (or needed by the layer row's floor)
+        ref_n = torch_norm(y2, z)
+        gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout)
         torch.cuda.synchronize()
-        parts.append(("gated RMSNorm", f"cutile {kind} (rel-err {rel_err(ref_n, nout):.1e})", fn, norm_fl))
-    parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
-    if mamba_norm is not None:
-        with torch.no_grad():
-            t_out = mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz, norm_before_gate=False)
-        torch.cuda.synchronize()
-        parts.append(("gated RMSNorm", f"mamba_ssm triton rmsnorm_fn (rel-err vs torch {rel_err(ref_n, t_out):.1e})",
-                      lambda: mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz,
-                                         norm_before_gate=False), norm_fl))
+        norm_err = rel_err(ref_n, nout)
+        parts.append(("gated RMSNorm", f"cutile (rel-err vs torch {norm_err:.1e})",
+                      lambda: gated_rmsnorm(y2, z, W["norm_w"], group_size=gsz, out=nout), norm_fl))
+        nprob = norm_validate(y2, z, W["norm_w"], group_size=gsz)
+        for kind, kw in norm_tiles(nprob):
+            fn = lambda kw=kw: gated_rmsnorm_cutile(y2, z, W["norm_w"], problem=nprob, out=nout, **kw)  # noqa: E731
+            nout.fill_(float("nan"))
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {mode} norm {kind}: FAILED {e!r}", file=sys.stderr, flush=True)
+                continue
+            torch.cuda.synchronize()
+            parts.append(("gated RMSNorm", f"cutile {kind} (rel-err {rel_err(ref_n, nout):.1e})", fn, norm_fl))
+        parts.append(("gated RMSNorm", "torch (model RMSNormGated)", lambda: torch_norm(y2, z), norm_fl))
+        if mamba_norm is not None:
+            with torch.no_grad():
+                t_out = mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz, norm_before_gate=False)
+            torch.cuda.synchronize()
+            parts.append(("gated RMSNorm", f"mamba_ssm triton rmsnorm_fn (rel-err vs torch {rel_err(ref_n, t_out):.1e})",
+                          lambda: mamba_norm(y2, W["norm_w"], None, z=z, eps=1e-5, group_size=gsz,
+                                             norm_before_gate=False), norm_fl))
+    else:
+        parts.append(("gated RMSNorm", "not timed", None, norm_fl))
     parts.append(("out_proj GEMM", "torch matmul", lambda: torch.matmul(nout.view(M, di), W["W_out"].t(), out=out),
                   gemm_floor(M, di, ly.d_model)))
 
@@ -310,8 +320,9 @@ def main(argv=None):
                     "stream2d:fit:16:128:8:10:0",
                     help="extra prefill conv configs, comma list of stream:BLOCK_T:ROWS:BLOCK_C:occupancy[:latency"
                          "[:prefetch[:unchecked]]] (stream2d: the same for conv1d_stream2d_kernel; BLOCK_T 'fit': choose_stream_tiles' "
-                         "wave-fitted token range for those rows) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: no hint; "
-                         "latency: the row-load hint 1..10, 0 or absent: none; prefetch 0|1, absent: the default; unchecked 0|1: the "
+                         "wave-fitted token range for those rows and channels) or v1:BLOCK_T:BLOCK_C:occupancy (occupancy 0: no hint; "
+                         "latency: the row-load hint 1..10, 0 or absent: none; prefetch 0|1 (the next step's rows loaded "
+                         "ahead), absent: the default; unchecked 0|1: the "
                          "row tiles' bounds checks skipped where every tile lies inside x, absent: the default), '' "
                          "for none")
     ap.add_argument("--update-variants", default="gather:4:256,cols:4:256,cols:8:256,cols:16:128,cols:1:1024",
