@@ -4,8 +4,9 @@ Each variant is exported for sm_90 with the constraints ``ct.launch`` derives fo
 strides (the strided xBC slice of an in_proj output, 8192 tokens; tests/kernels/test_kernels_compile.py) and read back
 with cuobjdump: registers, stack frame, shared memory, local-memory instructions (LDL/STL), SASS instructions in all
 and in the main loop (the longest backward branch's body: one step of ROWS rows per warp), and in that loop the
-16-byte global loads / stores (LDG.E.128 / STG.E.128), MUFU, barriers and shared-memory loads / stores. Usage (the variant syntax is bench_layer.py's --conv-variants for
-stream2d; BLOCK_T is a kernel constant: the loop runs BLOCK_T / ROWS steps at most)::
+16-byte global loads / stores (LDG.E.128 / STG.E.128), MUFU, barriers and shared-memory loads / stores. Usage (the
+variant syntax is bench_layer.py's --conv-variants for stream2d; BLOCK_T is a kernel constant: the loop runs
+BLOCK_T / ROWS steps at most)::
 
     CUOBJDUMP=/tmp/cuobj/nvidia/cu13/bin/cuobjdump python benchmarks/conv_resources.py \
         --variants stream2d:336:16:128:8:10:1,stream2d:168:8:256:8:10:1
@@ -111,7 +112,8 @@ def main(argv=None):
               f"{info.get('STACK')} SHARED {info.get('SHARED')} LOCAL {info.get('LOCAL')} LDL/STL {info['ldl_stl']}, "
               f"SASS {info['sass']}, loop {info['loop']} ({per_kb:.0f} per KB of x), "
               f"loop LDG {info['loop_ldg']} (.128 {info['loop_ldg128']}) STG {info['loop_stg']} "
-              f"(.128 {info['loop_stg128']}) MUFU {info['loop_mufu']} BAR {info['loop_bar']} LDS/STS(M) {info['loop_smem']}, blocks/SM by registers {fit}", flush=True)
+              f"(.128 {info['loop_stg128']}) MUFU {info['loop_mufu']} BAR {info['loop_bar']} LDS/STS(M) "
+              f"{info['loop_smem']}, blocks/SM by registers {fit}", flush=True)
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             (Path(args.dump) / (spec.replace(":", "_") + ".sass")).write_text(sass)

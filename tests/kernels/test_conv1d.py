@@ -135,19 +135,21 @@ PREFILL = [  # (batch, seqlen, conv_dim, d_conv, state, bias, pad), ids name the
 #: (impl, latency, occupancy, tiles, prefetch, chooser[, unchecked]) run through every PREFILL edge besides the default launch:
 #: the streaming kernels with the row-load latency hint, stream2d with and without the row prefetch, fixed tiles or
 #: choose_stream_tiles' with the keywords ``chooser`` (None: the launcher's); candidates for the default
-#: (benchmarks/NOTES_fusion.md). "fit16_prefetch" is the measured best (STREAM_PREFETCH, STREAM_FIT_WAVES and
-#: STREAM_STEP_BYTES 4096), "fit8_prefetch" the same with 8 rows per step, "fit16_prefetch_unchecked" with stream2d's
-#: unchecked build where it applies (STREAM_UNCHECKED); "fit_256ch*"/"fit_512ch*": wider channel tiles (longer row pieces
-#: per DRAM access), 4 or 8 KB of x per step.
+#: (benchmarks/NOTES_fusion.md). "fit16_prefetch" is the previous default (STREAM_PREFETCH, STREAM_FIT_WAVES and
+#: STREAM_STEP_BYTES 4096 at 128 channels), "fit8_prefetch" the same with 8 rows per step, "fit16_prefetch_unchecked"
+#: with stream2d's unchecked build where it applies (STREAM_UNCHECKED); "fit_256ch*"/"fit_512ch*": wider channel tiles
+#: (longer row pieces per DRAM access), 4 or 8 KB of x per step ("fit_256ch": the default's tiles for 2-byte dtypes,
+#: STREAM_BLOCK_C, and 256 channels of 4 fp32 rows).
 PREFILL_CANDIDATES = [pytest.param(None, id="default"),
                       pytest.param(("stream", 10, 4, None, None, None), id="stream_lat10_occ4"),
                       pytest.param(("stream2d", 10, 4, None, None, None), id="stream2d_lat10_occ4"),
-                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096)), id="fit16_prefetch"),
-                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, rows=8)), id="fit8_prefetch"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096, block_c=128)),
+                                   id="fit16_prefetch"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, rows=8, block_c=128)), id="fit8_prefetch"),
                       pytest.param(("stream2d", 10, 4, (256, 32, 128), None, None), id="stream2d_256x32x128_lat10_occ4"),
                       pytest.param(("stream2d", 10, 8, (272, 16, 128), False, None), id="stream2d_272x16x128_no_prefetch"),
-                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096), True),
-                                   id="fit16_prefetch_unchecked"),
+                      pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096, block_c=128),
+                                    True), id="fit16_prefetch_unchecked"),
                       pytest.param(("stream2d", 10, 8, None, True, dict(fit=True, step_bytes=4096, block_c=256)),
                                    id="fit_256ch"),
                       pytest.param(("stream2d", 10, 4, None, True,
@@ -292,18 +294,21 @@ def test_stream_tiles():
     from m2export.kernels.conv1d.cutile import choose_stream_tiles
 
     assert choose_stream_tiles(Conv1dProblem(batch=4, seqlen=8192, conv_dim=5376, d_conv=4), 2, fit=False,
-                               step_bytes=None) == (256, 8, 128)
+                               step_bytes=None, block_c=128) == (256, 8, 128)
     assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4), 2, fit=False,
-                               step_bytes=None) == (256, 8, 128)
+                               step_bytes=None, block_c=128) == (256, 8, 128)
     assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=1000, conv_dim=1000, d_conv=4), 2, fit=False,
-                               step_bytes=None) == (16, 8, 128)
+                               step_bytes=None, block_c=128) == (16, 8, 128)
     assert choose_stream_tiles(Conv1dProblem(batch=1, seqlen=3, conv_dim=40, d_conv=4), 4, fit=False,
                                step_bytes=None) == (8, 8, 64)
 
     def fit(b, l, c, itemsize=2, **kw):
         return choose_stream_tiles(Conv1dProblem(batch=b, seqlen=l, conv_dim=c, d_conv=4), itemsize, fit=True,
-                                   **{"step_bytes": 4096, **kw})
+                                   **{"step_bytes": 4096, "block_c": 128, **kw})
 
+    # the defaults (STREAM_BLOCK_C: 256 channels for 2-byte dtypes, 128 for fp32)
+    p27 = Conv1dProblem(batch=1, seqlen=8192, conv_dim=5376, d_conv=4)
+    assert choose_stream_tiles(p27, 2) == (168, 8, 256) and choose_stream_tiles(p27, 4) == (328, 8, 128)
     # token ranges fitted to whole waves of 8 x 132 blocks: 5,208 blocks (4.93 waves), 1,050 (one), 2,080 (1.97)
     assert fit(4, 8192, 5376) == (272, 16, 128) and fit(1, 8192, 5376) == (336, 16, 128)
     assert fit(1, 8192, 10240) == (320, 16, 128) and fit(4, 8192, 10240) == (256, 16, 128)
@@ -311,7 +316,7 @@ def test_stream_tiles():
     assert fit(1, 8192, 5376, rows=8) == (328, 8, 128)
     assert fit(1, 8192, 5376, occupancy=4) == (224, 16, 128)  # 1,554 blocks: 2.94 waves of 528
     assert fit(1, 1000, 1000) == (16, 16, 128) and fit(1, 3, 40, 4) == (16, 16, 64)
-    # 256-channel tiles (block_c, or STREAM_BLOCK_C when not given): 8 bf16 / 4 fp32 rows of 4 KB; 1,029 blocks at 2.7b
+    # 256-channel tiles: 8 bf16 / 4 fp32 rows of 4 KB; 1,029 blocks at 2.7b
     # 1x8192, 3,108 (2.94 waves) at 4x8192; capped at the next power of two of a narrow conv_dim
     assert fit(1, 8192, 5376, block_c=256) == (168, 8, 256) and fit(4, 8192, 5376, block_c=256) == (224, 8, 256)
     assert fit(1, 8192, 5376, 4, block_c=256) == (164, 4, 256) and fit(1, 8192, 10240, block_c=256) == (320, 8, 256)

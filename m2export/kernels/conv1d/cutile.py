@@ -27,11 +27,11 @@ in both; y in x's dtype.
 Measured (benchmarks/NOTES_fusion.md, H200, mamba2-2.7b 4 x 8192 bf16): v1 448 us, the stream kernel
 320-351 us (2.0-2.1x the byte floor), stream2d 256x8x128 at occupancy 8 with the latency hint 287 us (1.75x),
 the default (token ranges fitted to whole waves, 16 rows per step, the next step's rows prefetched) 205 us
-(1.25x), 198 us (1.21x) with the exp2 SiLU. Read PTX built with ct.launch's constraints (extents
-divisible by 16, tests/kernels/test_kernels_compile.py): built without them, tileiras shows one
-2-byte load per element; with them, 16-byte loads. A variant that loads one (BLOCK_T, 4, BLOCK_C)
-tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the taps
-ran 1.8x slower than v1.
+(1.25x), 198 us (1.21x) with the exp2 SiLU, 195 us (1.19x) with 256-channel tiles of 8 rows (2026-12-04).
+Read PTX built with ct.launch's constraints (extents divisible by 16, tests/kernels/test_kernels_compile.py): built
+without them, tileiras shows one 2-byte load per element; with them, 16-byte loads. A variant that loads one
+(BLOCK_T, 4, BLOCK_C) tile of a window view (x.as_strided with equal token and tap strides) and reduces it over the
+taps ran 1.8x slower than v1.
 
 Update (default :func:`conv1d_update_cols_kernel`, :data:`UPDATE_IMPL`). Block (b-tile, c-tile) reads the
 window [conv_state columns, x], writes y and the state shifted by one token, in place (each block reads its
@@ -424,13 +424,17 @@ STREAM_FIT_WAVES = True
 while the grid has fewer than 4 blocks per SM). See :data:`STREAM_PREFETCH`."""
 
 STREAM_STEP_BYTES = 4096
-"""Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 16 rows of 128 bf16
-channels, 8 of fp32, whose 16-row build spills); None: 8 rows. See :data:`STREAM_PREFETCH`."""
+"""Bytes of x one step of a streaming block loads (:func:`choose_stream_tiles`: 4096 gives 8 rows of 256 bf16
+channels, the default :data:`STREAM_BLOCK_C`, 16 of 128, 8 of 128 fp32 channels, whose 16-row build spills); None: 8
+rows. See :data:`STREAM_PREFETCH`."""
 
-STREAM_BLOCK_C = 128
-"""Channels per streaming block by default (:func:`choose_stream_tiles`; 256 with :data:`STREAM_STEP_BYTES` 4096 gives
-8 bf16 rows per step: sm_90 CPU build 64 registers, 26 KB shared memory, 317 SASS instructions and 9 barriers per step
-against 301 and 3 at 128 channels; benchmarks/NOTES_fusion.md)."""
+STREAM_BLOCK_C = {2: 256, 4: 128}
+"""Channels per streaming block by default, by element size (:func:`choose_stream_tiles`). 2-byte dtypes: 256, i.e. 8
+rows of 512 B per step with :data:`STREAM_STEP_BYTES` (sm_90 CPU build: 64 registers, 26 KB shared memory, no spills,
+317 SASS instructions and 9 barriers per step against 301 and 3 at 16 x 128). H200, bf16, 2026-12-04, bench_layer.py
+(two A/B repeats each, benchmarks/NOTES_fusion.md): 195.0-195.4 / 55.2-55.4 us at mamba2-2.7b 4x8192 / 1x8192 and
+92.5 at Nemotron-H-8B 1x8192 against 197.8-198.2 / 56.0-56.1 / 93.4-93.7 with 128 channels; Nemotron-H 4x8192
+349.2-349.6 against 347.1-347.3 (0.7% slower). fp32: 128 (256 channels passed the oracle tests, not timed)."""
 
 STREAM_UNCHECKED = False
 """True: launches of :func:`conv1d_stream2d_kernel` whose row tiles all lie inside x (:func:`stream_unchecked`) use its
@@ -454,16 +458,18 @@ def choose_stream_tiles(p: Conv1dProblem, itemsize: int, sm_count: int = 132, oc
                         step_bytes: int | None = STREAM_STEP_BYTES, block_c: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_T, ROWS, BLOCK_C) of the streaming kernels for ``occupancy`` blocks per SM on ``sm_count`` SMs.
 
-    BLOCK_C: ``block_c`` channels, a power of two (default :data:`STREAM_BLOCK_C`; smaller for narrow problems). ROWS
-    (unless given): ``step_bytes`` of x per step (4096: 16 rows of 128 bf16 channels, 8 of fp32, whose 16-row build
-    spills at 64 registers; 8 rows of 256 bf16 channels), at least d_conv - 1; None: 8 rows.
+    BLOCK_C: ``block_c`` channels, a power of two (default :data:`STREAM_BLOCK_C` for ``itemsize``: 256 for 2-byte
+    dtypes, 128 for fp32; smaller for narrow problems). ROWS (unless given): ``step_bytes`` of x per step (4096: 8 rows
+    of 256 bf16 channels, 16 of 128, 8 of 128 fp32 channels, whose 16-row build spills at 64 registers), at least
+    d_conv - 1; None: 8 rows.
     BLOCK_T, ``fit`` (default :data:`STREAM_FIT_WAVES`): the blocks are equal and run in waves of ``occupancy *
     sm_count``, so a last wave that is partly empty costs a whole one (H200, stream2d 256x8x128: time =
     ceil(blocks / 1056) x 48 us at every layer shape, benchmarks/NOTES_fusion.md). The token range is fitted to
     whole waves: the wave count 256-token ranges would give, rounded, then the longest range (a multiple of ROWS)
-    whose blocks fit in that many waves (mamba2-2.7b 1 x 8192: 336 tokens, 1,050 blocks in one wave; 256: 1,344, two
-    waves). Without ``fit``: 256 tokens, halved down to 16 while the grid has fewer than 4 blocks per SM."""
-    bc = min(block_c or STREAM_BLOCK_C, max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
+    whose blocks fit in that many waves (mamba2-2.7b 1 x 8192 at 128 channels: 336 tokens, 1,050 blocks in one wave;
+    256: 1,344, two waves; at 256 channels 168 tokens, 1,029 blocks). Without ``fit``: 256 tokens, halved down to 16
+    while the grid has fewer than 4 blocks per SM."""
+    bc = min(block_c or STREAM_BLOCK_C.get(itemsize, 128), max(16, 1 << max(0, p.conv_dim - 1).bit_length()))
     pow2 = 1 << max(0, p.d_conv - 2).bit_length()  # the smallest power of two >= d_conv - 1
     rows = rows or (max(pow2, min(16, step_bytes // (bc * itemsize))) if step_bytes else 8)
     cols = -(-p.conv_dim // bc) * max(1, p.batch)
