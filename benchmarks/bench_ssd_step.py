@@ -12,7 +12,9 @@ Implementations, in the same run: ``ssm_step`` (cuTile); the TensorRT JIT plugin
 per-head dt/A/D/dt_bias broadcast over headdim and d_state as stride-0 views), from a git-ignored
 copy of state-spaces/mamba under ``.devcarry/mamba_ssm_triton`` (skipped with a note when absent);
 ``--block-p`` sweeps headdim tiles through the step kernel's launch description (``rN``: the flat-row kernel
-for head dims that are not powers of two, N-row tiles).
+(any head dim), N-row tiles); ``--aot`` adds the TensorRT AOT plugin's decode kernel (PTX in TensorRT's slot order,
+launched as TensorRT's AOT launcher does: cuLaunchKernel with the plugin's pointers and int32 extras, so no TMA
+descriptors); ``--baseline MODULE`` times another ``ssm_step_cutile`` (a copy of main's) beside the current one.
 
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/bench_ssd_step.py --results $OUT/results.md
 """
@@ -20,7 +22,9 @@ for head dims that are not powers of two, N-row tiles).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import math
 import sys
 from pathlib import Path
@@ -66,13 +70,64 @@ class _TrtLike:
         self.data_ptr, self.shape, self.strides, self.dtype = t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
 
+@functools.lru_cache(maxsize=None)
+def aot_kernel(prob):
+    """(label, AotKernel) of the AOT plugin's decode kernel for ``prob`` (seqlen 1, SSMScanAttrs() defaults; the
+    plugin's export and checks), cached per problem without its batch (a runtime extent of the AOT kernel)."""
+    from m2export.contract import SSMScanAttrs
+    from m2export.kernels.ssd_step.cutile import aot_spec
+    from m2export.plugins import _cuda, aot
+
+    gpu_code = aot.gpu_code_for(_cuda.compute_capability(torch.cuda.current_device()))
+    spec = aot_spec(prob, SSMScanAttrs())
+    cubin, symbol = aot._export_cubin(spec, gpu_code)
+    kern = aot.build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code)
+    return f"plugin AOT kernel ({spec.name}, block_p {spec.config}; launched like TensorRT)", kern
+
+
+def aot_launcher(kern, plugin: dict, y4, fs):
+    """A callable launching ``kern`` as TensorRT's AOT launcher does: input pointers | int32 extras from the
+    plugin tensors' shapes | output pointers, on the current stream (PTX through the driver's JIT, or assembled
+    with ptxas where the driver predates the PTX ISA, as tests/plugins/test_aot.py does)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from m2export.contract import INPUT_NAMES
+    from m2export.plugins import _cuda, aot
+
+    image = kern.ptx.encode()
+    if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(kern.ptx)
+            subprocess.run([shutil.which("ptxas") or "ptxas", f"-arch={aot.ptx_target(kern.ptx)}", "-o",
+                            str(Path(d, "k.cubin")), str(Path(d, "k.ptx"))], check=True)
+            image = Path(d, "k.cubin").read_bytes()
+    loaded = _cuda.load_kernel(image, kern.name)
+    shapes = {n: tuple(t.shape) for n, t in plugin.items()}
+    shapes.update(y=tuple(y4.shape), final_state=tuple(fs.shape))
+    extras = aot.extra_arg_values(kern.amap, shapes, kern.scalars)
+    b, _, h, p = y4.shape
+    grid = kern.grid(b, h, p)
+    slots = ([("u64", plugin[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
+             + [("u64", t.data_ptr()) for t in (y4, fs)])
+    return lambda: loaded.launch(grid, kern.block, slots, stream=torch.cuda.current_stream().cuda_stream)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rep", type=int, default=300, help="ms of timed calls per implementation and mode (median)")
+    ap.add_argument("--skip", default="", help="comma list of implementation label prefixes not to run (e.g. "
+                    "'torch,mamba')")
+    ap.add_argument("--baseline", default="", help="module with another ssm_step_cutile (e.g. a copy of main's "
+                    "m2export/kernels/ssd_step/cutile.py), timed beside the current one on every shape")
+    ap.add_argument("--aot", action="store_true", help="also time the AOT plugin's decode kernel launched like "
+                    "TensorRT")
     ap.add_argument("--block-p", default="auto",
                     help="comma list of headdim tiles to time, each optionally :occupancy hint (auto = heuristic; "
-                         "rN = the flat-row kernel with N-row tiles, head dims that are not powers of two)")
+                         "rN = the flat-row kernel with N-row tiles)")
     args = ap.parse_args(argv)
     import triton
     import cuda.tile as ct
@@ -139,6 +194,10 @@ def main(argv=None):
         impls.append(("plugin JIT body (run_jit, seqlen 1)",
                       lambda: run_jit(ins, outs, SSMScanAttrs(), torch.cuda.current_stream().cuda_stream),
                       lambda: y4[:, 0]))
+        if args.aot:
+            plugin = dict(zip(INPUT_NAMES, (x4, dt4, A, B4, C4, D, bias, state)))
+            label, kern = aot_kernel(dataclasses.replace(prob, batch=1))
+            impls.append((label, aot_launcher(kern, plugin, y4, fs), lambda: y4[:, 0]))
         if ssu is not None:
             # Mamba2.step's call: per-head parameters broadcast over headdim / d_state (stride-0 views)
             A3 = A[:, None, None].expand(h, p, n)
@@ -149,6 +208,16 @@ def main(argv=None):
                           lambda: ssu(state.clone(), x, dt3, A3, B, C, D=D2, dt_bias=bias2, dt_softplus=True)))
             st_m.copy_(state)
         impls.append(("torch reference", lambda: ssm_step(x, dt, A, B, C, D, bias, state, backend="torch"), None))
+        if args.baseline:
+            import importlib
+
+            base = importlib.import_module(args.baseline)
+            impls.insert(1, (f"baseline {args.baseline}.ssm_step_cutile",
+                             lambda: base.ssm_step_cutile(x, dt, A, B, C, D, bias, state, problem=prob, dt_softplus=True,
+                                                          dt_limit=(0.0, math.inf), out=y, state_out=state),
+                             lambda: y))
+        skip = tuple(k for k in args.skip.split(",") if k)
+        impls = [i for i in impls if not i[0].startswith(skip)] if skip else impls
         # accuracy first, every implementation from the same starting state (the timed runs update it in place)
         st0 = state.clone()
         errs = {}
@@ -163,9 +232,10 @@ def main(argv=None):
         state.copy_(st0)
         for label, fn, out_of in impls:
             err = errs.get(label, float("nan"))
-            te = time_fn(fn, graph=False)
+            te = time_fn(fn, graph=False, rep=args.rep)
             try:  # the torch reference is timed eagerly only: its capture fails (host-side ops)
-                tg = float("nan") if label == "torch reference" or capture_failed else time_fn(fn, graph=True)
+                tg = (float("nan") if label == "torch reference" or capture_failed
+                      else time_fn(fn, graph=True, rep=args.rep))
             except Exception as e:  # noqa: BLE001  (reported in the table, not hidden)
                 print(f"  {name} {label}: CUDA-graph capture failed, eager timing only from here: {e!r}"[:300],
                       flush=True)

@@ -77,7 +77,25 @@ CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64))
          # partial last tile (rows not a multiple of the tile: 67*3*80 rows in 32-row tiles; 45*7*96 in 64-row
          # tiles), one head per group and 7 groups
          ("B64_H8_P80_N128_rows64", (64, 1, 8, 80, 2, 128)), ("B67_H3_P80_N128_rows32_tail", (67, 1, 3, 80, 1, 128)),
-         ("B45_H7_P96_N64_G7_rows64_tail", (45, 1, 7, 96, 7, 64))]
+         ("B45_H7_P96_N64_G7_rows64_tail", (45, 1, 7, 96, 7, 64)),
+         # Falcon-H1-7B's decode (head dim 128, d_state 256, one group), fewer heads: 32-row tiles
+         ("B64_H4_P128_N256_G1", (64, 1, 4, 128, 1, 256))]
+
+# both settings of cutile.ROWS_POW2 (power-of-two head dims on the flat-row kernel, or on the per-head kernel), on
+# the cases with enough rows for it
+VARIANTS = {"pow2_rows": dict(ROWS_POW2=True), "pow2_per_head": dict(ROWS_POW2=False)}
+VARIANT_CASES = [c for c in CASES if c[0] in ("B48_H8_tile64_occ2", "B64_H8_P80_N128_rows64",
+                                              "B67_H3_P80_N128_rows32_tail", "B45_H7_P96_N64_G7_rows64_tail",
+                                              "B64_H4_P128_N256_G1", "B64_H8_P80_N256")]
+
+
+def _variant(monkeypatch, name: str, p: SSMScanProblem):
+    """Set the module switches of VARIANTS[name] and say which launch ssm_step will take for ``p``."""
+    from m2export.kernels.ssd_step import cutile as S
+
+    for k, v in VARIANTS[name].items():
+        monkeypatch.setattr(S, k, v)
+    return S._plan(p, torch.device("cuda", torch.cuda.current_device()), True, (0.0, math.inf), True, True, True)
 
 
 @pytest.mark.gpu
@@ -86,6 +104,27 @@ CASES = [("B1_H8_G1", (1, 1, 8, 64, 1, 128)), ("B4_H8_G2", (4, 1, 8, 64, 2, 64))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_step(case, dtype):
     _check(SSMScanProblem(*case[1], dtype=dtype), seed=stable_seed(case[0], dtype))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_step_rows_variants(case, variant, dtype, monkeypatch):
+    """Power-of-two head dims on the flat-row or the per-head kernel (other head dims: the flat-row kernel either
+    way), vs the float64 oracle: out of place, in place, and without state / D with a dt limit."""
+    p = SSMScanProblem(*case[1], dtype=dtype)
+    launch = _variant(monkeypatch, variant, p)
+    pow2 = p.headdim & (p.headdim - 1) == 0
+    if pow2 and not VARIANTS[variant].get("ROWS_POW2"):
+        assert launch.name == "ssd_step_kernel"
+    else:
+        assert launch.name == "ssd_step_rows_kernel", (launch.name, launch.config)
+    seed = stable_seed("variant", case[0], variant, dtype)
+    _check(p, seed=seed)
+    _check(p, seed=seed + 1, in_place=True)
+    _check(p, seed=seed + 2, dt_limit=(0.05, 0.2), init_state=False, no_D=True)
 
 
 @pytest.mark.gpu
@@ -168,6 +207,7 @@ def test_step_rows_tile_choice():
     assert choose_block_rows(64, 128, 80, 256) == 32
     assert choose_block_rows(1, 128, 80, 128) == 32  # 320 tiles of 32 rows: >= 2 per SM
     assert choose_block_rows(64, 24, 128, 256) is None  # a power of two: whole 32-row tiles already
+    assert choose_block_rows(64, 24, 128, 256, pow2=True) == 32  # ... the same tile on the flat-row kernel
     assert choose_block_rows(3, 8, 80, 128) is None  # too few rows for more than 8-row tiles
 
 
@@ -209,14 +249,18 @@ def test_step_reference_decay_overflowing_to_minus_inf(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("B4_H8_G2", "B64_H8_P80_N128_rows64")],
-                         ids=["B4_H8_G2", "B64_H8_P80_N128_rows64"])
-def test_step_decay_overflowing_to_minus_inf(case, dtype):
-    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10): the head-tile and the flat-row kernels vs the float64
-    oracle, NaN-poisoned y and state_out. The CPU reading expects no NaN (exp(-inf) = 0 times a finite state)."""
+@pytest.mark.parametrize("case, variant", [(c, v) for c in CASES if c[0] in ("B4_H8_G2", "B64_H8_P80_N128_rows64")
+                                           for v in (None, *VARIANTS)],
+                         ids=[f"{c}-{v}" for c in ("B4_H8_G2", "B64_H8_P80_N128_rows64") for v in ("default", *VARIANTS)])
+def test_step_decay_overflowing_to_minus_inf(case, variant, dtype, monkeypatch):
+    """dt*A -inf in float32 on head 0 (A -1e30, dt 1e10): the head-tile and the flat-row kernels (and the latter's
+    VARIANTS) vs the float64 oracle, NaN-poisoned y and state_out. The CPU reading expects no NaN (exp(-inf) = 0
+    times a finite state)."""
     from tests.helpers import assert_overflow_close
 
     p = SSMScanProblem(*case[1], dtype=dtype)
+    if variant is not None:
+        _variant(monkeypatch, variant, p)
     inp, step = _overflowing_step(p, stable_seed("overflow-step-gpu", case[0], dtype))
     ref = ssm_scan_recurrent(**inp)
     dev = {k: (v.cuda() if v is not None else None) for k, v in step.items()}

@@ -406,16 +406,19 @@ def test_aot_kernel_decay_overflowing_to_minus_inf(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_aot_decode_kernel_launched_like_tensorrt(dtype):
-    """The decode engine's AOT kernel (seqlen the constant 1): the step kernel, its PTX in TensorRT's slot
-    order, launched with the plugin's 4-D tensors and the extras computed from their shapes; equal to
-    ssm_step (cuTile, JIT) and the float64 oracle."""
+@pytest.mark.parametrize("headdim, ngroups, d_state", [(64, 2, 128), (80, 2, 128), (80, 4, 256)],
+                         ids=["P64", "P80", "P80_N256"])
+def test_aot_decode_kernel_launched_like_tensorrt(dtype, headdim, ngroups, d_state):
+    """The decode engine's AOT kernel (seqlen the constant 1): the per-head step kernel (16-row tiles at head dim
+    80, where the JIT launch takes the flat-row kernel), its PTX in TensorRT's slot order, launched with the
+    plugin's 4-D tensors and the extras computed from their shapes; equal to ssm_step (cuTile, JIT) and the
+    float64 oracle."""
     import torch
 
     from m2export.kernels.ssd_step import ssm_step
     from m2export.plugins import _cuda
 
-    p = SSMScanProblem(64, 1, 8, 64, 2, 128, dtype)
+    p = SSMScanProblem(64, 1, 8, headdim, ngroups, d_state, dtype)
     cc = _cuda.compute_capability(torch.cuda.current_device())
     attrs = SSMScanAttrs(dt_min=1e-3, dt_max=0.5)
     k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc),

@@ -34,6 +34,9 @@ ConstBool = ct.Constant[bool]
 # Head dims that are not powers of two run :func:`ssd_step_rows_kernel` (flat-row tiles) where every tensor is
 # contiguous; False: always :func:`ssd_step_kernel` (benchmarks' A/B, benchmarks/NOTES_ssd.md).
 ROWS = True
+# Power-of-two head dims on the flat-row kernel too (its tiles never span two heads there); False: the per-head
+# kernel (benchmarks/NOTES_ssd.md, 2026-12-03 afternoon).
+ROWS_POW2 = False
 
 
 @ct.kernel
@@ -136,14 +139,16 @@ def ssd_step_rows_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt
     ct.store(y, index=(t,), tile=yv.astype(y.dtype))
 
 
-def choose_block_rows(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int | None:
+def choose_block_rows(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132,
+                      pow2: bool = False) -> int | None:
     """The flat-row tile of :func:`ssd_step_rows_kernel`: the largest power of two <= headdim with <= 8192 state
     elements that still gives >= 2 blocks per SM, or None where it is no larger than :func:`choose_block_p`'s tile
-    (power-of-two head dims: that kernel's tiles are already whole)."""
+    (power-of-two head dims: that kernel's tiles are already whole; ``pow2``: the same tile, on this kernel)."""
     r = 1 << (headdim.bit_length() - 1)
     while r > 8 and (r * d_state > 8192 or -(-batch * nheads * headdim // r) < 2 * sm_count):
         r //= 2
-    return r if r > choose_block_p(batch, nheads, headdim, d_state, sm_count) else None
+    bp = choose_block_p(batch, nheads, headdim, d_state, sm_count)
+    return r if r > bp or (pow2 and r == bp) else None
 
 
 def choose_block_p(batch: int, nheads: int, headdim: int, d_state: int, sm_count: int = 132) -> int:
@@ -163,23 +168,36 @@ def choose_occupancy(block_p: int, d_state: int) -> int:
     return max(1, min(8, 16384 // (block_p * d_state)))
 
 
+def _step_args(p: SSMScanProblem, ranks: tuple[int, int, int, int], shape_scalars: tuple[str, ...],
+               tile: tuple[str, int], *, dt_softplus: bool, dt_limit: tuple[float, float], has_D: bool,
+               has_dt_bias: bool, has_state: bool) -> tuple:
+    """The arguments both step kernels take, in their parameter order (which the AOT entry follows): x dt A B C D
+    dt_bias ssm_state y state_out, dt_min, dt_max, the int32 ``shape_scalars`` (problem fields), then the tile
+    constant ``tile`` = (name, rows), D_STATE and the HAS_* / DT_SOFTPLUS flags. ``ranks``: the kernel's view ranks
+    of (x and y, dt, B and C, the states). An absent D / dt_bias binds A (HAS_D / HAS_DT_BIAS False: never read),
+    an absent ssm_state binds state_out (HAS_STATE False); ssm_state and state_out share alias group "state"."""
+    dtn = p.dtype
+    rx, rdt, rb, rs = ranks
+    return (L.array("x", dtn, rx), L.array("dt", dtn, rdt), L.array("A", "float32", 1), L.array("B", dtn, rb),
+            L.array("C", dtn, rb), L.array("D", "float32", 1, source=None if has_D else "A"),
+            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
+            L.array("ssm_state", "float32", rs, source=None if has_state else "state_out", alias=("state",)),
+            L.array("y", dtn, rx), L.array("state_out", "float32", rs, alias=("state",)),
+            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
+            *(L.scalar(n, "int32", getattr(p, n)) for n in shape_scalars),
+            L.constant(tile[0], tile[1]), L.constant("D_STATE", p.d_state),
+            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
+            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+
+
 def step_launch(p: SSMScanProblem, *, block_p: int, occupancy: int | None, dt_softplus: bool,
                 dt_limit: tuple[float, float], has_D: bool = True, has_dt_bias: bool = True, has_state: bool = True,
                 grid=None) -> Launch:
     """:func:`ssd_step_kernel` for ``p`` (seqlen ignored) with a ``block_p``-row headdim tile; grid
     ``(batch*nheads, headdim // block_p, 1)`` unless ``grid`` is given (the AOT plugin's symbolic one).
     ``state_out`` may be the same buffer as ``ssm_state`` (in place: alias group "state")."""
-    dtn = p.dtype
-    args = (L.array("x", dtn, 3), L.array("dt", dtn, 2), L.array("A", "float32", 1), L.array("B", dtn, 3),
-            L.array("C", dtn, 3), L.array("D", "float32", 1, source=None if has_D else "A"),
-            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
-            L.array("ssm_state", "float32", 4, source=None if has_state else "state_out", alias=("state",)),
-            L.array("y", dtn, 3), L.array("state_out", "float32", 4, alias=("state",)),
-            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
-            L.scalar("heads_per_group", "int32", p.heads_per_group),
-            L.constant("BLOCK_P", block_p), L.constant("D_STATE", p.d_state),
-            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
-            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+    args = _step_args(p, (3, 2, 3, 4), ("heads_per_group",), ("BLOCK_P", block_p), dt_softplus=dt_softplus,
+                      dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
     if grid is None:
         grid = (p.batch * p.nheads, p.headdim // block_p, 1)
     return Launch(hinted(ssd_step_kernel, occupancy), args, grid, block_p)
@@ -190,18 +208,9 @@ def rows_launch(p: SSMScanProblem, *, block_r: int, occupancy: int | None, dt_so
                 has_state: bool = True) -> Launch:
     """:func:`ssd_step_rows_kernel` for ``p`` with ``block_r``-row tiles of the flat state rows (bind the flat views
     of :func:`_rows_views`); config ``("rows", block_r)``."""
-    dtn = p.dtype
-    args = (L.array("x", dtn, 1), L.array("dt", dtn, 1), L.array("A", "float32", 1), L.array("B", dtn, 2),
-            L.array("C", dtn, 2), L.array("D", "float32", 1, source=None if has_D else "A"),
-            L.array("dt_bias", "float32", 1, source=None if has_dt_bias else "A"),
-            L.array("ssm_state", "float32", 2, source=None if has_state else "state_out", alias=("state",)),
-            L.array("y", dtn, 1), L.array("state_out", "float32", 2, alias=("state",)),
-            L.scalar("dt_min", "float32", float(dt_limit[0])), L.scalar("dt_max", "float32", float(dt_limit[1])),
-            L.scalar("nheads", "int32", p.nheads), L.scalar("headdim", "int32", p.headdim),
-            L.scalar("ngroups", "int32", p.ngroups), L.scalar("heads_per_group", "int32", p.heads_per_group),
-            L.constant("BLOCK_R", block_r), L.constant("D_STATE", p.d_state),
-            L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
-            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+    args = _step_args(p, (1, 1, 2, 2), ("nheads", "headdim", "ngroups", "heads_per_group"), ("BLOCK_R", block_r),
+                      dt_softplus=dt_softplus, dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias,
+                      has_state=has_state)
     grid = (-(-p.batch * p.nheads * p.headdim // block_r), 1, 1)
     return Launch(hinted(ssd_step_rows_kernel, occupancy), args, grid, ("rows", block_r))
 
@@ -225,7 +234,7 @@ def _rows_views(tensors: dict) -> dict | None:
 def _plan(p: SSMScanProblem, dev: torch.device, dt_softplus, dt_limit, has_D, has_dt_bias, has_state,
           rows: bool = True) -> Launch:
     def make():
-        br = choose_block_rows(p.batch, p.nheads, p.headdim, p.d_state, sm_count(dev)) if rows else None
+        br = choose_block_rows(p.batch, p.nheads, p.headdim, p.d_state, sm_count(dev), ROWS_POW2) if rows else None
         if br is not None:
             return rows_launch(p, block_r=br, occupancy=choose_occupancy(br, p.d_state), dt_softplus=dt_softplus,
                                dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
@@ -234,7 +243,7 @@ def _plan(p: SSMScanProblem, dev: torch.device, dt_softplus, dt_limit, has_D, ha
                            dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
 
     key = ("step", p, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus), has_D, has_dt_bias, has_state,
-           rows, dev.index)
+           rows, ROWS_POW2, dev.index)
     return cached_plan(key, make)
 
 
