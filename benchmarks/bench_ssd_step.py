@@ -79,9 +79,9 @@ def aot_kernel(prob):
     from m2export.plugins import _cuda, aot
 
     gpu_code = aot.gpu_code_for(_cuda.compute_capability(torch.cuda.current_device()))
-    spec = aot_spec(prob, SSMScanAttrs())
-    cubin, symbol = aot._export_cubin(spec, gpu_code)
-    kern = aot.build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code)
+    spec = aot_spec(prob, SSMScanAttrs())  # for the label: compile_aot_kernel builds the same description
+    kern = aot.compile_aot_kernel(prob.nheads, prob.headdim, prob.ngroups, prob.d_state, prob.dtype, SSMScanAttrs(),
+                                  gpu_code, decode=True)
     return f"plugin AOT kernel ({spec.name}, block_p {spec.config}; launched like TensorRT)", kern
 
 

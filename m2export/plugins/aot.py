@@ -44,7 +44,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from m2export.contract import INPUT_NAMES, OUTPUT_NAMES, SSMScanAttrs, SSMScanProblem
+from m2export.contract import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, SSMScanAttrs, SSMScanProblem
 from m2export.errors import BackendUnavailable, InternalError
 
 PTX_SECTION = ".nv_debug_ptx_txt"
@@ -333,7 +333,8 @@ def check_entry(entry: PtxEntry, amap: ArgumentMap, scalar_dtypes: Mapping[str, 
         raise InternalError(
             f"kernel {entry.name}: {len(blobs)} parameter(s) are byte arrays ({blobs[0].split()[-1][-24:]}...), "
             "i.e. TMA tensor-map descriptors the host encodes per launch; TensorRT's AOT launcher passes only "
-            "pointers and int32 extras -- export the AOT kernel without stride-divisibility facts (trt_signature)")
+            "pointers and int32 extras -- export the AOT kernel with TMA forbidden (its TMA constant False) or "
+            "without divisibility facts (trt_signature)")
     if len(entry.params) != len(args):
         raise InternalError(
             f"kernel {entry.name}: the PTX entry declares {len(entry.params)} parameters but the kernel's "
@@ -421,16 +422,50 @@ class AotKernel:
     gpu_code: str
 
 
-def trt_signature(spec: Any):
+def divisibility_facts(dims: Sequence[int | None]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape_divisible_by, stride_divisible_by) of a contiguous row-major tensor whose extents are ``dims``
+    (an int: fixed when the engine is built; None: known only at run time, e.g. batch).
+
+    Each fixed extent is divisible by its largest power-of-two factor (a run-time one only by 1); a stride is
+    the product of the extents after it, so it is divisible by the product of their factors (capped at 2**16).
+    True for every tensor TensorRT hands a plugin in its linear format, whatever the run-time extents.
+    """
+    shape = tuple((v & -v) if isinstance(v, int) and v > 0 else 1 for v in dims)
+    stride = []
+    for i in range(len(shape)):
+        f = 1
+        for v in shape[i + 1:]:
+            f *= v
+        stride.append(min(f, 1 << 16))
+    return shape, tuple(stride)
+
+
+def contract_dims(nheads: int, headdim: int, ngroups: int, d_state: int, *, decode: bool = False,
+                  specs: Sequence[Any] = INPUTS + OUTPUTS) -> dict[str, tuple[int | None, ...]]:
+    """Each SSMScan plugin tensor's extents (the contract's :class:`~m2export.contract.TensorSpec` dims) as far
+    as the engine fixes them: nheads, headdim, ngroups and d_state are compiled into the AOT kernel, batch is a
+    run-time extent (None), seqlen too except in a decode graph (the constant 1)."""
+    sizes = {"nheads": nheads, "headdim": headdim, "ngroups": ngroups, "d_state": d_state,
+             "batch": None, "seqlen": 1 if decode else None}
+    return {s.name: tuple(sizes[d] for d in s.dims) for s in specs}
+
+
+def trt_signature(spec: Any, dims: Mapping[str, Sequence[int | None]] | None = None):
     """The ``KernelSignature`` the AOT kernel is exported with: only what TensorRT's launcher can pass.
 
     TensorRT's AOT launch hands the kernel device pointers and 32-bit integer extras, nothing else. So
     every array is declared contiguous (last stride the constant 1), non-negative strides, 16-byte aligned
-    base (TensorRT's buffers are at least 256-byte aligned), and no stride-divisibility facts: with those
-    cuTile may choose TMA, whose 128-byte ``CUtensorMap`` parameters the host must encode per launch
-    (cuTile's own launcher does; TensorRT cannot). Scalars are fp32 or int32; ``ct.Constant`` parameters
+    base (TensorRT's buffers are at least 256-byte aligned). ``dims`` (source tensor name -> its extents,
+    :func:`contract_dims`) adds the shape and stride divisibility that the engine's fixed sizes imply
+    (:func:`divisibility_facts`; a kernel view's squeezed dimension dropped): without them every tile access
+    is bounds-checked element by element and tileiras emits scalar 2- and 4-byte loads (the decode kernel at
+    head dim 64, d_state 128: 255 registers, a 48-byte spill, 3,696 SASS instructions; with them 16-byte
+    LDG.E.128, 168 registers, 1,816). With those facts cuTile would choose TMA, whose 128-byte ``CUtensorMap``
+    parameters the host must encode per launch (cuTile's own launcher does; TensorRT cannot), so kernels
+    exported with ``dims`` must forbid it themselves (their ``TMA`` constant False); :func:`check_entry`
+    refuses any tensor-map parameter that remains. Scalars are fp32 or int32; ``ct.Constant`` parameters
     take their compiled-in values. This is the plugin's side of the calling convention, on purpose not the
-    ``ct.launch`` (the JIT path), which derives stride divisibility from the actual tensors and may use TMA.
+    ``ct.launch`` (the JIT path), which derives its facts from the actual tensors and may use TMA.
     ``spec`` is a :class:`m2export.kernels.launch.Launch`.
     """
     import cuda.tile as ct
@@ -441,10 +476,21 @@ def trt_signature(spec: Any):
     cons: list[Any] = []
     for prm in spec.args:
         if prm.kind == "array":
+            facts = {}
+            if dims is not None and prm.src in dims:
+                view = list(dims[prm.src])
+                if prm.squeeze is not None:
+                    del view[prm.squeeze]
+                if len(view) != prm.ndim:
+                    raise InternalError(f"AOT array {prm.name}: {prm.ndim}-D view of {prm.src} with extents "
+                                        f"{tuple(dims[prm.src])} (squeeze {prm.squeeze})")
+                shape_div, stride_div = divisibility_facts(view)
+                facts = dict(shape_divisible_by=shape_div, stride_divisible_by=stride_div)
             cons.append(ArrayConstraint(dtypes[prm.dtype], prm.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
                                         alias_groups=tuple(getattr(prm, "alias", ()) or ()),
                                         may_alias_internally=False,
-                                        stride_constant=(None,) * (prm.ndim - 1) + (1,), base_addr_divisible_by=16))
+                                        stride_constant=(None,) * (prm.ndim - 1) + (1,), base_addr_divisible_by=16,
+                                        **facts))
         elif prm.kind == "scalar":
             if prm.dtype not in scalars:
                 raise InternalError(f"AOT scalar {prm.name} of dtype {prm.dtype}: TensorRT passes 32-bit extras only")
@@ -454,11 +500,12 @@ def trt_signature(spec: Any):
     return KernelSignature(cons, CallingConvention.cutile_python_v1())
 
 
-def _export_cubin(spec: Any, gpu_code: str) -> tuple[bytes, None]:
+def _export_cubin(spec: Any, gpu_code: str, dims: Mapping[str, Sequence[int | None]] | None = None
+                  ) -> tuple[bytes, None]:
     from cuda.tile.compilation import export_kernel
 
     buf = io.BytesIO()
-    export_kernel(spec.kernel, [trt_signature(spec)], buf, gpu_code=gpu_code, output_format="cubin")
+    export_kernel(spec.kernel, [trt_signature(spec, dims)], buf, gpu_code=gpu_code, output_format="cubin")
     return buf.getvalue(), None  # the entry symbol is read from the PTX (one entry per export)
 
 
@@ -512,7 +559,7 @@ def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dt
     problem = SSMScanProblem(batch=1, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups,
                              d_state=d_state, dtype=dtype)
     spec = aot_spec(problem, attrs) if tiles is None else aot_spec(problem, attrs, tiles=tiles)
-    cubin, symbol = _export_cubin(spec, gpu_code)
+    cubin, symbol = _export_cubin(spec, gpu_code, contract_dims(nheads, headdim, ngroups, d_state, decode=decode))
     return build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code, ptx_isa=ptx_isa)
 
 
@@ -538,6 +585,7 @@ def static_size(value: Any, what: str) -> int:
 
 
 __all__ = ["ArgumentMap", "AotKernel", "PTX_SECTION", "PtxEntry", "argument_map", "build_aot_kernel",
-           "check_entry", "check_target", "compile_aot_kernel", "constant_size", "cubin_sections", "extra_arg_values",
+           "check_entry", "check_target", "compile_aot_kernel", "constant_size", "contract_dims", "cubin_sections",
+           "divisibility_facts", "extra_arg_values",
            "float32_bits", "gpu_code_for", "scalar_arg", "parse_entry", "ptx_from_cubin", "ptx_target", "ptx_version",
            "reorder_entry_params", "required_threads", "set_ptx_version", "static_size", "trt_signature"]

@@ -104,3 +104,59 @@ def test_entry_params_match_flat_args(which):
     assert kinds == want
     k = aot.build_aot_kernel(spec, cubin, None, gpu_code="sm_90")
     assert k.block[0] % 32 == 0 and k.block[1:] == (1, 1)
+
+
+def test_divisibility_facts_of_a_contiguous_tensor():
+    """Fixed extents give their power-of-two factor, run-time ones (None) 1; a stride is divisible by the product of
+    the factors after it (x (batch, seqlen, nheads 80, headdim 64): stride of seqlen nheads*headdim = 5120 = 1024*5)."""
+    from m2export.plugins.aot import contract_dims, divisibility_facts
+
+    assert divisibility_facts((None, None, 80, 64)) == ((1, 1, 16, 64), (1024, 1024, 64, 1))
+    assert divisibility_facts((None, 24, 128, 256)) == ((1, 8, 128, 256), (1 << 16, 1 << 15, 256, 1))  # capped
+    assert divisibility_facts((12,)) == ((4,), (1,))
+    dims = contract_dims(8, 80, 2, 128, decode=True)
+    assert dims["x"] == (None, 1, 8, 80) and dims["initial_state"] == (None, 8, 80, 128) and dims["A"] == (8,)
+    assert contract_dims(8, 80, 2, 128)["B"] == (None, None, 2, 128)
+
+
+def test_trt_signature_states_the_fixed_sizes_of_each_view():
+    """The decode kernel's views drop the plugin tensors' seqlen axis; the facts follow the view, and arrays whose
+    source is not in ``dims`` (none given) keep the plain contiguous declaration."""
+    from m2export.kernels.ssd_step.cutile import aot_spec
+    from m2export.plugins import aot
+
+    spec = aot_spec(SSMScanProblem(1, 1, 8, 80, 2, 128, "bfloat16"), SSMScanAttrs())
+    arrays = [a.name for a in spec.args if a.kind != "constant"]
+    cons = dict(zip(arrays, aot.trt_signature(spec, aot.contract_dims(8, 80, 2, 128, decode=True)).parameters))
+    assert tuple(cons["x"].shape_divisible_by) == (1, 8, 16) and tuple(cons["x"].stride_divisible_by) == (128, 16, 1)
+    assert tuple(cons["ssm_state"].shape_divisible_by) == (1, 8, 16, 128)
+    assert tuple(cons["state_out"].stride_divisible_by) == (1 << 14, 2048, 128, 1)
+    plain = dict(zip(arrays, aot.trt_signature(spec).parameters))
+    assert plain["x"].stride_divisible_by in (1, (1, 1, 1))
+
+
+AOT_LOAD_CASES = [(True, (80, 64, 1, 128)), (True, (128, 80, 8, 256)), (False, (80, 64, 1, 128)),
+                  (False, (24, 128, 1, 256))]
+
+
+@needs_tileiras
+@pytest.mark.usefixtures("no_cuda_home")
+@pytest.mark.parametrize("decode, dims", AOT_LOAD_CASES,
+                         ids=[f"{'decode' if d else 'prefill'}_H{h}_P{p}_G{g}_N{n}" for d, (h, p, g, n) in AOT_LOAD_CASES])
+def test_aot_kernels_move_tiles_with_vector_loads_and_no_tma(decode, dims):
+    """The exported AOT kernel (compile_aot_kernel: the plugin's one path) moves its tiles with 8- and 16-byte
+    global loads and stores, and no TMA (no tensor map: TensorRT's launcher cannot pass one). Without the fixed
+    sizes' divisibility facts every load was a 2- or 4-byte one (0 vector loads of 134 at head dim 64 decode,
+    0 of 389 in the prefill kernel: sm_90 builds read on the CPU, 2026-12-04)."""
+    import re
+
+    from m2export.plugins import aot
+
+    k = aot.compile_aot_kernel(*dims, "bfloat16", SSMScanAttrs(), "sm_90", decode=decode)
+    lines = [ln.strip() for ln in k.ptx.splitlines()]
+    loads = [ln for ln in lines if re.match(r"(@!?%p\d+\s+)?ld\.global", ln)]
+    vector_loads = [ln for ln in loads if re.search(r"\.v[24]\.", ln)]
+    vector_stores = [ln for ln in lines if re.match(r"(@!?%p\d+\s+)?st\.global\S*\.v[24]\.", ln)]
+    assert len(vector_loads) >= len(loads) // 4, (len(vector_loads), len(loads))
+    assert vector_stores
+    assert not [ln for ln in lines if "cp.async.bulk.tensor" in ln or "tensormap" in ln]

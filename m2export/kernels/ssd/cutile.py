@@ -104,6 +104,27 @@ _SEQ_TILE = 64  # cu_seqlens entries compared per step when the packed pre-pass 
 
 
 # ----------------------------------------------------------------------------- tile helpers
+def _ct_tile(arr, index, shape, TMA: ConstBool, PAD: ConstBool = False):
+    """``ct.load`` of one tile (PAD: zero past the array's ends). TMA False forbids a TMA copy
+    (``allow_tma=False``: the TensorRT AOT build, whose launcher cannot pass the tensor maps TMA needs); True leaves
+    the choice to the compiler with no hint at all, so the JIT builds are the same as without this switch."""
+    if PAD:
+        if TMA:
+            return ct.load(arr, index=index, shape=shape, padding_mode=_ZERO)
+        return ct.load(arr, index=index, shape=shape, padding_mode=_ZERO, allow_tma=False)
+    if TMA:
+        return ct.load(arr, index=index, shape=shape)
+    return ct.load(arr, index=index, shape=shape, allow_tma=False)
+
+
+def _ct_put(arr, index, tile, TMA: ConstBool):
+    """``ct.store`` of one tile, TMA as in :func:`_ct_tile`."""
+    if TMA:
+        ct.store(arr, index=index, tile=tile)
+    else:
+        ct.store(arr, index=index, tile=tile, allow_tma=False)
+
+
 def _ct_block_coords(x, heads_per_group, P_TILE0: ConstInt):
     """(b, h, g, pt, seqlen) of a block on a (batch*nheads, *, headdim tiles) grid: batch, head,
     its group (contiguous heads per group), headdim tile (P_TILE0 + its index on the grid's axis 2,
@@ -114,10 +135,10 @@ def _ct_block_coords(x, heads_per_group, P_TILE0: ConstInt):
     return bh // nheads, h, h // heads_per_group, ct.bid(2) + P_TILE0, x.shape[1]
 
 
-def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt):
+def _ct_chunk_rows(arr, b, c, j, k, CHUNK: ConstInt, WIDTH: ConstInt, TMA: ConstBool = True):
     """Rows of chunk c of arr[b, :, j, k*WIDTH...] ((batch, seqlen, heads or groups, width)) as a
-    (CHUNK, WIDTH) tile, zero past seqlen."""
-    return ct.load(arr, index=(b, c, j, k), shape=(1, CHUNK, 1, WIDTH), padding_mode=_ZERO).reshape((CHUNK, WIDTH))
+    (CHUNK, WIDTH) tile, zero past seqlen (TMA: :func:`_ct_tile`)."""
+    return _ct_tile(arr, (b, c, j, k), (1, CHUNK, 1, WIDTH), TMA, True).reshape((CHUNK, WIDTH))
 
 
 def _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS: ConstBool):
@@ -129,23 +150,24 @@ def _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS: ConstBool):
     return ct.minimum(ct.maximum(v, dt_min, propagate_nan=True), dt_max, propagate_nan=True)
 
 
-def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool):
+def _ct_head_scalars(A, D, dt_bias, h, HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, TMA: ConstBool = True):
     """(1,)-tiles A[h], D[h] (0 if absent) and dt_bias[h] (0 if absent), fp32."""
-    a_h = ct.load(A, index=(h,), shape=(1,)).astype(ct.float32)
+    a_h = _ct_tile(A, (h,), (1,), TMA).astype(ct.float32)
     if HAS_D:
-        d_h = ct.load(D, index=(h,), shape=(1,)).astype(ct.float32)
+        d_h = _ct_tile(D, (h,), (1,), TMA).astype(ct.float32)
     else:
         d_h = ct.full((1,), 0.0, dtype=ct.float32)
     if HAS_DT_BIAS:
-        bias_h = ct.load(dt_bias, index=(h,), shape=(1,)).astype(ct.float32)
+        bias_h = _ct_tile(dt_bias, (h,), (1,), TMA).astype(ct.float32)
     else:
         bias_h = ct.full((1,), 0.0, dtype=ct.float32)
     return a_h, d_h, bias_h
 
 
-def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt, DT_SOFTPLUS: ConstBool):
+def _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt, DT_SOFTPLUS: ConstBool,
+                    TMA: ConstBool = True):
     """Step sizes of chunk c: clamp(softplus(dt + dt_bias)), exactly 0 on tokens >= seqlen. (CHUNK,) fp32."""
-    v = ct.load(dt, index=(b, c, h), shape=(1, CHUNK, 1), padding_mode=_ZERO).reshape((CHUNK,))
+    v = _ct_tile(dt, (b, c, h), (1, CHUNK, 1), TMA, True).reshape((CHUNK,))
     v = _ct_step_size(v.astype(ct.float32) + bias_h, dt_min, dt_max, DT_SOFTPLUS)
     t = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     return ct.where(t < seqlen, v, 0.0)
@@ -249,7 +271,7 @@ def _ct_decay_terms(delta, hi, lo, hi_last, lo_last):
 
 
 def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHUNK: ConstInt,
-                     DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool):
+                     DT_SOFTPLUS: ConstBool, DT_PRE: ConstBool, TMA: ConstBool = True):
     """Per-token coefficients of chunk c, all (CHUNK,) fp32 (see :func:`_ct_decay_terms`): dl, hi, r,
     w, ecs; and the chunk's total log2-decay hi_last (1,) and ecs_last = exp2(cs_last) (1,).
 
@@ -263,7 +285,7 @@ def _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max, seqlen, CHU
         w = ct.load(coef, index=(3, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
         ecs = ct.load(coef, index=(4, b, h, c), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
     else:
-        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS)
+        delta = _ct_chunk_delta(dt, b, c, h, bias_h, dt_min, dt_max, seqlen, CHUNK, DT_SOFTPLUS, TMA)
         hi, lo = _ct_df_cumsum(_ct_log2_steps(delta, a_h), 0)  # (Q,) inclusive
         dl, hi, r, w, ecs = _ct_decay_terms(delta, hi, lo, ct.extract(hi, index=(CHUNK - 1,), shape=(1,)),
                                             ct.extract(lo, index=(CHUNK - 1,), shape=(1,)))
@@ -390,8 +412,9 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
                     HAS_D: ConstBool, DT_SOFTPLUS: ConstBool, STATE_T: ConstBool, SPLIT_UPD: ConstBool,
                     DT_PRE: ConstBool, HAS_TAIL: ConstBool, TAIL_P: ConstInt, TAIL_TILE: ConstInt,
                     initial_state, final_state, cu_seqlens, seq_idx, HAS_INIT: ConstBool, PACKED: ConstBool,
-                    cb_pre, CB_PRE: ConstInt, CB_STATE: ConstBool):
+                    cb_pre, CB_PRE: ConstInt, CB_STATE: ConstBool, TMA: ConstBool = True):
     """Full SSD over chunks [c_begin, c_end) of one (b, h, p-tile): writes y, returns (state, state2).
+    TMA False: no TMA copies of x, dt, B, C or y (:func:`_ct_tile`).
 
     CB_STATE (not with PACKED or CB_PRE; BLOCK_P == CHUNK): the chunk's C @ B^T and the tile's C @ state^T are one
     product (:func:`_ct_cb_and_state_rows`); C is then loaded with a latency-1 hint (one TMA stage fewer, 108 KB of
@@ -416,15 +439,15 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
     causal = idx[:, None] >= idx[None, :]
     for c in range(c_begin, c_end):
         dl, hi, r, w, ecs, _hi_last, ecs_last = _ct_chunk_coeffs(dt, coef, b, c, h, a_h, bias_h, dt_min, dt_max,
-                                                                 seqlen, CHUNK, DT_SOFTPLUS, DT_PRE)
-        x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P)
-        B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE)
+                                                                 seqlen, CHUNK, DT_SOFTPLUS, DT_PRE, TMA)
+        x_c = _ct_chunk_rows(x, b, c, h, pt, CHUNK, BLOCK_P, TMA)
+        B_c = _ct_chunk_rows(B, b, c, g, 0, CHUNK, D_STATE, TMA)
         if CB_STATE and not PACKED:
             C_c = ct.load(C, index=(b, c, g, 0), shape=(1, CHUNK, 1, D_STATE), padding_mode=_ZERO,
                           latency=1).reshape((CHUNK, D_STATE))
         else:
-            C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE)
-        x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P) if HAS_TAIL else x_c
+            C_c = _ct_chunk_rows(C, b, c, g, 0, CHUNK, D_STATE, TMA)
+        x2_c = _ct_chunk_rows(x, b, c, h, TAIL_TILE, CHUNK, TAIL_P, TMA) if HAS_TAIL else x_c
         # intra-chunk: r_i * ((C B^T) * exp2(hi_i - hi_j) [i >= j]) @ (dl * x), i.e. the decay
         # exp2(hi_i - hi_j + lo_i - lo_j) of the segment (j, i] (_ct_decay_terms); masked before exp
         if CB_PRE == 1 and not PACKED:
@@ -453,13 +476,13 @@ def _ct_scan_chunks(x, dt, coef, B, C, y, b, h, g, pt, c_begin, c_end, state, st
             xf = x_c.astype(ct.float32)
             acc = _ct_chunk_out(x_c, xf, m, C_c, state, dl, r, ecs, d_h, CHUNK, BLOCK_P, HAS_D, STATE_T, CB_PRE == 2,
                                 CB_STATE and CB_PRE == 0, off)
-            ct.store(y, index=(b, c, h, pt), tile=acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)))
+            _ct_put(y, (b, c, h, pt), acc.astype(DTYPE).reshape((1, CHUNK, 1, BLOCK_P)), TMA)
             state = _ct_chunk_state_update(state, (xf * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T, SPLIT_UPD)
             if HAS_TAIL:
                 x2f = x2_c.astype(ct.float32)
                 acc2 = _ct_chunk_out(x2_c, x2f, m, C_c, state2, dl, r, ecs, d_h, CHUNK, TAIL_P, HAS_D, STATE_T,
                                      CB_PRE == 2, False, m)
-                ct.store(y, index=(b, c, h, TAIL_TILE), tile=acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)))
+                _ct_put(y, (b, c, h, TAIL_TILE), acc2.astype(DTYPE).reshape((1, CHUNK, 1, TAIL_P)), TMA)
                 state2 = _ct_chunk_state_update(state2, (x2f * w[:, None]).astype(DTYPE), B_c, ecs_last, STATE_T,
                                                 SPLIT_UPD)
     return state, state2
@@ -481,11 +504,17 @@ def _ct_load_state(arr, b, h, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T:
                    ).reshape((BLOCK_P, D_STATE)).astype(ct.float32)
 
 
-def _ct_store_state(arr, b, h, pt, state, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
+def _ct_store_state(arr, b, h, pt, state, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool,
+                    TMA: ConstBool = True):
+    """Store a block's state (the on-chip layout) as rows [pt*BLOCK_P, ...) of arr[b, h]; TMA: :func:`_ct_tile`."""
     if STATE_T:
-        ct.store(arr, index=(b, h, 0, pt), tile=state.reshape((1, 1, D_STATE, BLOCK_P)), order=(0, 1, 3, 2))
+        if TMA:
+            ct.store(arr, index=(b, h, 0, pt), tile=state.reshape((1, 1, D_STATE, BLOCK_P)), order=(0, 1, 3, 2))
+        else:
+            ct.store(arr, index=(b, h, 0, pt), tile=state.reshape((1, 1, D_STATE, BLOCK_P)), order=(0, 1, 3, 2),
+                     allow_tma=False)
     else:
-        ct.store(arr, index=(b, h, pt, 0), tile=state.reshape((1, 1, BLOCK_P, D_STATE)))
+        _ct_put(arr, (b, h, pt, 0), state.reshape((1, 1, BLOCK_P, D_STATE)), TMA)
 
 
 def _ct_load_seg_state(arr, b, h, s, pt, BLOCK_P: ConstInt, D_STATE: ConstInt, STATE_T: ConstBool):
@@ -613,7 +642,8 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
                      dt_min: float, dt_max: float, heads_per_group: int,
                      CHUNK: ConstInt, BLOCK_P: ConstInt, D_STATE: ConstInt,
                      HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_INIT: ConstBool, DT_SOFTPLUS: ConstBool,
-                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, P_TILE0: ConstInt, INIT_TMA: ConstBool):
+                     STATE_T: ConstBool, SPLIT_UPD: ConstBool, P_TILE0: ConstInt, INIT_TMA: ConstBool,
+                     TMA: ConstBool):
     """Single-launch SSD forward. Grid: (batch*nheads, 1, headdim tiles).
 
     Block (bh, 0, t) owns batch bh // nheads, head bh % nheads, headdim rows [pt*BLOCK_P,
@@ -621,17 +651,21 @@ def ssd_fused_kernel(x, dt, A, B, C, D, dt_bias, initial_state, y, final_state,
     D_STATE) fp32 state on chip, writes those rows of y for every token and of final_state at the
     end. Rows past headdim (a masked last tile: headdim not a multiple of BLOCK_P) read 0 and are
     never stored; headdim rows are independent, so they cannot reach the others.
-    Absent optional inputs (HAS_* False) are never read: pass any array there.
+    Absent optional inputs (HAS_* False) are never read: pass any array there. TMA False: no TMA copy anywhere
+    (the TensorRT AOT build, :func:`aot_spec`; INIT_TMA is then ignored).
     """
     b, h, g, pt, seqlen = _ct_block_coords(x, heads_per_group, P_TILE0)
-    a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS)
-    state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T, INIT_TMA)
+    a_h, d_h, bias_h = _ct_head_scalars(A, D, dt_bias, h, HAS_D, HAS_DT_BIAS, TMA)
+    if TMA:
+        state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T, INIT_TMA)
+    else:
+        state = _ct_initial_state(initial_state, b, h, pt, BLOCK_P, D_STATE, HAS_INIT, STATE_T, False)
     nchunks = ct.cdiv(seqlen, CHUNK)
     state, _ = _ct_scan_chunks(x, dt, dt, B, C, y, b, h, g, pt, 0, nchunks, state, state, a_h, d_h, bias_h,
                                dt_min, dt_max, seqlen, CHUNK, BLOCK_P, D_STATE, HAS_D, DT_SOFTPLUS, STATE_T,
                                SPLIT_UPD, False, False, BLOCK_P, 0, initial_state, final_state, dt, dt, False, False,
-                               dt, 0, False)
-    _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T)
+                               dt, 0, False, TMA)
+    _ct_store_state(final_state, b, h, pt, state, BLOCK_P, D_STATE, STATE_T, TMA)
 
 
 @ct.kernel
@@ -759,11 +793,11 @@ def ssd_scan_kernel(x, dt, coef, A, B, C, D, dt_bias, initial_state, seg_state, 
 # ----------------------------------------------------------------------------- launch descriptions
 def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_limit: tuple[float, float],
                  has_D: bool = True, has_dt_bias: bool = True, has_init: bool = True, grid=None,
-                 piece: HeaddimPiece | None = None) -> Launch:
+                 piece: HeaddimPiece | None = None, tma: bool = True) -> Launch:
     """:func:`ssd_fused_kernel` for ``p`` over one headdim ``piece`` (default: cdiv(headdim, block_p) tiles of
     cfg.block_p from row 0, the last one masked when block_p does not divide headdim); grid ``(batch*nheads, 1,
     tiles)``; ``grid`` overrides it, e.g. a function of (batch, nheads, headdim) for the AOT plugin. Absent inputs
-    read a stand-in array."""
+    read a stand-in array. ``tma`` False: no TMA copies (the AOT build)."""
     dtn = p.dtype
     piece = piece or HeaddimPiece(cfg.block_p, 0, -(-p.headdim // cfg.block_p))
     args = (
@@ -779,6 +813,7 @@ def fused_launch(p: SSMScanProblem, cfg: ScanConfig, *, dt_softplus: bool, dt_li
         L.constant("HAS_INIT", bool(has_init)), L.constant("DT_SOFTPLUS", bool(dt_softplus)),
         L.constant("STATE_T", bool(cfg.state_t)), L.constant("SPLIT_UPD", bool(cfg.split_upd)),
         L.constant("P_TILE0", piece.tile0), L.constant("INIT_TMA", bool(cfg.init_tma)),
+        L.constant("TMA", bool(tma)),
     )
     if grid is None:
         grid = (p.batch * p.nheads, 1, piece.tiles)
@@ -1065,4 +1100,4 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, has_D: bool = True
     tiles = -(-problem.headdim // cfg.block_p)  # headdim is compiled in; a last tile block_p does not fill is masked
     return fused_launch(problem, cfg, dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit, has_D=has_D,
                         has_dt_bias=has_dt_bias, has_init=has_initial_state,
-                        grid=lambda batch, nheads, headdim: (batch * nheads, 1, tiles))
+                        grid=lambda batch, nheads, headdim: (batch * nheads, 1, tiles), tma=False)

@@ -25,7 +25,7 @@ from m2export.kernels import launch as L
 from m2export.kernels._host import (cached_plan, check_supported, hinted, launch_stream, out_buffers, sm_count,
                                     unit_stride)
 from m2export.kernels.launch import Launch
-from m2export.kernels.ssd.cutile import _ct_step_size
+from m2export.kernels.ssd.cutile import _ct_put, _ct_step_size, _ct_tile
 from m2export.kernels.ssd.naive import SSMScanOutput
 
 ConstInt = ct.Constant[int]
@@ -43,12 +43,14 @@ ROWS_POW2 = False
 def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min: float, dt_max: float,
                     heads_per_group: int,
                     BLOCK_P: ConstInt, D_STATE: ConstInt,
-                    HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_STATE: ConstBool, DT_SOFTPLUS: ConstBool):
+                    HAS_D: ConstBool, HAS_DT_BIAS: ConstBool, HAS_STATE: ConstBool, DT_SOFTPLUS: ConstBool,
+                    TMA: ConstBool):
     """One decode step. Grid: (batch*nheads, headdim // BLOCK_P, 1).
 
     Block (bh, pt) owns batch bh // nheads, head bh % nheads and headdim rows
     [pt*BLOCK_P, (pt+1)*BLOCK_P): reads that (BLOCK_P, D_STATE) tile of ssm_state (zeros when
-    HAS_STATE is False), writes it updated to state_out and the matching y entries.
+    HAS_STATE is False), writes it updated to state_out and the matching y entries. TMA False: plain loads
+    and stores only (the AOT plugin's build: TensorRT's launcher cannot pass the tensor maps TMA needs).
     """
     bh = ct.bid(0)
     pt = ct.bid(1)
@@ -62,20 +64,20 @@ def ssd_step_kernel(x, dt, A, B, C, D, dt_bias, ssm_state, y, state_out, dt_min:
     if HAS_DT_BIAS:
         v = v + ct.load(dt_bias, index=(h,), shape=(1,)).astype(f32)
     delta = _ct_step_size(v, dt_min, dt_max, DT_SOFTPLUS)  # (1,)
-    x_t = ct.load(x, index=(b, h, pt), shape=(1, 1, BLOCK_P)).reshape((BLOCK_P,)).astype(f32)
-    B_t = ct.load(B, index=(b, g, 0), shape=(1, 1, D_STATE)).reshape((D_STATE,)).astype(f32)
-    C_t = ct.load(C, index=(b, g, 0), shape=(1, 1, D_STATE)).reshape((D_STATE,)).astype(f32)
+    x_t = _ct_tile(x, (b, h, pt), (1, 1, BLOCK_P), TMA).reshape((BLOCK_P,)).astype(f32)
+    B_t = _ct_tile(B, (b, g, 0), (1, 1, D_STATE), TMA).reshape((D_STATE,)).astype(f32)
+    C_t = _ct_tile(C, (b, g, 0), (1, 1, D_STATE), TMA).reshape((D_STATE,)).astype(f32)
     upd = (delta * x_t)[:, None] * B_t[None, :]
     if HAS_STATE:
-        st = ct.load(ssm_state, index=(b, h, pt, 0), shape=(1, 1, BLOCK_P, D_STATE)).reshape((BLOCK_P, D_STATE))
+        st = _ct_tile(ssm_state, (b, h, pt, 0), (1, 1, BLOCK_P, D_STATE), TMA).reshape((BLOCK_P, D_STATE))
         st = st * ct.exp(delta * a_h) + upd
     else:
         st = upd
     yv = ct.sum(st * C_t[None, :], axis=1)
     if HAS_D:
         yv = yv + ct.load(D, index=(h,), shape=(1,)).astype(f32) * x_t
-    ct.store(state_out, index=(b, h, pt, 0), tile=st.reshape((1, 1, BLOCK_P, D_STATE)))
-    ct.store(y, index=(b, h, pt), tile=yv.astype(y.dtype).reshape((1, 1, BLOCK_P)))
+    _ct_put(state_out, (b, h, pt, 0), st.reshape((1, 1, BLOCK_P, D_STATE)), TMA)
+    _ct_put(y, (b, h, pt), yv.astype(y.dtype).reshape((1, 1, BLOCK_P)), TMA)
 
 
 def _ct_rows_head(A, dt, B, C, D, dt_bias, bh, nheads: int, ngroups: int, heads_per_group: int, dt_min: float,
@@ -170,10 +172,10 @@ def choose_occupancy(block_p: int, d_state: int) -> int:
 
 def _step_args(p: SSMScanProblem, ranks: tuple[int, int, int, int], shape_scalars: tuple[str, ...],
                tile: tuple[str, int], *, dt_softplus: bool, dt_limit: tuple[float, float], has_D: bool,
-               has_dt_bias: bool, has_state: bool) -> tuple:
+               has_dt_bias: bool, has_state: bool, extra: tuple = ()) -> tuple:
     """The arguments both step kernels take, in their parameter order (which the AOT entry follows): x dt A B C D
     dt_bias ssm_state y state_out, dt_min, dt_max, the int32 ``shape_scalars`` (problem fields), then the tile
-    constant ``tile`` = (name, rows), D_STATE and the HAS_* / DT_SOFTPLUS flags. ``ranks``: the kernel's view ranks
+    constant ``tile`` = (name, rows), D_STATE, the HAS_* / DT_SOFTPLUS flags and ``extra`` constants. ``ranks``: the kernel's view ranks
     of (x and y, dt, B and C, the states). An absent D / dt_bias binds A (HAS_D / HAS_DT_BIAS False: never read),
     an absent ssm_state binds state_out (HAS_STATE False); ssm_state and state_out share alias group "state"."""
     dtn = p.dtype
@@ -187,17 +189,19 @@ def _step_args(p: SSMScanProblem, ranks: tuple[int, int, int, int], shape_scalar
             *(L.scalar(n, "int32", getattr(p, n)) for n in shape_scalars),
             L.constant(tile[0], tile[1]), L.constant("D_STATE", p.d_state),
             L.constant("HAS_D", bool(has_D)), L.constant("HAS_DT_BIAS", bool(has_dt_bias)),
-            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)))
+            L.constant("HAS_STATE", bool(has_state)), L.constant("DT_SOFTPLUS", bool(dt_softplus)), *extra)
 
 
 def step_launch(p: SSMScanProblem, *, block_p: int, occupancy: int | None, dt_softplus: bool,
                 dt_limit: tuple[float, float], has_D: bool = True, has_dt_bias: bool = True, has_state: bool = True,
-                grid=None) -> Launch:
+                grid=None, tma: bool = True) -> Launch:
     """:func:`ssd_step_kernel` for ``p`` (seqlen ignored) with a ``block_p``-row headdim tile; grid
     ``(batch*nheads, headdim // block_p, 1)`` unless ``grid`` is given (the AOT plugin's symbolic one).
-    ``state_out`` may be the same buffer as ``ssm_state`` (in place: alias group "state")."""
+    ``state_out`` may be the same buffer as ``ssm_state`` (in place: alias group "state"). ``tma`` False: no TMA
+    copies (the AOT build, :func:`aot_spec`)."""
     args = _step_args(p, (3, 2, 3, 4), ("heads_per_group",), ("BLOCK_P", block_p), dt_softplus=dt_softplus,
-                      dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state)
+                      dt_limit=dt_limit, has_D=has_D, has_dt_bias=has_dt_bias, has_state=has_state,
+                      extra=(L.constant("TMA", bool(tma)),))
     if grid is None:
         grid = (p.batch * p.nheads, p.headdim // block_p, 1)
     return Launch(hinted(ssd_step_kernel, occupancy), args, grid, block_p)
@@ -288,13 +292,14 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | Non
     ssm_state (9), y (7), state_out (9), dt_min, dt_max, heads_per_group: 63. Grid
     ``(batch*nheads, headdim // block_p, 1)``; the tile is the batch-independent rule (<= 8192
     state elements, a power of two dividing headdim) with :func:`choose_occupancy`'s hint, since
-    batch is a runtime extent.
+    batch is a runtime extent. Built with ``TMA`` False (plain 16-byte loads and stores, given the
+    static sizes' divisibility facts of :func:`m2export.plugins.aot.trt_signature`).
     """
     check_supported(problem, "step", hint='pad the model or use backend="torch"')
     bp = block_p or min(problem.headdim & -problem.headdim, max(8, 8192 // problem.d_state))
     spec = step_launch(problem, block_p=bp, occupancy=choose_occupancy(bp, problem.d_state),
                        dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit,
-                       grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1))
+                       grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1), tma=False)
     return spec.with_args(x=dict(squeeze=1), dt=dict(squeeze=1), B=dict(squeeze=1), C=dict(squeeze=1),
                           y=dict(squeeze=1), ssm_state=dict(source="initial_state"),
                           state_out=dict(source="final_state"))
