@@ -80,6 +80,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--prefill", default=PREFILL, help="comma list of bench_ssd shapes ('' for none)")
     ap.add_argument("--decode", default=DECODE, help="comma list of bench_ssd_step shapes ('' for none)")
+    ap.add_argument("--decode-tiles", default="auto", help="comma list of AOT decode tiles to time: auto (aot_spec's "
+                    "rule) or BLOCK_P or BLOCK_P:OCCUPANCY")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed replays per implementation (median)")
     ap.add_argument("--label", default="", help="a tag for the rows (e.g. the tree measured)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"),
@@ -124,6 +126,7 @@ def main(argv=None):
                      f"{ey:.1e} / {es:.1e} |")
         print(lines[-1], flush=True)
         del t, yj, fj, ya, fa
+    swept = {}  # (nheads, headdim, ngroups, d_state, tile) -> AotKernel: batch is a run-time extent
     for name in [s for s in args.decode.split(",") if s]:
         b, h, p, g, n = STEP_SHAPES[name]
         t = inputs(b, 1, h, p, g, n, seed=len(name))
@@ -134,16 +137,34 @@ def main(argv=None):
         def jit(yj=yj, fj=fj, t=t):  # the JIT plugin's decode call: 4-D tensors, state in -> state out
             ssm_step(t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], t["D"], t["dt_bias"],
                      t["initial_state"], out=yj[:, 0], state_out=fj)
-        kern = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, decode=True)
-        run = aot_runner(kern, t, ya, fa, b, h, p)
-        jit(), run()
-        torch.cuda.synchronize()
-        ey, es = rel_err(yj, ya), rel_err(fj, fa)
-        tj, ta = time_fn(jit, graph=True, rep=args.rep), time_fn(run, graph=True, rep=args.rep)
-        pct = step_bytes(b, h, p, g, n) / (ta * 1e-3) / HBM * 100
-        lines.append(f"| {name} (P{p} N{n}) | decode | {tj:.4f} | {ta:.4f} | {ta / tj:.2f} | {pct:.1f} | "
-                     f"{ey:.1e} / {es:.1e} |")
-        print(lines[-1], flush=True)
+        jit()
+        tj = time_fn(jit, graph=True, rep=args.rep)
+        for tile in args.decode_tiles.split(","):
+            if tile == "auto":
+                kern, what = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, decode=True), "decode"
+            else:  # the plugin's export path with another tile / occupancy hint (aot_spec's sweep arguments)
+                from m2export.kernels.ssd_step.cutile import aot_spec
+
+                bp, _, occ = tile.partition(":")
+                if p % int(bp) or int(bp) * n > 8192:  # not a whole tile of headdim, or over 32 KiB of fp32 state
+                    continue
+                key = (h, p, g, n, tile)
+                if key not in swept:
+                    spec = aot_spec(validate(t["x"], t["dt"], t["A"], t["B"], t["C"]), attrs, block_p=int(bp),
+                                    occupancy=int(occ) if occ else None)
+                    cubin, _ = aot._export_cubin(spec, gpu_code, aot.contract_dims(h, p, g, n, decode=True))
+                    swept[key] = aot.build_aot_kernel(spec, cubin, None, gpu_code=gpu_code)
+                kern, what = swept[key], f"decode tile {tile}"
+            ya.fill_(math.nan), fa.fill_(math.nan)
+            run = aot_runner(kern, t, ya, fa, b, h, p)
+            run()
+            torch.cuda.synchronize()
+            ey, es = rel_err(yj, ya), rel_err(fj, fa)
+            ta = time_fn(run, graph=True, rep=args.rep)
+            pct = step_bytes(b, h, p, g, n) / (ta * 1e-3) / HBM * 100
+            lines.append(f"| {name} (P{p} N{n}) | {what} | {tj:.4f} | {ta:.4f} | {ta / tj:.2f} | {pct:.1f} | "
+                         f"{ey:.1e} / {es:.1e} |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.results:

@@ -415,7 +415,6 @@ def test_aot_decode_kernel_launched_like_tensorrt(dtype, headdim, ngroups, d_sta
     float64 oracle."""
     import torch
 
-    from m2export.kernels.ssd_step import ssm_step
     from m2export.plugins import _cuda
 
     p = SSMScanProblem(64, 1, 8, headdim, ngroups, d_state, dtype)
@@ -424,7 +423,47 @@ def test_aot_decode_kernel_launched_like_tensorrt(dtype, headdim, ngroups, d_sta
     k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, aot.gpu_code_for(cc),
                                None, True)
     assert k.name.startswith("ssd_step_kernel")
-    ref, dev, y, fs = oracle_case(p, seed=9, dt_limit=attrs.dt_limit)
+    _check_aot_decode(k, p, attrs, seed=9)
+
+
+#: (headdim, ngroups, d_state, block_p, occupancy): AOT decode tiles other than aot_spec's rule (a tile-rule sweep
+#: in benchmarks/bench_ssd_aot.py --decode-tiles); the masked-free tiles divide headdim
+AOT_DECODE_TILES = [(64, 2, 128, 32, 4), (64, 2, 128, 16, 8), (64, 2, 128, 64, 3), (128, 1, 256, 16, 4),
+                    (128, 1, 256, 8, 8), (80, 4, 128, 16, 8)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("headdim, ngroups, d_state, block_p, occupancy", AOT_DECODE_TILES,
+                         ids=[f"P{c[0]}_N{c[2]}_tile{c[3]}_occ{c[4]}" for c in AOT_DECODE_TILES])
+def test_aot_decode_tiles_launched_like_tensorrt(dtype, headdim, ngroups, d_state, block_p, occupancy):
+    """The AOT decode kernel with other tiles and occupancy hints, exported on the plugin's path (trt_signature with
+    the contract's fixed sizes), launched like TensorRT: equal to the float64 oracle and to ssm_step."""
+    import torch
+
+    from m2export.kernels.ssd_step.cutile import aot_spec
+    from m2export.plugins import _cuda
+
+    p = SSMScanProblem(64, 1, 8, headdim, ngroups, d_state, dtype)
+    gpu_code = aot.gpu_code_for(_cuda.compute_capability(torch.cuda.current_device()))
+    attrs = SSMScanAttrs(dt_min=1e-3, dt_max=0.5)
+    spec = aot_spec(p, attrs, block_p=block_p, occupancy=occupancy)
+    assert spec.config == block_p
+    cubin, _ = aot._export_cubin(spec, gpu_code, aot.contract_dims(8, headdim, ngroups, d_state, decode=True))
+    _check_aot_decode(aot.build_aot_kernel(spec, cubin, None, gpu_code=gpu_code), p, attrs, seed=11 + block_p)
+
+
+def _check_aot_decode(k, p: SSMScanProblem, attrs: SSMScanAttrs, *, seed: int) -> None:
+    """Launch the AOT decode kernel ``k`` like TensorRT on fresh inputs of ``p`` (NaN-poisoned outputs) and compare
+    with the float64 oracle and with ssm_step (JIT)."""
+    import torch
+
+    from m2export.kernels.ssd_step import ssm_step
+    from m2export.plugins import _cuda
+
+    dtype = p.dtype
+    ref, dev, y, fs = oracle_case(p, seed=seed, dt_limit=attrs.dt_limit)
     torch.cuda.synchronize()
     image = k.ptx.encode()
     if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:

@@ -282,7 +282,8 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
     return SSMScanOutput(y, new_state)
 
 
-def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | None = None) -> Launch:
+def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | None = None,
+             occupancy: int | None = None) -> Launch:
     """The decode-step kernel for the TensorRT AOT plugin when seqlen is the constant 1.
 
     Bound to the plugin's tensors: x, dt, B, C and y are the plugin's 4-D/3-D tensors with their
@@ -292,12 +293,12 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | Non
     ssm_state (9), y (7), state_out (9), dt_min, dt_max, heads_per_group: 63. Grid
     ``(batch*nheads, headdim // block_p, 1)``; the tile is the batch-independent rule (<= 8192
     state elements, a power of two dividing headdim) with :func:`choose_occupancy`'s hint, since
-    batch is a runtime extent. Built with ``TMA`` False (plain 16-byte loads and stores, given the
+    batch is a runtime extent (``block_p`` / ``occupancy``: another tile or hint, for sweeps). Built with ``TMA`` False (plain 16-byte loads and stores, given the
     static sizes' divisibility facts of :func:`m2export.plugins.aot.trt_signature`).
     """
     check_supported(problem, "step", hint='pad the model or use backend="torch"')
     bp = block_p or min(problem.headdim & -problem.headdim, max(8, 8192 // problem.d_state))
-    spec = step_launch(problem, block_p=bp, occupancy=choose_occupancy(bp, problem.d_state),
+    spec = step_launch(problem, block_p=bp, occupancy=occupancy or choose_occupancy(bp, problem.d_state),
                        dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit,
                        grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1), tma=False)
     return spec.with_args(x=dict(squeeze=1), dt=dict(squeeze=1), B=dict(squeeze=1), C=dict(squeeze=1),
