@@ -160,3 +160,16 @@ def test_aot_kernels_move_tiles_with_vector_loads_and_no_tma(decode, dims):
     assert len(vector_loads) >= len(loads) // 4, (len(vector_loads), len(loads))
     assert vector_stores
     assert not [ln for ln in lines if "cp.async.bulk.tensor" in ln or "tensormap" in ln]
+
+
+@pytest.mark.parametrize("headdim, d_state, rows, occupancy", [(64, 128, 32, 4), (128, 256, 32, 6), (80, 128, 16, 8),
+                                                               (80, 256, 16, 6), (64, 64, 32, 8), (16, 128, 16, 8)])
+def test_aot_decode_tile_rule(headdim, d_state, rows, occupancy):
+    """The AOT decode kernel's batch-independent tile (AOT_STEP_ROWS, at most the largest power of two dividing
+    headdim) and hint (6 at d_state 256, else choose_occupancy): the H200 sweep's choice, each GPU-tested."""
+    from m2export.kernels._host import hinted
+    from m2export.kernels.ssd_step.cutile import aot_spec, ssd_step_kernel
+
+    spec = aot_spec(SSMScanProblem(1, 1, 8, headdim, 1, d_state, "bfloat16"), SSMScanAttrs())
+    assert spec.config == rows and spec.grid(4, 8, headdim) == (32, headdim // rows, 1)
+    assert spec.kernel is hinted(ssd_step_kernel, occupancy)  # one kernel object per hint

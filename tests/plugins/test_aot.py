@@ -406,8 +406,8 @@ def test_aot_kernel_decay_overflowing_to_minus_inf(dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("headdim, ngroups, d_state", [(64, 2, 128), (80, 2, 128), (80, 4, 256)],
-                         ids=["P64", "P80", "P80_N256"])
+@pytest.mark.parametrize("headdim, ngroups, d_state", [(64, 2, 128), (80, 2, 128), (80, 4, 256), (128, 1, 256)],
+                         ids=["P64", "P80", "P80_N256", "P128_N256"])
 def test_aot_decode_kernel_launched_like_tensorrt(dtype, headdim, ngroups, d_state):
     """The decode engine's AOT kernel (seqlen the constant 1): the per-head step kernel (16-row tiles at head dim
     80, where the JIT launch takes the flat-row kernel), its PTX in TensorRT's slot order, launched with the
@@ -429,7 +429,8 @@ def test_aot_decode_kernel_launched_like_tensorrt(dtype, headdim, ngroups, d_sta
 #: (headdim, ngroups, d_state, block_p, occupancy): AOT decode tiles other than aot_spec's rule (a tile-rule sweep
 #: in benchmarks/bench_ssd_aot.py --decode-tiles); the masked-free tiles divide headdim
 AOT_DECODE_TILES = [(64, 2, 128, 32, 4), (64, 2, 128, 16, 8), (64, 2, 128, 64, 3), (128, 1, 256, 16, 4),
-                    (128, 1, 256, 8, 8), (80, 4, 128, 16, 8)]
+                    (128, 1, 256, 8, 8), (80, 4, 128, 16, 8), (128, 1, 256, 32, 6), (128, 1, 256, 16, 6),
+                    (80, 4, 256, 16, 6), (64, 2, 64, 32, 8)]
 
 
 @pytest.mark.gpu

@@ -282,6 +282,15 @@ def ssm_step_cutile(x, dt, A, B, C, D, dt_bias, ssm_state, *, problem: SSMScanPr
     return SSMScanOutput(y, new_state)
 
 
+#: The AOT decode kernel's tile and hint (no TMA: plain 16-byte loads, 128 threads). H200 sweep, 2026-12-04
+#: (benchmarks/bench_ssd_aot.py --decode-tiles, RESULTS.md): at P64 N128 32 rows (hint 4) reached 74.3 / 77.2% of
+#: 4.3 TB/s at batch 64 / 128 against 69.0 / 72.9% for 64 rows (hint 2), and 12.9 / 60.7% against 11.9 / 52.5% at
+#: batch 1 / 16; at P128 N256 32 rows with 6 blocks per SM 73.6 / 76.9% against 65.8 / 69.0% with 2 (16 rows: 74.3 /
+#: 76.3% at 6, 61.8 / 62.9% at 4).
+AOT_STEP_ROWS = 32
+AOT_STEP_OCCUPANCY_N256 = 6
+
+
 def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | None = None,
              occupancy: int | None = None) -> Launch:
     """The decode-step kernel for the TensorRT AOT plugin when seqlen is the constant 1.
@@ -291,14 +300,17 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | Non
     ``final_state``; D, dt_bias and the state are present (ONNX graphs always have them). Entry
     parameters (cutile_python_v1): x (7), dt (5), A (3), B (7), C (7), D (3), dt_bias (3),
     ssm_state (9), y (7), state_out (9), dt_min, dt_max, heads_per_group: 63. Grid
-    ``(batch*nheads, headdim // block_p, 1)``; the tile is the batch-independent rule (<= 8192
-    state elements, a power of two dividing headdim) with :func:`choose_occupancy`'s hint, since
-    batch is a runtime extent (``block_p`` / ``occupancy``: another tile or hint, for sweeps). Built with ``TMA`` False (plain 16-byte loads and stores, given the
+    ``(batch*nheads, headdim // block_p, 1)``; the tile is batch-independent (batch is a runtime extent):
+    the largest power of two dividing headdim, at most 32 rows, with :func:`choose_occupancy`'s hint, or 6 blocks
+    per SM at d_state >= 256 (:data:`AOT_STEP_ROWS`, :data:`AOT_STEP_OCCUPANCY_N256`; ``block_p`` /
+    ``occupancy``: another tile or hint, for sweeps). Built with ``TMA`` False (plain 16-byte loads and stores, given the
     static sizes' divisibility facts of :func:`m2export.plugins.aot.trt_signature`).
     """
     check_supported(problem, "step", hint='pad the model or use backend="torch"')
-    bp = block_p or min(problem.headdim & -problem.headdim, max(8, 8192 // problem.d_state))
-    spec = step_launch(problem, block_p=bp, occupancy=occupancy or choose_occupancy(bp, problem.d_state),
+    bp = block_p or min(problem.headdim & -problem.headdim, AOT_STEP_ROWS)
+    if occupancy is None:
+        occupancy = AOT_STEP_OCCUPANCY_N256 if problem.d_state >= 256 else choose_occupancy(bp, problem.d_state)
+    spec = step_launch(problem, block_p=bp, occupancy=occupancy,
                        dt_softplus=attrs.dt_softplus, dt_limit=attrs.dt_limit,
                        grid=lambda batch, nheads, headdim: (batch * nheads, headdim // bp, 1), tma=False)
     return spec.with_args(x=dict(squeeze=1), dt=dict(squeeze=1), B=dict(squeeze=1), C=dict(squeeze=1),
