@@ -86,32 +86,12 @@ def aot_kernel(prob):
 
 
 def aot_launcher(kern, plugin: dict, y4, fs):
-    """A callable launching ``kern`` as TensorRT's AOT launcher does: input pointers | int32 extras from the
-    plugin tensors' shapes | output pointers, on the current stream (PTX through the driver's JIT, or assembled
-    with ptxas where the driver predates the PTX ISA, as tests/plugins/test_aot.py does)."""
-    import shutil
-    import subprocess
-    import tempfile
+    """A callable launching ``kern`` as TensorRT's AOT launcher does (benchmarks/bench_ssd_aot.py's aot_runner:
+    input pointers | int32 extras from the plugin tensors' shapes | output pointers, on the current stream)."""
+    from benchmarks.bench_ssd_aot import aot_runner  # (bench_ssd_aot imports this module's SHAPES)
 
-    from m2export.contract import INPUT_NAMES
-    from m2export.plugins import _cuda, aot
-
-    image = kern.ptx.encode()
-    if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
-        with tempfile.TemporaryDirectory() as d:
-            Path(d, "k.ptx").write_text(kern.ptx)
-            subprocess.run([shutil.which("ptxas") or "ptxas", f"-arch={aot.ptx_target(kern.ptx)}", "-o",
-                            str(Path(d, "k.cubin")), str(Path(d, "k.ptx"))], check=True)
-            image = Path(d, "k.cubin").read_bytes()
-    loaded = _cuda.load_kernel(image, kern.name)
-    shapes = {n: tuple(t.shape) for n, t in plugin.items()}
-    shapes.update(y=tuple(y4.shape), final_state=tuple(fs.shape))
-    extras = aot.extra_arg_values(kern.amap, shapes, kern.scalars)
     b, _, h, p = y4.shape
-    grid = kern.grid(b, h, p)
-    slots = ([("u64", plugin[n].data_ptr()) for n in INPUT_NAMES] + [("i32", v) for v in extras]
-             + [("u64", t.data_ptr()) for t in (y4, fs)])
-    return lambda: loaded.launch(grid, kern.block, slots, stream=torch.cuda.current_stream().cuda_stream)
+    return aot_runner(kern, plugin, y4, fs, b, h, p)
 
 
 def main(argv=None):
