@@ -136,8 +136,8 @@ class _Transformers:
         self.torch = torch
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(ck), dtype=_torch_dtype(dtype), attn_implementation="eager").eval()
-        spec, fmt = read_spec(ck)
-        self.notes = follow_mamba_ssm_(self.hf, spec, fmt)
+        spec, _ = read_spec(ck)
+        self.notes = follow_mamba_ssm_(self.hf, spec)
         self.vocab = self.hf.get_output_embeddings().weight.shape[0]
 
     def _call(self, ids, cache=None):

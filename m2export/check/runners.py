@@ -25,6 +25,7 @@ calling it does the work (:class:`ModelFromCheckpoint`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -507,24 +508,22 @@ class TransformersReference:
         return self.ck.spec
 
 
-#: transformers model types whose Mamba mixers clamp dt at ``time_step_min`` in the chunked (prefill) path
-#: (``self.time_step_limit = (config.time_step_min, inf)`` in transformers 5.24's modeling code)
-_DT_CLAMP_FAMILIES = ("nemotron_h", "zamba2")
-
-
 class ModelFromTransformers(BaseLoader):
     """Lazy loader: ``ModelFromTransformers(path)()`` -> :class:`TransformersReference` (loaded once).
 
     Where transformers is known to differ from the checkpoint's own code (mamba_ssm), the reference follows
     mamba_ssm, and each change is one line of :attr:`TransformersReference.notes` (shown in the report):
 
-    * Nemotron-H, Zamba2: transformers clamps dt at ``time_step_min`` (an initialisation bound) in its chunked
-      prefill path only; the mixers' ``time_step_limit`` is set to the config's ``time_step_limit`` (default
-      (0, inf)), as mamba_ssm (and transformers' own decode step) use.
+    * dt clamped at ``time_step_min`` (an initialisation bound) in transformers' chunked prefill path only
+      (``self.time_step_limit = (config.time_step_min, inf)``: Zamba2 in transformers 5.24 and 5.25, Nemotron-H
+      in 5.24; Nemotron-H in 5.25 uses the config's ``time_step_limit``, as mamba_ssm does): found by the
+      mixers' ``time_step_limit`` being (time_step_min, inf) and not the checkpoint's dt limit, whatever the
+      family or version; those mixers get the config's ``time_step_limit`` (default (0, inf)), as mamba_ssm (and
+      transformers' own decode step) use. A transformers that does not clamp is left as it is, with no note.
     * Gated RMSNorm with ngroups > 1 (Mamba2, Granite 4.0-H, Bamba): mamba_ssm normalises per group of
       d_inner / ngroups channels; transformers releases before the per-group ``MambaRMSNormGated`` normalised
       over all d_inner channels. A gated norm whose ``group_size`` is not d_inner / ngroups, or that has no
-      group size at all, is made to normalise per group (transformers 5.24 already does: no change, no note).
+      group size at all, is made to normalise per group (transformers 5.24 and 5.25 already do: no change, no note).
 
     Args:
         checkpoint: an HF-format checkpoint directory (config.json with ``model_type``; safetensors).
@@ -565,7 +564,7 @@ class ModelFromTransformers(BaseLoader):
         if width != spec.vocab_size:
             raise CheckpointError(f"{ck.path}: transformers' lm_head has {width} rows, m2export's model "
                                   f"{spec.vocab_size}: the logits cannot be compared")
-        notes = follow_mamba_ssm_(hf, spec, ck.format)
+        notes = follow_mamba_ssm_(hf, spec)
         ref = TransformersReference(hf=hf, model=ck.model, ck=ck, history=TokenHistory(), notes=notes)
         self._cache["ref"] = ref
         return ref
@@ -576,7 +575,7 @@ class ModelFromTransformers(BaseLoader):
         self.m2export_reference.release()
 
 
-def follow_mamba_ssm_(hf, spec, family: str) -> list[str]:
+def follow_mamba_ssm_(hf, spec) -> list[str]:
     """Change ``hf`` (a transformers model of ``spec``) in place where transformers differs from mamba_ssm (see
     :class:`ModelFromTransformers`); returns one note per kind of change made (none: nothing differed)."""
     import types
@@ -586,15 +585,19 @@ def follow_mamba_ssm_(hf, spec, family: str) -> list[str]:
     if not mamba:
         return notes
     dt_limit = mamba[0].dt_limit
-    if family in _DT_CLAMP_FAMILIES:
-        clamped = [m for m in hf.modules() if isinstance(getattr(m, "time_step_limit", None), tuple)
-                   and tuple(float(v) for v in m.time_step_limit) != dt_limit]
-        for m in clamped:
-            was = m.time_step_limit
-            m.time_step_limit = dt_limit
-        if clamped:
-            notes.append(f"dt limit {tuple(was)} of transformers' prefill path set to the config's {dt_limit} in "
-                         f"{len(clamped)} mixer(s), as mamba_ssm and transformers' decode step apply it")
+    # transformers' clamp at the initialisation bound: a mixer whose prefill limit is (time_step_min, inf)
+    # where the checkpoint's limit is another (any other limit of transformers' is left alone: it would be a
+    # difference of m2export's config reading, for the comparison to show)
+    step_min = getattr(hf.config, "time_step_min", None)
+    bound = None if step_min is None else (float(step_min), math.inf)
+    clamped = [m for m in hf.modules() if bound is not None and bound != dt_limit
+               and isinstance(getattr(m, "time_step_limit", None), (tuple, list)) and len(m.time_step_limit) == 2
+               and tuple(float(v) for v in m.time_step_limit) == bound]
+    for m in clamped:
+        m.time_step_limit = dt_limit
+    if clamped:
+        notes.append(f"dt limit {bound} (time_step_min) of transformers' prefill path set to the config's "
+                     f"{dt_limit} in {len(clamped)} mixer(s), as mamba_ssm and transformers' decode step apply it")
     want = mamba[0].norm_group_size
     fixed = 0
     for m in hf.modules():

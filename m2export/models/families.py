@@ -14,12 +14,12 @@ Decisions where the checkpoint's own code and transformers differ, or transforme
 
 * Nemotron-H: transformers 5.24 clamps dt at ``time_step_min`` (an initialisation bound) in the chunked
   prefill only (``self.time_step_limit = (config.time_step_min, inf)``); m2export uses the config's
-  ``time_step_limit`` (default (0, inf)), as mamba_ssm and vLLM do. The two agree whenever
+  ``time_step_limit`` (default (0, inf)), as mamba_ssm, vLLM and transformers 5.25 do. The two agree whenever
   softplus(dt + dt_bias) >= time_step_min.
 * Nemotron-H: ``residual_in_fp32`` is honoured (transformers ignores it; it matters in fp16/bf16 only).
 * Nemotron-H: ``attention_bias: true`` is refused (transformers builds the projections without bias anyway).
-* Zamba2: transformers clamps dt at ``time_step_min`` in prefill as for Nemotron-H; Zamba2's config has no
-  ``time_step_limit``, and m2export uses (0, inf) (mamba_ssm's default).
+* Zamba2: transformers (5.24 and 5.25) clamps dt at ``time_step_min`` in prefill as 5.24 does for Nemotron-H;
+  Zamba2's config has no ``time_step_limit``, and m2export uses (0, inf) (mamba_ssm's default).
 * Zamba2: ``kv_channels`` and ``num_query_groups`` (set but unused by transformers) must equal what it derives
   (hidden_size // heads, heads); ``head_dim`` is an alias of ``attention_head_dim``; Zyphra's pre-transformers
   key names (``ffn_hidden_size``, ``state_size``, ``lora_rank``, ...: :data:`_ZAMBA2_LEGACY`) are refused with
