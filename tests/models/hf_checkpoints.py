@@ -3,8 +3,8 @@ for comparing m2export's models and exports with transformers. Shared by tests/m
 
 Every maker gives the Mamba parameters A_log, dt_bias, D and every norm weight random non-default values
 (transformers initialises them to constants), so a test cannot pass by accident of the defaults, and keeps
-softplus(dt + dt_bias) well above 1e-3 (transformers' Nemotron-H/Zamba2 clamp dt at time_step_min in
-prefill only; see m2export.models.families).
+softplus(dt + dt_bias) well above 1e-3 (transformers' Zamba2, and Nemotron-H up to 5.24, clamp dt at
+time_step_min in prefill only; see m2export.models.families).
 
 ``make(name, dir)`` -> (checkpoint dir, the transformers model in eval mode, float32). Names: :data:`CASES`.
 """
@@ -162,3 +162,21 @@ def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor
                          do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None)
     return out[:, ids.shape[1]:]
 
+
+
+#: what transformers 5.25's ``generate`` raises for a model whose first block keeps no cache (Nemotron-H with
+#: pattern "EM*M": MoE first): its ``Cache.get_seq_length()`` asks layer 0, a ``DummyLayer`` without that
+#: method; 5.24 skipped to the first layer that keeps a cache. A transformers bug (reproduced with
+#: transformers alone: NemotronHForCausalLM(NemotronHConfig(hybrid_override_pattern="EM*M")).generate(...))
+GENERATE_DUMMY_LAYER_BUG = "'DummyLayer' object has no attribute 'get_seq_length'"
+
+
+@torch.no_grad()
+def hf_greedy_uncached(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy tokens from transformers' full forward without its cache (one forward over the whole sequence per
+    token): (batch, n) new ids. The oracle where ``generate`` is broken (:data:`GENERATE_DUMMY_LAYER_BUG`)."""
+    seq = ids
+    for _ in range(n):
+        nxt = hf_logits(model, seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    return seq[:, ids.shape[1]:]
