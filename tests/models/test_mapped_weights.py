@@ -132,13 +132,17 @@ def test_leases_are_given_up_after_the_export_and_after_a_failed_load(tmp_path):
     """The export holds a read lease on each mapped file (a writer's open waits on it, up to 45 s) only while it
     reads: once export_model returns, or a mapped load fails, a write opens the file at once and SIGIO's handler
     is the one before."""
+    import gc
     import signal
     import time
 
     from m2export.exporter.export import export_model
+    from m2export.models import checkpoint as C
 
     ck = random_checkpoint(tmp_path / "ck", seed=7, **SIZES)
     f = ck / "model.safetensors"
+    gc.collect()  # an earlier test's mapped load, unreachable but not yet collected, would still hold its leases
+    assert not list(C._watched), "another MappedWeights still holds leases (and the SIGIO handler): bad test"
     before = signal.getsignal(signal.SIGIO)
     loaded = load_checkpoint(ck, dtype=torch.float32, mapped=True)
     assert loaded.pages is not None and loaded.pages._leases, "no lease taken: bad test"
