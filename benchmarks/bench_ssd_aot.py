@@ -80,6 +80,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--prefill", default=PREFILL, help="comma list of bench_ssd shapes ('' for none)")
     ap.add_argument("--decode", default=DECODE, help="comma list of bench_ssd_step shapes ('' for none)")
+    ap.add_argument("--prefill-tactics", action="store_true", help="also time every TensorRT tactic of the AOT prefill "
+                    "kernel (plan.tile_families: what TensorRT's build-time autotune chooses among)")
     ap.add_argument("--decode-tiles", default="auto", help="comma list of AOT decode tiles to time: auto (aot_spec's "
                     "rule) or BLOCK_P or BLOCK_P:OCCUPANCY")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed replays per implementation (median)")
@@ -102,6 +104,20 @@ def main(argv=None):
             f"torch {torch.__version__}, triton {triton.__version__}, cuda.tile {ct.__version__}, driver CUDA "
             f"{_cuda.driver_version()}; bf16, random fp32 initial state; graph-replay medians{' ' + args.label if args.label else ''}")
     print(head, flush=True)
+    if args.prefill_tactics:  # compile every tactic first, in parallel (tileiras runs as a subprocess)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from m2export.contract import SSMScanProblem
+        from m2export.kernels.ssd.plan import tile_families
+
+        jobs = []
+        for name in [s for s in args.prefill.split(",") if s]:
+            b, l, h, p, g, n = PREFILL_SHAPES[name]
+            fams = (None, *tile_families(SSMScanProblem(b, l, h, p, g, n, "bfloat16")))
+            jobs += [(h, p, g, n, f) for f in fams]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda j: aot.compile_aot_kernel(*j[:4], "bfloat16", attrs, gpu_code, tiles=j[4]), jobs))
+        print(f"compiled {len(jobs)} AOT prefill kernels", flush=True)
     lines = [f"\n### bench_ssd_aot.py: TensorRT AOT kernels vs the JIT path, {head}\n",
              "| shape | path | JIT ms | AOT ms | AOT / JIT | AOT % of floor | AOT rel err y / state vs JIT |",
              "|---|---|---|---|---|---|---|"]
@@ -115,16 +131,27 @@ def main(argv=None):
         def jit(yj=yj, fj=fj, t=t, prob=prob):
             ssm_scan_cutile(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], t["initial_state"],
                             problem=prob, dt_softplus=True, dt_limit=(0.0, math.inf), out=yj, final_state_out=fj)
-        kern = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code)
-        run = aot_runner(kern, t, ya, fa, b, h, p)
-        jit(), run()
-        torch.cuda.synchronize()
-        ey, es = rel_err(yj, ya), rel_err(fj, fa)
-        tj, ta = time_fn(jit, graph=True, rep=args.rep), time_fn(run, graph=True, rep=args.rep)
-        pct = floor_s((b, l, h, p, g, n)) / (ta * 1e-3) * 100
-        lines.append(f"| {name} {PREFILL_SHAPES[name]} | prefill | {tj:.3f} | {ta:.3f} | {ta / tj:.2f} | {pct:.1f} | "
-                     f"{ey:.1e} / {es:.1e} |")
-        print(lines[-1], flush=True)
+        jit()
+        tj = time_fn(jit, graph=True, rep=args.rep)
+        families = [None]
+        if args.prefill_tactics:
+            from m2export.kernels.ssd.plan import tile_families
+
+            families += list(tile_families(prob))
+        for i, fam in enumerate(families):
+            kern = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, tiles=fam)
+            ya.fill_(math.nan), fa.fill_(math.nan)
+            run = aot_runner(kern, t, ya, fa, b, h, p)
+            run()
+            torch.cuda.synchronize()
+            ey, es = rel_err(yj, ya), rel_err(fj, fa)
+            ta = time_fn(run, graph=True, rep=args.rep)
+            pct = floor_s((b, l, h, p, g, n)) / (ta * 1e-3) * 100
+            what = "prefill" if fam is None else (f"prefill tactic {i} (Q{fam.chunk} p{fam.block_p} "
+                                                  f"{'T' if fam.state_t else 'S'})")
+            lines.append(f"| {name} {PREFILL_SHAPES[name]} | {what} | {tj:.3f} | {ta:.3f} | {ta / tj:.2f} | "
+                         f"{pct:.1f} | {ey:.1e} / {es:.1e} |")
+            print(lines[-1], flush=True)
         del t, yj, fj, ya, fa
     swept = {}  # (nheads, headdim, ngroups, d_state, tile) -> AotKernel: batch is a run-time extent
     for name in [s for s in args.decode.split(",") if s]:

@@ -403,6 +403,42 @@ def test_aot_kernel_decay_overflowing_to_minus_inf(dtype):
     assert_overflow_close(ref, y.cpu(), fs.cpu(), rel=Y_REL[dtype])
 
 
+def _tactic_cases():
+    from m2export.kernels.ssd.plan import tile_families
+
+    out = []
+    for p in (SSMScanProblem(2, 193, 8, 64, 2, 128, "bfloat16"), SSMScanProblem(2, 130, 4, 128, 1, 256, "bfloat16")):
+        out += [pytest.param(p, i, id=f"P{p.headdim}_N{p.d_state}_L{p.seqlen}-tactic{i}")
+                for i in range(1, len(tile_families(p)) + 1)]
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("p, tactic", _tactic_cases())
+def test_aot_prefill_tactics_launched_like_tensorrt(p, tactic):
+    """Every TensorRT tactic of the AOT prefill kernel (tactic i = plan.tile_families(problem)[i - 1], the space
+    TensorRT's build-time autotune chooses from), exported on the plugin's path and launched like TensorRT, vs the
+    float64 oracle (L = k*chunk + 1, ngroups > 1 and d_state 256, initial state, NaN-poisoned outputs)."""
+    import torch
+
+    from m2export.kernels.ssd.plan import tile_families
+    from m2export.plugins import _cuda
+
+    fam = tile_families(p)[tactic - 1]
+    cc = _cuda.compute_capability(torch.cuda.current_device())
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, SSMScanAttrs(),
+                               aot.gpu_code_for(cc), tiles=fam)
+    ref, dev, y, fs = oracle_case(p, seed=20 + tactic, dt_limit=(0.0, math.inf))
+    torch.cuda.synchronize()
+    image = k.ptx.encode()
+    if _cuda.try_load_module(image) == _cuda.CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        image = _assemble(k.ptx, aot.ptx_target(k.ptx))
+    _launch_like_tensorrt(k, image, p, dev, y, fs)
+    assert_close(f"y ({fam})", ref.y, y.cpu(), rel=Y_REL[p.dtype])
+    assert_close(f"final_state ({fam})", ref.final_state, fs.cpu(), rel=STATE_REL[p.dtype])
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
