@@ -142,6 +142,13 @@ def _signals_held() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------ files
+def name_listing(names, most: int = 5) -> str:
+    """``a, b, c`` -- at most ``most`` names, then how many there are in all (``a, b, ... (11 in all)``), so a
+    refusal quoting a folder's entries never looks like the whole list when it is not."""
+    names = list(names)
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
 def not_a_file(p: Path) -> str:
     """Why ``p`` (an input file the user named) is not a readable regular file: 'no such file', 'is a directory'
     or 'is not a regular file' (a FIFO, a device such as /dev/null)."""

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2export._paths import loads_json
+from m2export._paths import loads_json, name_listing
 from m2export.errors import ExportFolderError, OutputFolderError
 from m2export.exporter.configs import MANIFEST_FILE, SSM_IMPLS, TIMING_CACHE_FILE
 from m2export.exporter.genai import GENAI_CONFIG_FILE, TOKENIZER_FILES
@@ -426,6 +426,9 @@ def foreign_reason(folder: str | Path) -> str | None:
                    "nothing shows m2export wrote it")
     else:
         damaged = f"has no m2export manifest ({MANIFEST_FILE}): m2export did not write it"
+        if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+            damaged = (f"is a checkpoint folder (config.json + model.safetensors, no {MANIFEST_FILE}), not an m2export "
+                       "export")
     try:
         raw = loads_json((d / MANIFEST_FILE).read_text())
         ok = isinstance(raw, dict) and "manifest_version" in raw and isinstance(raw.get("graphs"), list)
@@ -459,8 +462,7 @@ def _unowned_reason(d: Path, raw: dict, names) -> str | None:
         else:
             other.append(name)
 
-    def listing(xs):
-        return ", ".join(xs[:5]) + (" ..." if len(xs) > 5 else "")
+    listing = name_listing
     why = []
     if other:
         why.append(f"holds file(s) m2export did not write ({listing(other)})"

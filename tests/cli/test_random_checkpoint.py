@@ -139,3 +139,33 @@ def test_tiny_preset_sizes_in_help_and_readme_are_measured(tmp_path):
     assert f"(HF format, {hybrids[0]}-{hybrids[-1]} MB)" in readme
     assert f"(mamba_ssm format, {stated['tiny-mamba2']} MB)" in readme
     assert f"a hybrid test shape ({stated['tiny-zamba2']} MB)" in readme
+
+
+def test_force_says_which_kind_of_folder_it_refuses(tmp_path, capsys):
+    """--force over the other verb's output names what the folder is (an export folder is not a checkpoint, a
+    checkpoint folder not an export) instead of 'files m2export did not write', which m2export did write; a long
+    list of foreign names says how many there are. Nothing is replaced."""
+    ck, ex, many = tmp_path / "ck", tmp_path / "ex", tmp_path / "many"
+    assert main(ARGS + ["-o", str(ck)]) == 0
+    assert main(["export", str(ck), "-o", str(ex), "--ssm-impl", "std", "-q"]) == 0
+    before = sorted(p.name for p in ex.iterdir())
+    capsys.readouterr()
+    assert main(ARGS + ["-o", str(ex), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {ex}: is an m2export export folder (m2export.json), not a checkpoint;" in err, err
+    assert sorted(p.name for p in ex.iterdir()) == before
+    ck2 = tmp_path / "ck2"
+    assert main(ARGS + ["-o", str(ck2)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(ck), "-o", str(ck2), "--force", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: {ck2}: is a checkpoint folder (config.json + model.safetensors, no m2export.json), not an "
+            "m2export export;") in err, err
+    assert sorted(p.name for p in ck2.iterdir()) == ["config.json", "model.safetensors"]
+    many.mkdir()
+    for i in range(11):
+        (many / f"f{i:02d}").write_text("mine")
+    assert main(ARGS + ["-o", str(many), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "did not write (f00, f01, f02, f03, f04, ... (11 in all))" in err, err
+    assert len(list(many.iterdir())) == 11
