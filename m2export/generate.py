@@ -21,7 +21,8 @@ import numpy as np
 
 from m2export._paths import not_a_file
 from m2export import backends, names
-from m2export.errors import BackendUnavailable, ExportFolderError, M2ExportError, ParameterError, UsageError
+from m2export.errors import (BackendUnavailable, CheckpointError, ExportFolderError, M2ExportError, ParameterError,
+                             UsageError)
 
 RUNTIMES = tuple(names.RUNTIMES)  # torch, onnxrt, onnx-reference, trt (m2export/names.py)
 
@@ -147,6 +148,11 @@ def open_runtime(source: str | Path, runtime: str, *, ssm_impl: str | None = Non
     if runtime == "torch":
         if is_outdir:
             m = read_manifest(src)
+            if not Path(m.source_checkpoint).exists():  # the manifest's path, not one the user typed: say so
+                raise CheckpointError(f"{src}: its checkpoint {m.source_checkpoint} (from {MANIFEST_FILE}) does not "
+                                      "exist; runtime torch runs the PyTorch model from the checkpoint",
+                                      hint="pass the checkpoint folder itself instead of the export folder, or run "
+                                           "the export's graphs (runtime onnxrt, the default for an export folder)")
             ck = ModelFromCheckpoint(m.source_checkpoint, expected_sha256=m.checkpoint_sha256 or None,
                                      allow_nonfinite=m.allow_nonfinite)
             label = f"torch ({m.source_checkpoint})"

@@ -408,3 +408,23 @@ def test_generate_prompt_ids_empty_item_is_refused(tmp_path, capsys, ids, pos):
     rc = main(["generate", str(tmp_path / "nope"), "--prompt-ids", ids])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[0] == f"error: --prompt-ids {ids!r}: empty item at position {pos}", err
+
+
+def test_generate_torch_on_an_export_whose_checkpoint_moved(tiny_ck, tmp_path, capsys):
+    """--runtime torch on an export folder runs the checkpoint m2export.json records; once that is gone the error
+    says the path came from the manifest and what to pass instead (it printed the bare path with a generic 'pass a
+    checkpoint directory' hint: README trial 2026-12-04). Exit 1; the default runtime still runs the graphs."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ck, ck)
+    out = tmp_path / "out"
+    assert main(["export", str(ck), "-o", str(out), "--ssm-impl", "std", "-q"]) == 0
+    shutil.rmtree(ck)
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "x", "--runtime", "torch"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"error: {out}: its checkpoint {ck} (from m2export.json) does not exist; runtime torch runs the " \
+                     "PyTorch model from the checkpoint", err
+    assert err[1].startswith("hint: pass the checkpoint folder itself instead of the export folder") and len(err) == 2
+    assert main(["generate", str(out), "--prompt", "x", "--max-new-tokens", "2", "-q"]) == 0
