@@ -223,7 +223,7 @@ def _read_tensors(files: list[Path], weight_map: dict[str, str] | None = None) -
                                   hint="save the weights as model.safetensors with the code that wrote the file, "
                                        "if you trust it") from None
         except Exception as e:  # safetensors/pickle raise many types on corrupt input
-            raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})", hint=READ_HINT) from None
         if not isinstance(part, dict):
             raise CheckpointError(f"{f}: expected a state dict (name -> tensor), got {type(part).__name__}")
         for k, v in part.items():
@@ -278,7 +278,7 @@ def _tensor_shapes(files: list[Path], weight_map: dict[str, str] | None
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises several types on corrupt input
-                raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})") from None
+                raise CheckpointError(f"{f}: cannot read tensors ({type(e).__name__}: {e})", hint=READ_HINT) from None
         if weight_map is not None:
             lost = sorted(k for k in weight_map if k not in out)
             if lost:
@@ -370,7 +370,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         if got != shape or (src.stacked and len(set(found)) != 1):
             shown = src.keys[0] if not src.stacked else f"{src.keys[0]} (x{len(src.keys)} experts)"
             raise CheckpointError(f"{where}: tensor {shown!r} has shape {got if not src.stacked else found}, "
-                                  f"expected {shape} from config.json")
+                                  f"expected {shape} from config.json",
+                                  hint="config.json and the weights describe different models: use the config.json "
+                                       "saved with these weights")
         for n in src.keys:
             if not shapes[n][1]:
                 raise CheckpointError(f"{where}: tensor {n!r} is not floating-point, expected a float dtype")
@@ -874,6 +876,9 @@ _NARROW = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: the largest ``A_log`` whose ``A = -exp(A_log)`` is finite in float32 (about 88.72): the export bakes A in
 #: float32 (exporter/build.py) and the model computes it so (models/mamba2.py); above it A is -inf, and the
 #: chunked scans' (ssmscan, std) segment sums subtract -inf from -inf: NaN logits
+#: the hint of a weight file that cannot be parsed (truncated, damaged, or not the format its name says)
+READ_HINT = ("the file is damaged, cut short or not the format its name says (a partial download?): fetch or save "
+             "it again")
 A_LOG_MAX = math.log(torch.finfo(torch.float32).max)
 
 

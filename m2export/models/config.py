@@ -62,9 +62,11 @@ class Mamba2Config:
         object.__setattr__(self, "dt_limit", (float(lim[0]), float(lim[1])))
         if self.d_inner % self.headdim:
             raise ConfigError(f"config: d_inner = expand*d_model = {self.d_inner} is not divisible by "
-                              f"headdim = {self.headdim}")
+                              f"headdim = {self.headdim}",
+                              hint="headdim must divide expand*d_model: change d_model, expand or headdim")
         if self.nheads % self.ngroups:
-            raise ConfigError(f"config: nheads = {self.nheads} is not divisible by ngroups = {self.ngroups}")
+            raise ConfigError(f"config: nheads = {self.nheads} is not divisible by ngroups = {self.ngroups}",
+                              hint="ngroups must divide nheads = expand*d_model/headdim: change ngroups or the sizes")
         lo, hi = self.dt_limit
         if not (0.0 <= lo <= hi):
             raise ConfigError(f"config field 'dt_limit': expected 0 <= min <= max, got {self.dt_limit}")

@@ -81,8 +81,10 @@ def test_extra_tensor(tmp_path):
 
 def test_misshaped_tensor(tmp_path):
     path = _tampered_ckpt(tmp_path, lambda sd: sd.update({"backbone.layers.0.mixer.dt_bias": torch.ones(5)}))
-    with pytest.raises(CheckpointError, match=r"'backbone.layers.0.mixer.dt_bias' has shape \(5,\), expected \(8,\)"):
+    want = r"'backbone.layers.0.mixer.dt_bias' has shape \(5,\), expected \(8,\)"
+    with pytest.raises(CheckpointError, match=want) as e:
         load_checkpoint(path)
+    assert e.value.hint and "describe different models" in e.value.hint
 
 
 def test_malformed_json(tmp_path):
@@ -130,8 +132,9 @@ def test_missing_paths(tmp_path):
 def test_corrupt_weights(tmp_path):
     path = _ckpt(tmp_path)
     (path / "model.safetensors").write_bytes(b"garbage" * 10)
-    with pytest.raises(CheckpointError, match="cannot read tensors"):
+    with pytest.raises(CheckpointError, match="cannot read tensors") as e:
         load_checkpoint(path)
+    assert e.value.hint and "damaged, cut short" in e.value.hint  # one line + hint (README trial: there was none)
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -79,3 +79,15 @@ def test_mamba_ssm_init_ranges():
         dt = torch.nn.functional.softplus(m.dt_bias)
         assert ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
         assert (m.D == 1).all()
+
+
+@pytest.mark.parametrize("kw, hint", [(dict(headdim=7), "headdim must divide expand*d_model"),
+                                      (dict(ngroups=3), "ngroups must divide nheads")])
+def test_indivisible_sizes_are_one_line_and_a_hint(kw, hint):
+    """A config whose sizes do not divide gets the error line and a hint saying which sizes to change (it had no
+    hint: README trial 2026-12-04)."""
+    from m2export.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is not divisible by") as e:
+        Mamba2Config(**dict(TINY, **kw))
+    assert e.value.hint and e.value.hint.startswith(hint)
