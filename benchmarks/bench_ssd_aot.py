@@ -67,6 +67,17 @@ def aot_runner(kern, tensors: dict, y, fs, batch: int, nheads: int, headdim: int
     return lambda: loaded.launch(grid, kern.block, slots, stream=torch.cuda.current_stream().cuda_stream)
 
 
+def measure(kern, tensors: dict, out: tuple, jit_out: tuple, batch: int, nheads: int, headdim: int, rep: int):
+    """(rel err of y, of the final state vs the JIT outputs ``jit_out``, graph-replay ms) of the AOT kernel
+    ``kern`` launched like TensorRT into the NaN-poisoned ``out`` = (y, final_state)."""
+    for o in out:
+        o.fill_(math.nan)
+    run = aot_runner(kern, tensors, *out, batch, nheads, headdim)
+    run()
+    torch.cuda.synchronize()
+    return rel_err(jit_out[0], out[0]), rel_err(jit_out[1], out[1]), time_fn(run, graph=True, rep=rep)
+
+
 def inputs(b, l, h, p, g, n, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s, sc=1.0: torch.randn(*s, generator=gen, device="cuda") * sc  # noqa: E731
@@ -140,12 +151,7 @@ def main(argv=None):
             families += list(tile_families(prob))
         for i, fam in enumerate(families):
             kern = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, tiles=fam)
-            ya.fill_(math.nan), fa.fill_(math.nan)
-            run = aot_runner(kern, t, ya, fa, b, h, p)
-            run()
-            torch.cuda.synchronize()
-            ey, es = rel_err(yj, ya), rel_err(fj, fa)
-            ta = time_fn(run, graph=True, rep=args.rep)
+            ey, es, ta = measure(kern, t, (ya, fa), (yj, fj), b, h, p, args.rep)
             pct = floor_s((b, l, h, p, g, n)) / (ta * 1e-3) * 100
             what = "prefill" if fam is None else (f"prefill tactic {i} (Q{fam.chunk} p{fam.block_p} "
                                                   f"{'T' if fam.state_t else 'S'})")
@@ -153,7 +159,6 @@ def main(argv=None):
                          f"{pct:.1f} | {ey:.1e} / {es:.1e} |")
             print(lines[-1], flush=True)
         del t, yj, fj, ya, fa
-    swept = {}  # (nheads, headdim, ngroups, d_state, tile) -> AotKernel: batch is a run-time extent
     for name in [s for s in args.decode.split(",") if s]:
         b, h, p, g, n = STEP_SHAPES[name]
         t = inputs(b, 1, h, p, g, n, seed=len(name))
@@ -169,25 +174,14 @@ def main(argv=None):
         for tile in args.decode_tiles.split(","):
             if tile == "auto":
                 kern, what = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, decode=True), "decode"
-            else:  # the plugin's export path with another tile / occupancy hint (aot_spec's sweep arguments)
-                from m2export.kernels.ssd_step.cutile import aot_spec
-
+            else:  # the plugin's export path with another tile / occupancy hint (cached per shape family)
                 bp, _, occ = tile.partition(":")
                 if p % int(bp) or int(bp) * n > 8192:  # not a whole tile of headdim, or over 32 KiB of fp32 state
                     continue
-                key = (h, p, g, n, tile)
-                if key not in swept:
-                    spec = aot_spec(validate(t["x"], t["dt"], t["A"], t["B"], t["C"]), attrs, block_p=int(bp),
-                                    occupancy=int(occ) if occ else None)
-                    cubin, _ = aot._export_cubin(spec, gpu_code, aot.contract_dims(h, p, g, n, decode=True))
-                    swept[key] = aot.build_aot_kernel(spec, cubin, None, gpu_code=gpu_code)
-                kern, what = swept[key], f"decode tile {tile}"
-            ya.fill_(math.nan), fa.fill_(math.nan)
-            run = aot_runner(kern, t, ya, fa, b, h, p)
-            run()
-            torch.cuda.synchronize()
-            ey, es = rel_err(yj, ya), rel_err(fj, fa)
-            ta = time_fn(run, graph=True, rep=args.rep)
+                kern = aot.compile_aot_kernel(h, p, g, n, "bfloat16", attrs, gpu_code, decode=True,
+                                              step_tile=(int(bp), int(occ) if occ else None))
+                what = f"decode tile {tile}"
+            ey, es, ta = measure(kern, t, (ya, fa), (yj, fj), b, h, p, args.rep)
             pct = step_bytes(b, h, p, g, n) / (ta * 1e-3) / HBM * 100
             lines.append(f"| {name} (P{p} N{n}) | {what} | {tj:.4f} | {ta:.4f} | {ta / tj:.2f} | {pct:.1f} | "
                          f"{ey:.1e} / {es:.1e} |")

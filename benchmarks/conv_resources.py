@@ -20,9 +20,7 @@ import argparse
 import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,13 +60,9 @@ def build(dtype: str, block_t: int, rows: int, block_c: int, occupancy: int, lat
 
 
 def report(cubin: bytes, cuobjdump: str) -> tuple[dict, str]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    info = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+    from benchmarks.ssd_resources import cuobjdump_dump
+
+    info, sass = cuobjdump_dump(cubin, cuobjdump)
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
     ins = [(int(a, 16), op, rest) for a, _, op, rest in lines]
     info["sass"] = len(ins)

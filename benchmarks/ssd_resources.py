@@ -32,14 +32,19 @@ SMEM_PER_SM = 227 * 1024  # sm_90: shared memory a block may use, per SM
 REGS_PER_SM = 65536
 
 
-def cubin_report(cubin: bytes, cuobjdump: str) -> dict:
+def cuobjdump_dump(cubin: bytes, cuobjdump: str) -> tuple[dict, str]:
+    """({REG, STACK, SHARED, LOCAL: int} of the resource usage, the SASS text) of ``cubin``, read by ``cuobjdump``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         res = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                              check=True).stdout
         sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    info = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}, sass
+
+
+def cubin_report(cubin: bytes, cuobjdump: str) -> dict:
+    info, sass = cuobjdump_dump(cubin, cuobjdump)
     ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", sass)
     info["sass"] = len(ins)
     info["hgmma"] = sum(i.startswith("HGMMA") for i in ins)

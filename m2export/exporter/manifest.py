@@ -462,14 +462,13 @@ def _unowned_reason(d: Path, raw: dict, names) -> str | None:
         else:
             other.append(name)
 
-    listing = name_listing
     why = []
     if other:
-        why.append(f"holds file(s) m2export did not write ({listing(other)})"
+        why.append(f"holds file(s) m2export did not write ({name_listing(other)})"
                    + (f" (its {MANIFEST_FILE}, from an older m2export, records none of the auxiliary files it wrote)"
                       if "files" not in raw and set(other) & set(AUX_FILES) else ""))
     if changed:
-        why.append(f"holds file(s) changed since m2export wrote them ({listing(changed)})")
+        why.append(f"holds file(s) changed since m2export wrote them ({name_listing(changed)})")
     return "; ".join(why) or None
 
 

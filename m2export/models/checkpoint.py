@@ -997,8 +997,10 @@ def checkpoint_foreign_reason(folder: str | os.PathLike) -> str | None:
     d = Path(folder)
     other = sorted(p.name for p in d.iterdir() if p.name not in ("config.json", "model.safetensors")
                    and not p.name.startswith(".m2export"))
-    if "m2export.json" in other:  # an export folder: its files are m2export's, but not a checkpoint's
-        return "is an m2export export folder (m2export.json), not a checkpoint"
+    from m2export.exporter.configs import MANIFEST_FILE  # (a light module: names only)
+
+    if MANIFEST_FILE in other:  # an export folder: its files are m2export's, but not a checkpoint's
+        return f"is an m2export export folder ({MANIFEST_FILE}), not a checkpoint"
     if other:
         return f"holds file(s) m2export did not write ({_paths.name_listing(other)})"
     try:

@@ -541,16 +541,20 @@ def build_aot_kernel(spec: Any, cubin: bytes, symbol: str | None, *, gpu_code: s
 @functools.lru_cache(maxsize=32)
 def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dtype: str, attrs: SSMScanAttrs,
                        gpu_code: str, ptx_isa: tuple[int, int] | None = None, decode: bool = False,
-                       tiles: Any = None) -> AotKernel:
+                       tiles: Any = None, step_tile: tuple[int, int | None] | None = None) -> AotKernel:
     """Export the cuTile kernel for these static sizes and return it as an :class:`AotKernel`.
 
     ``decode`` (the graph's seqlen is the constant 1): the decode-step kernel
     (:func:`m2export.kernels.ssd_step.cutile.aot_spec`); otherwise the single-launch SSD kernel
     (:func:`m2export.kernels.ssd.cutile.aot_spec`). batch (and seqlen) are runtime extents, so one
-    export serves every profile; the result is cached per (sizes, dtype, attributes, target, decode),
-    since TensorRT asks once per layer and tactic. ``tiles``: a tactic's
-    :class:`~m2export.kernels.ssd.plan.TileFamily` (prefill only; None: the default tiles).
+    export serves every profile; the result is cached per (sizes, dtype, attributes, target, decode,
+    tiles), since TensorRT asks once per layer and tactic. ``tiles``: a tactic's
+    :class:`~m2export.kernels.ssd.plan.TileFamily` (prefill only; None: the default tiles). ``step_tile``:
+    (block_p, occupancy hint or None) of the decode kernel instead of its default rule (decode only; tile
+    sweeps and their tests).
     """
+    if (tiles is not None and decode) or (step_tile is not None and not decode):
+        raise InternalError("compile_aot_kernel: `tiles` is for the prefill kernel, `step_tile` for the decode one")
     if decode:
         from m2export.kernels.ssd_step.cutile import aot_spec
     else:
@@ -558,7 +562,10 @@ def compile_aot_kernel(nheads: int, headdim: int, ngroups: int, d_state: int, dt
 
     problem = SSMScanProblem(batch=1, seqlen=1, nheads=nheads, headdim=headdim, ngroups=ngroups,
                              d_state=d_state, dtype=dtype)
-    spec = aot_spec(problem, attrs) if tiles is None else aot_spec(problem, attrs, tiles=tiles)
+    if step_tile is not None:
+        spec = aot_spec(problem, attrs, block_p=step_tile[0], occupancy=step_tile[1])
+    else:
+        spec = aot_spec(problem, attrs) if tiles is None else aot_spec(problem, attrs, tiles=tiles)
     cubin, symbol = _export_cubin(spec, gpu_code, contract_dims(nheads, headdim, ngroups, d_state, decode=decode))
     return build_aot_kernel(spec, cubin, symbol, gpu_code=gpu_code, ptx_isa=ptx_isa)
 

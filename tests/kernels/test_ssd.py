@@ -313,11 +313,16 @@ CB_PRE_CASES = [
 ]
 
 
+def _plan_case_id(d, t, i, kw) -> str:
+    """Test id of a (shape, dtype, initial state, choose_config overrides) plan case."""
+    return (f"B{d[0]}_L{d[1]}_H{d[2]}_P{d[3]}_G{d[4]}_N{d[5]}_{t}{'_init' if i else ''}_"
+            + "_".join(f"{k}{v}" for k, v in kw.items()))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dims,dtype,init,kw", CB_PRE_CASES,
-                         ids=[f"B{d[0]}_L{d[1]}_H{d[2]}_P{d[3]}_G{d[4]}_N{d[5]}_{t}{'_init' if i else ''}_"
-                              + "_".join(f"{k}{v}" for k, v in kw.items()) for d, t, i, kw in CB_PRE_CASES])
+                         ids=[_plan_case_id(*c) for c in CB_PRE_CASES])
 def test_cb_pre_plans(dims, dtype, init, kw):
     """ssd_cb_kernel writes C @ B^T once per batch, group and chunk (cb_pre 1, fp32) or the masked, decayed M once per
     head (cb_pre 2, input dtype; 6 / 12 heads: 2 and 3 heads per kernel block) and the chunk loop reads it: vs the
@@ -351,8 +356,7 @@ CB_STATE_CASES = [
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dims,dtype,init,kw", CB_STATE_CASES,
-                         ids=[f"B{d[0]}_L{d[1]}_H{d[2]}_P{d[3]}_G{d[4]}_N{d[5]}_{t}{'_init' if i else ''}_"
-                              + "_".join(f"{k}{v}" for k, v in kw.items()) for d, t, i, kw in CB_STATE_CASES])
+                         ids=[_plan_case_id(*c) for c in CB_STATE_CASES])
 def test_cb_state_plans(dims, dtype, init, kw):
     """The chunk loop's C @ B^T and C @ state^T from one product C @ [B^T | state^T] (cb_state): vs the float64
     oracle, NaN-poisoned outputs, at L 1 / < chunk / = chunk / k*chunk + 1, one pass and split, ngroups 1 and 2,

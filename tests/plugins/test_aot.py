@@ -479,16 +479,15 @@ def test_aot_decode_tiles_launched_like_tensorrt(dtype, headdim, ngroups, d_stat
     the contract's fixed sizes), launched like TensorRT: equal to the float64 oracle and to ssm_step."""
     import torch
 
-    from m2export.kernels.ssd_step.cutile import aot_spec
     from m2export.plugins import _cuda
 
     p = SSMScanProblem(64, 1, 8, headdim, ngroups, d_state, dtype)
     gpu_code = aot.gpu_code_for(_cuda.compute_capability(torch.cuda.current_device()))
     attrs = SSMScanAttrs(dt_min=1e-3, dt_max=0.5)
-    spec = aot_spec(p, attrs, block_p=block_p, occupancy=occupancy)
-    assert spec.config == block_p
-    cubin, _ = aot._export_cubin(spec, gpu_code, aot.contract_dims(8, headdim, ngroups, d_state, decode=True))
-    _check_aot_decode(aot.build_aot_kernel(spec, cubin, None, gpu_code=gpu_code), p, attrs, seed=11 + block_p)
+    k = aot.compile_aot_kernel(p.nheads, p.headdim, p.ngroups, p.d_state, p.dtype, attrs, gpu_code, decode=True,
+                               step_tile=(block_p, occupancy))
+    assert k.grid(1, 8, headdim) == (8, headdim // block_p, 1)
+    _check_aot_decode(k, p, attrs, seed=11 + block_p)
 
 
 def _check_aot_decode(k, p: SSMScanProblem, attrs: SSMScanAttrs, *, seed: int) -> None:

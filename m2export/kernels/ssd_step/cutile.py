@@ -175,8 +175,8 @@ def _step_args(p: SSMScanProblem, ranks: tuple[int, int, int, int], shape_scalar
                has_dt_bias: bool, has_state: bool, extra: tuple = ()) -> tuple:
     """The arguments both step kernels take, in their parameter order (which the AOT entry follows): x dt A B C D
     dt_bias ssm_state y state_out, dt_min, dt_max, the int32 ``shape_scalars`` (problem fields), then the tile
-    constant ``tile`` = (name, rows), D_STATE, the HAS_* / DT_SOFTPLUS flags and ``extra`` constants. ``ranks``: the kernel's view ranks
-    of (x and y, dt, B and C, the states). An absent D / dt_bias binds A (HAS_D / HAS_DT_BIAS False: never read),
+    constant ``tile`` = (name, rows), D_STATE, the HAS_* / DT_SOFTPLUS flags and ``extra`` constants. ``ranks``:
+    the kernel's view ranks of (x and y, dt, B and C, the states). An absent D / dt_bias binds A (HAS_D / HAS_DT_BIAS False: never read),
     an absent ssm_state binds state_out (HAS_STATE False); ssm_state and state_out share alias group "state"."""
     dtn = p.dtype
     rx, rdt, rb, rs = ranks
@@ -303,8 +303,8 @@ def aot_spec(problem: SSMScanProblem, attrs: SSMScanAttrs, *, block_p: int | Non
     ``(batch*nheads, headdim // block_p, 1)``; the tile is batch-independent (batch is a runtime extent):
     the largest power of two dividing headdim, at most 32 rows, with :func:`choose_occupancy`'s hint, or 6 blocks
     per SM at d_state >= 256 (:data:`AOT_STEP_ROWS`, :data:`AOT_STEP_OCCUPANCY_N256`; ``block_p`` /
-    ``occupancy``: another tile or hint, for sweeps). Built with ``TMA`` False (plain 16-byte loads and stores, given the
-    static sizes' divisibility facts of :func:`m2export.plugins.aot.trt_signature`).
+    ``occupancy``: another tile or hint, for sweeps). Built with ``TMA`` False (plain 16-byte loads and stores,
+    given the static sizes' divisibility facts of :func:`m2export.plugins.aot.trt_signature`).
     """
     check_supported(problem, "step", hint='pad the model or use backend="torch"')
     bp = block_p or min(problem.headdim & -problem.headdim, AOT_STEP_ROWS)
